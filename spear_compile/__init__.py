@@ -1,0 +1,24 @@
+"""spear_compile: error-compensated 4-bit LLMs as a ``torch.compile`` backend.
+
+    import spear_compile as spear
+    spear.quantize_(model, spear.QuantConfig(bits=4, group_size=None))
+    cmodel = torch.compile(model, backend="spear")
+
+See README.md and DESIGN.md for the method and the compiler.
+"""
+from . import quant  # noqa: F401  (registers the spear:: ops)
+from .api import attach_, detach_, quantize_, quantized_linears
+from .compensators import ErrorCompensator, register_ec
+from .config import CompileConfig, ECConfig, QuantConfig
+from .passes import compile_config, spear_backend
+from .passes.backend import register as _register_backend
+from .quant import QuantFormatError, QuantLinear
+
+__version__ = "0.1.0"
+
+_register_backend()
+
+__all__ = [
+    "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",
+    "attach_", "compile_config", "detach_", "quantize_", "quantized_linears", "register_ec", "spear_backend",
+]

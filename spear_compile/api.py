@@ -1,0 +1,43 @@
+"""Public entry points: ``quantize_`` and ``attach_`` (re-exported at package level)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from .compensators.registry import attach_, detach_  # noqa: F401  (public API)
+from .config import QuantConfig
+from .quant.linear import QuantLinear
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def default_filter(module: nn.Module, fqn: str) -> bool:
+    """Every ``nn.Linear`` except the output head (``lm_head``); embeddings are not linears."""
+    return isinstance(module, nn.Linear) and fqn.split(".")[-1] != "lm_head"
+
+
+def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Optional[FilterFn] = None,
+              progress: bool = True) -> nn.Module:
+    """Replace selected ``nn.Linear`` modules of ``model`` in place by :class:`QuantLinear`.
+
+    ``filter_fn(module, fqn)`` picks the modules (default: :func:`default_filter`). Each
+    chosen module must be an ``nn.Linear`` whose in_features is divisible by the group
+    size; the error names the module otherwise. Returns ``model``.
+    """
+    filter_fn = filter_fn or default_filter
+    targets = [(fqn, m) for fqn, m in model.named_modules() if fqn and filter_fn(m, fqn)]
+    for fqn, m in targets:
+        if not isinstance(m, nn.Linear):
+            raise TypeError(f"quantize_: filter selected {fqn!r} of type {type(m).__name__}; only nn.Linear is supported")
+    for fqn, m in tqdm(targets, desc=f"quantize {cfg.method} w{cfg.bits} g{cfg.group_size or 'ch'}",
+                       disable=not progress or len(targets) < 8, leave=False):
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear.from_linear(m, cfg, name=fqn))
+    return model
+
+
+def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, QuantLinear)}

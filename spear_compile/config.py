@@ -1,0 +1,103 @@
+"""Frozen, validated configuration objects.
+
+Every knob of the library lives in one of these dataclasses. They validate in
+``__post_init__`` (so a bad value fails where it is written, not deep inside a
+kernel), serialise to plain dicts (``to_dict`` / ``from_dict``) for artifacts and
+for Inductor's cache key, and are hashable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Optional
+
+_GROUP_SIZES = (None, 32, 64, 128, 256)
+_QUANT_METHODS = ("rtn",)  # GPTQ / AWQ produce the same format; they land with the quality issue.
+_GATE_ACTS = ("silu", "relu", "gelu")
+
+
+class _Serialisable:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}")
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Stable short hash of the config, used in Inductor cache keys."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig(_Serialisable):
+    """How weights are quantized.
+
+    bits: weight bits; only 4 is supported by the packed format.
+    group_size: ``None`` (or 0) = one scale per output channel; else 32/64/128/256
+        input channels share a scale and zero point.
+    symmetric: if True the zero point is fixed at 8 (signed range [-8, 7] stored
+        offset by 8); else asymmetric min/max with an integer zero point.
+    method: quantizer that produced the integers ("rtn" now).
+    """
+
+    bits: int = 4
+    group_size: Optional[int] = None
+    symmetric: bool = False
+    method: str = "rtn"
+
+    def __post_init__(self) -> None:
+        if self.group_size == 0:
+            object.__setattr__(self, "group_size", None)
+        if self.bits != 4:
+            raise ValueError(f"QuantConfig.bits={self.bits}: only 4-bit weights are supported")
+        if self.group_size not in _GROUP_SIZES:
+            raise ValueError(
+                f"QuantConfig.group_size={self.group_size}: expected None/0 (per-channel) or one of {_GROUP_SIZES[1:]}"
+            )
+        if self.method not in _QUANT_METHODS:
+            raise ValueError(f"QuantConfig.method={self.method!r}: expected one of {_QUANT_METHODS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ECConfig(_Serialisable):
+    """Shape of one error compensator: rank r, gate bottleneck d, gate activation."""
+
+    rank: int = 8
+    gate_hidden: int = 8
+    act: str = "silu"
+    gate_init_bias: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"ECConfig.rank={self.rank}: must be >= 1")
+        if self.gate_hidden < 1:
+            raise ValueError(f"ECConfig.gate_hidden={self.gate_hidden}: must be >= 1")
+        if self.act not in _GATE_ACTS:
+            raise ValueError(f"ECConfig.act={self.act!r}: expected one of {_GATE_ACTS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig(_Serialisable):
+    """Options of the ``spear`` torch.compile backend.
+
+    crossover_m: rows M at which the overlapped (prefill) lowering beats the
+        fused-epilogue (decode) one. A config value until the GPU issue replaces
+        it with a measured, per-GPU table (``runtime.latency``).
+    enable_dequant_match / enable_int4pack_match: turn source-form matchers off.
+    """
+
+    crossover_m: int = 16
+    enable_dequant_match: bool = True
+    enable_int4pack_match: bool = True
+    enable_phase_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.crossover_m < 2:
+            raise ValueError(f"CompileConfig.crossover_m={self.crossover_m}: must be >= 2 (M == 1 is always decode)")

@@ -1,0 +1,55 @@
+"""The pass manager Inductor runs as its post-grad custom pass.
+
+Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
+foreign source forms, then phase dispatch over everything that became a spear linear.
+Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
+
+``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
+compile config and the bytes of any foreign EC the graph will bake in, so a cached
+artifact is never reused after any of them changes.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .base import SpearPass
+from .context import PassContext
+from .match_dequant_linear import MatchDequantLinear
+from .match_int4pack_mm import MatchInt4PackMM
+from .match_spear_op import MatchSpearOp
+from .phase_dispatch import PhaseDispatch
+
+PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch)
+
+
+class SpearPassManager(CustomGraphPass):
+    def __init__(self, ctx: PassContext, ec_fingerprint: str = "") -> None:
+        self.ctx = ctx
+        self.ec_fingerprint = ec_fingerprint
+        self.matched_counts: dict[str, int] = {}
+
+    def __call__(self, graph: fx.Graph) -> None:
+        obs = self.ctx.observer
+        for cls in PASSES:
+            p = cls(self.ctx)
+            if obs is not None:
+                obs("before", p.name, graph, p)
+            self.matched_counts[p.name] = p(graph)
+            graph.eliminate_dead_code()
+            graph.lint()
+            if obs is not None:
+                obs("after", p.name, graph, p)
+        gm = graph.owning_module
+        if gm is not None:
+            gm.recompile()
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for cls in PASSES:
+            h.update(cls.source_hash().encode())
+        h.update(self.ctx.config.fingerprint().encode())
+        h.update(self.ec_fingerprint.encode())
+        return h.hexdigest()

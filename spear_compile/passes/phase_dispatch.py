@@ -1,0 +1,84 @@
+"""Pass: choose each spear linear's lowering from the symbolic row count M.
+
+Matches:     every ``spear::w4a16_linear`` / ``spear::ec_linear`` node.
+Rewrites to: the same node with ``lowering`` and ``crossover`` set:
+
+* M static and below the crossover (Dynamo specialises decode to M == 1) -> "fused":
+  the EC runs in the W4 GEMV epilogue, one launch.
+* the ShapeEnv's value range puts M at or above the crossover -> "overlapped": the EC
+  runs on a side stream beside the W4 GEMM.
+* the range straddles the crossover (``M = s0*s1 in [2, oo)``) -> "dispatch": one op
+  that branches on M at run time.
+
+M is the product of the activation's leading dims. The range comes from
+``bound_sympy`` over the ShapeEnv's ``var_to_range``, so ``mark_dynamic(x, 0, min=64)``
+or a guard learnt during tracing narrows it. The decision and its reason are recorded
+in ``node.meta["spear"]`` for the inspection report.
+
+Example graph:
+    before: %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='auto')
+    after:  %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='dispatch', crossover=16)
+            meta: lowering='dispatch', reason='M = s0 in [2, oo) straddles crossover 16'
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from .base import SpearPass
+from .common import SPEAR_OPS, bind, positional, record
+
+
+def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
+    """(expression, lower bound, upper bound) of the rows of ``x [..., K]``."""
+    lead = list(x_val.shape[:-1])
+    if all(isinstance(d, int) for d in lead):
+        m = math.prod(lead)
+        return str(m), m, m
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    expr = 1
+    shape_env = None
+    for d in lead:
+        if isinstance(d, torch.SymInt):
+            expr = expr * d.node.expr
+            shape_env = d.node.shape_env
+        else:
+            expr = expr * d
+    vr = bound_sympy(expr, shape_env.var_to_range if shape_env is not None else None)
+    lo, hi = vr.lower, vr.upper
+    hi_f = float(hi) if getattr(hi, "is_finite", True) and hi.is_number and hi.is_finite else math.inf
+    return str(expr), int(lo), hi_f
+
+
+def decide(lo: int, hi: float, crossover: int) -> tuple[str, str]:
+    if hi < crossover:
+        why = "decode (M == 1)" if hi == 1 else f"M <= {int(hi)} < crossover {crossover}"
+        return "fused", why
+    if lo >= crossover:
+        return "overlapped", f"M >= {lo} >= crossover {crossover}"
+    hi_s = "oo" if hi == math.inf else str(int(hi))
+    return "dispatch", f"M in [{lo}, {hi_s}] straddles crossover {crossover}: runtime branch"
+
+
+class PhaseDispatch(SpearPass):
+    name = "phase_dispatch"
+
+    def run(self, graph: fx.Graph) -> int:
+        if not self.ctx.config.enable_phase_dispatch:
+            return 0
+        crossover = self.ctx.config.crossover_m
+        count = 0
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in SPEAR_OPS:
+                continue
+            kwargs = bind(node)
+            expr, lo, hi = m_range(kwargs["x"].meta["val"])
+            lowering, reason = decide(lo, hi, crossover)
+            node.args = positional(node.target, {**kwargs, "lowering": lowering, "crossover": crossover})
+            node.kwargs = {}
+            record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason)
+            count += 1
+        return count

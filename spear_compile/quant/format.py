@@ -1,0 +1,107 @@
+"""The packed int4 weight format and its validation.
+
+Layout ("spear"): ``qweight`` is ``uint8 [N, K // 2]``; byte ``j`` of row ``n`` holds
+column ``2j`` in its low nibble and column ``2j + 1`` in its high nibble. Values are
+unsigned 0..15. ``scales`` and ``zeros`` are ``[N, K // G]`` floating tensors
+(``G = K`` for per-channel), and the weight is ``W[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G]``.
+
+Zero points are stored as floats, not integers, because that one format then carries
+RTN/GPTQ (integer zero points), AWQ (integer zero points after scale folding) and
+tinygemm/HQQ-style fractional zeros without a conversion. Two nibbles per byte keeps
+``K`` as the contiguous axis, which is what a GEMV kernel streams.
+
+Other layouts the ops understand (produced by the compiler when it adopts foreign
+graphs, never by ``quantize_``): ``"unpacked"`` (an integer tensor ``[N, K]``, one
+value per element, as hand-written / HF-style dequantize-then-linear code holds it),
+``"tinygemm_cpu"`` and ``"tinygemm_cuda"`` (``aten._weight_int4pack_mm[_for_cpu]``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+LAYOUTS = ("spear", "unpacked", "tinygemm_cpu", "tinygemm_cuda")
+ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class QuantFormatError(ValueError):
+    """A quantized tensor or its companion has the wrong shape, dtype or layout."""
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack integers 0..15 of shape [N, K] (K even) into uint8 [N, K // 2]."""
+    if q.dim() != 2:
+        raise QuantFormatError(f"pack_int4: expected a 2-D [N, K] tensor, got shape {tuple(q.shape)}")
+    if q.shape[1] % 2:
+        raise QuantFormatError(f"pack_int4: K={q.shape[1]} must be even to pack two nibbles per byte")
+    if q.is_floating_point() or q.is_complex():
+        raise QuantFormatError(f"pack_int4: expected an integer tensor, got {q.dtype}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise QuantFormatError(f"pack_int4: values must lie in [0, 15], got [{int(q.min())}, {int(q.max())}]")
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 [N, K // 2] -> uint8 [N, K]."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise QuantFormatError(
+            f"unpack_int4: expected uint8 [N, K//2], got {packed.dtype} of shape {tuple(packed.shape)}"
+        )
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """A quantized weight in the "spear" layout: what every quantizer returns."""
+
+    qweight: torch.Tensor  # uint8 [N, K // 2]
+    scales: torch.Tensor  # [N, K // G]
+    zeros: torch.Tensor  # [N, K // G]
+    group_size: int  # G; equals K for per-channel
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        check_spear_weight(self.qweight, self.scales, self.zeros, self.group_size, self.in_features, "QuantizedWeight")
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        from ..lowering.w4a16 import dequantize_ref
+
+        w = dequantize_ref(self.qweight, self.scales, self.zeros, self.group_size, "spear")
+        return w if dtype is None else w.to(dtype)
+
+
+def check_spear_weight(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    group_size: int,
+    in_features: int,
+    where: str,
+) -> None:
+    """Validate a "spear"-layout weight; raise :class:`QuantFormatError` naming ``where``."""
+    K = in_features
+    if group_size <= 0 or K % group_size:
+        raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={group_size}")
+    if qweight.dtype != torch.uint8:
+        raise QuantFormatError(f"{where}: packed qweight must be uint8, got {qweight.dtype}")
+    N = qweight.shape[0] if qweight.dim() == 2 else -1
+    if qweight.dim() != 2 or qweight.shape[1] * 2 != K:
+        raise QuantFormatError(
+            f"{where}: packed qweight has shape {tuple(qweight.shape)}, expected [N, K/2] = [N, {K // 2}] for K={K}"
+        )
+    ng = K // group_size
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is None:
+            continue
+        if tuple(t.shape) != (N, ng):
+            raise QuantFormatError(
+                f"{where}: {name} has shape {tuple(t.shape)}, expected [N, K/G] = [{N}, {ng}] (K={K}, G={group_size})"
+            )
+        if not t.is_floating_point():
+            raise QuantFormatError(f"{where}: {name} must be floating point, got {t.dtype}")

@@ -1,0 +1,175 @@
+"""Registered operators ``spear::w4a16_linear`` and ``spear::ec_linear``.
+
+Why custom ops: Dynamo and AOTAutograd keep them as single opaque nodes (with fake
+implementations for symbolic shapes), so the compiler passes can find and rewrite
+them, and Inductor can later lower them to Triton kernels. Eagerly they run the
+PyTorch references in ``lowering/`` and are differentiable in ``x`` and the EC
+parameters (calibration trains ECs through quantized layers), via a backward that
+re-runs the reference under autograd.
+
+Extra arguments that do not change the numbers:
+  layout     weight layout, one of ``quant.format.LAYOUTS``
+  lowering   "auto" (not decided), "fused", "overlapped" or "dispatch" (branch on M at
+             run time against ``crossover``); set by the phase-dispatch pass.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..lowering.ec_linear import _ACTS, ec_linear_ref
+from ..lowering.w4a16 import w4a16_linear_ref
+from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_spear_weight
+
+LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
+
+
+def _static(v) -> Optional[int]:
+    return v if isinstance(v, int) else None
+
+
+def out_features(qweight: Tensor, scales: Tensor, layout: str) -> int:
+    """N of a weight in any layout (tinygemm CUDA packs N into a 4-D tensor)."""
+    return scales.shape[1] if layout == "tinygemm_cuda" else qweight.shape[0]
+
+
+def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where) -> None:
+    if layout not in LAYOUTS:
+        raise QuantFormatError(f"{where}: unknown layout {layout!r}; expected one of {LAYOUTS}")
+    if lowering not in LOWERINGS:
+        raise QuantFormatError(f"{where}: unknown lowering {lowering!r}; expected one of {LOWERINGS}")
+    if x.dtype not in ACT_DTYPES:
+        raise QuantFormatError(f"{where}: activation dtype {x.dtype} is not supported; expected one of {ACT_DTYPES}")
+    K = _static(x.shape[-1])
+    if layout == "spear" and K is not None:
+        check_spear_weight(qweight, scales, zeros, group_size, K, where)
+    elif layout == "unpacked":
+        if qweight.is_floating_point() or qweight.dim() != 2:
+            raise QuantFormatError(f"{where}: unpacked qweight must be an integer [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
+        if K is not None and _static(qweight.shape[1]) not in (None, K):
+            raise QuantFormatError(f"{where}: x has K={K} but qweight has shape {tuple(qweight.shape)}")
+    N = _static(out_features(qweight, scales, layout))
+    if bias is not None and N is not None and tuple(bias.shape) != (N,):
+        raise QuantFormatError(f"{where}: bias has shape {tuple(bias.shape)}, expected ({N},)")
+
+
+def check_ec_shapes(K: int, N: int, A, B, W1, b1, W2, b2, alpha, act: str, where: str) -> None:
+    """Raise a clear error when an EC does not fit a [N, K] layer."""
+    if act not in _ACTS:
+        raise QuantFormatError(f"{where}: unknown gate activation {act!r}; expected one of {tuple(_ACTS)}")
+    r = A.shape[0] if A.dim() == 2 else -1
+    d = W1.shape[0] if W1.dim() == 2 else -1
+    expected = {"A": (r, K), "B": (N, r), "W1": (d, r), "b1": (d,), "W2": (r, d), "b2": (r,)}
+    got = {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2}
+    for name, shape in expected.items():
+        if tuple(got[name].shape) != shape:
+            raise QuantFormatError(
+                f"{where}: EC tensor {name} has shape {tuple(got[name].shape)}, expected {shape} "
+                f"for a layer with in_features={K}, out_features={N}, rank={r}, gate_hidden={d}"
+            )
+    if alpha.numel() != 1:
+        raise QuantFormatError(f"{where}: EC alpha must hold one value, got shape {tuple(alpha.shape)}")
+
+
+@torch.library.custom_op("spear::w4a16_linear", mutates_args=())
+def w4a16_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Optional[Tensor],
+    group_size: int,
+    bias: Optional[Tensor],
+    layout: str = "spear",
+    lowering: str = "auto",
+    crossover: int = 16,
+) -> Tensor:
+    """4-bit-weight linear, ``x [..., K] -> [..., N]``; see module docstring."""
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear")
+    return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto", crossover=16):
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear")
+    return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
+
+
+@torch.library.custom_op("spear::ec_linear", mutates_args=())
+def ec_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Optional[Tensor],
+    group_size: int,
+    bias: Optional[Tensor],
+    A: Tensor,
+    B: Tensor,
+    W1: Tensor,
+    b1: Tensor,
+    W2: Tensor,
+    b2: Tensor,
+    alpha: Tensor,
+    act: str = "silu",
+    layout: str = "spear",
+    lowering: str = "auto",
+    crossover: int = 16,
+) -> Tensor:
+    """W4A16 linear plus a gated low-rank error compensator; see module docstring."""
+    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering)
+    return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
+
+
+def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering):
+    where = "spear::ec_linear"
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where)
+    K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
+    if K is not None and N is not None:
+        check_ec_shapes(K, N, A, B, W1, b1, W2, b2, alpha, act, where)
+
+
+@ec_linear.register_fake
+def _(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu", layout="spear",
+      lowering="auto", crossover=16):
+    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering)
+    return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
+
+
+# ---------------------------------------------------------------------------- autograd
+# Differentiable inputs by position; qweight/scales/zeros are frozen quantized state.
+_W4A16_DIFF = (0, 5)  # x, bias
+_EC_DIFF = (0, 5, 6, 7, 8, 9, 10, 11, 12)  # x, bias, A, B, W1, b1, W2, b2, alpha
+
+
+def _make_backward(ref, diff_positions: Sequence[int], n_inputs: int, n_ref_args: int):
+    """Backward = VJP of the reference, recomputed from the saved inputs."""
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = inputs  # small python values and tensors, kept for the recompute
+        ctx.save_for_backward(*[inputs[i] if isinstance(inputs[i], Tensor) else None for i in diff_positions])
+
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        args = list(ctx.inputs)
+        wanted = []
+        for slot, pos in enumerate(diff_positions):
+            t = saved[slot]
+            if t is not None and ctx.needs_input_grad[pos]:
+                args[pos] = t.detach().requires_grad_(True)
+                wanted.append(pos)
+        grads: list[Optional[Tensor]] = [None] * n_inputs
+        if wanted:
+            with torch.enable_grad():
+                out = ref(*args[:n_ref_args])
+                gs = torch.autograd.grad(out, [args[p] for p in wanted], grad, allow_unused=True)
+            for p, g in zip(wanted, gs):
+                grads[p] = g
+        return tuple(grads)
+
+    return setup_context, backward
+
+
+_sc, _bw = _make_backward(w4a16_linear_ref, _W4A16_DIFF, 9, 7)
+torch.library.register_autograd("spear::w4a16_linear", _bw, setup_context=_sc)
+_sc, _bw = _make_backward(ec_linear_ref, _EC_DIFF, 17, 15)
+torch.library.register_autograd("spear::ec_linear", _bw, setup_context=_sc)
