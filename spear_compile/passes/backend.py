@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -61,16 +60,55 @@ def _input_infos(gm: torch.fx.GraphModule, example_inputs) -> list[InputInfo]:
     return infos
 
 
-def _ec_fingerprint(infos: list[InputInfo]) -> str:
-    from ..compensators.registry import lookup_ec
+def _copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of Dynamo's graph module that we may add inputs to (Dynamo reads its own after we return)."""
+    g = torch.fx.Graph()
+    env: dict = {}
+    g.output(g.graph_copy(gm.graph, env))
+    for old in gm.graph.find_nodes(op="placeholder"):
+        env[old]._dynamo_source = getattr(old, "_dynamo_source", None)
+    out = torch.fx.GraphModule(gm, g)
+    out.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        out._param_name_to_source = gm._param_name_to_source
+    return out
 
-    h = hashlib.sha256()
-    for info in infos:
+
+def _add_ec_inputs(gm: torch.fx.GraphModule, infos: list[InputInfo]):
+    """Append the parameters of ECs registered for foreign weights as extra graph inputs.
+
+    They stay live tensors (not constants): an EC trained after compilation is seen by
+    the compiled code, and Inductor's cache key covers them as ordinary inputs.
+    Returns (graph module to compile, extra tensors, {weight input: EC inputs}).
+    """
+    from ..compensators.registry import lookup_ec
+    from .common import EC_PARAMS
+
+    extra: list[torch.Tensor] = []
+    ec_inputs: dict[int, tuple[dict[str, int], object, str]] = {}
+    for i, info in enumerate(list(infos)):
         found = lookup_ec(info.tensor) if info.tensor is not None else None
-        if found is not None:
-            for p in found[0].parameters():
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        if found is None:
+            continue
+        ec, name = found
+        index_of = {}
+        for p in EC_PARAMS:
+            index_of[p] = len(infos)
+            t = getattr(ec, p).detach()
+            extra.append(t)
+            infos.append(InputInfo(t, f"{name or info.name}.ec.{p}"))
+        ec_inputs[i] = (index_of, ec, name)
+    if extra:
+        gm = _copy_dynamo_graph(gm)
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        with gm.graph.inserting_after(last):
+            for j in reversed(range(len(extra))):
+                node = gm.graph.placeholder(f"spear_ec_input_{j}")
+                node._dynamo_source = None  # type: ignore[attr-defined]  # AOT expects the attribute
+                # static like a parameter: CUDA-graph trees need not copy it each replay
+                node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+        gm.recompile()
+    return gm, extra, ec_inputs
 
 
 def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None, **_: Any):
@@ -78,10 +116,27 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
     from torch._inductor.compile_fx import compile_fx
 
     infos = _input_infos(gm, example_inputs)
-    ctx = PassContext(config=_resolve_config(options), inputs=infos,
+    gm, extra, ec_inputs = _add_ec_inputs(gm, infos)
+    ctx = PassContext(config=_resolve_config(options), inputs=infos, ec_inputs=ec_inputs,
                       observer=_OBSERVERS[-1] if _OBSERVERS else None)
-    manager = SpearPassManager(ctx, _ec_fingerprint(infos))
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": manager})
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": SpearPassManager(ctx)}
+    inputs = list(example_inputs) + extra
+    if ctx.observer is None:
+        compiled = compile_fx(gm, inputs, config_patches=patches)
+    else:  # inspection must see the passes run: a cache hit would skip them
+        patches["fx_graph_cache"] = False
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = compile_fx(gm, inputs, config_patches=patches)
+    return compiled if not extra else _with_extra_inputs(compiled, extra)
+
+
+def _with_extra_inputs(compiled, extra: list[torch.Tensor]):
+    """Call ``compiled`` with the EC tensors appended to Dynamo's arguments."""
+
+    def run(*args):
+        return compiled(*args, *extra)
+
+    return run
 
 
 def register() -> None:
@@ -92,5 +147,5 @@ def register() -> None:
         return
     registry._lazy_import()
     if registry._BACKENDS.get("spear") is not None:
-        return  # installed: Dynamo loads the entry point (this function) on first use
+        return  # installed: Dynamo loads the entry point (spear_backend) on first use
     registry.register_backend(compiler_fn=spear_backend, name="spear")

@@ -1,5 +1,5 @@
 """Helpers shared by the FX passes: op handles, argument binding, node creation with
-fake values, EC constants, and the per-node record that inspection reads.
+fake values, and the per-node record that inspection reads.
 
 Every node a pass creates carries ``meta["val"]`` (a FakeTensor computed with the
 graph's own fake mode), because later passes and Inductor's lowering read it.
@@ -78,27 +78,6 @@ def call(graph: fx.Graph, target, args: tuple = (), kwargs: Optional[dict] = Non
     return node
 
 
-def constant(graph: fx.Graph, name: str, value: torch.Tensor) -> fx.Node:
-    """A ``get_attr`` node for a tensor stored on the owning GraphModule (Inductor lowers it as a constant)."""
-    gm = graph.owning_module
-    if gm is None:
-        raise RuntimeError("spear passes need a graph owned by a GraphModule to add constants")
-    base, i = name, 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"{base}_{i}"
-    gm.register_buffer(name, value.detach().clone())
-    node = graph.get_attr(name)
-    mode = fake_mode_of(graph)
-    if mode is not None:
-        node.meta["val"] = mode.from_tensor(getattr(gm, name), static_shapes=True)
-    return node
-
-
-def ec_constants(graph: fx.Graph, ec, prefix: str) -> dict[str, fx.Node]:
-    return {p: constant(graph, f"{prefix}_{p}", getattr(ec, p)) for p in EC_PARAMS}
-
-
 _NOT_COPIED = ("val", "tensor_meta", "eager_input_vals", META_KEY)
 
 
@@ -134,13 +113,12 @@ def integer_source(node: fx.Node) -> Optional[fx.Node]:
 
 
 def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weight_node: Optional[fx.Node],
-                      source_form: str, ec=None) -> fx.Node:
+                      source_form: str) -> fx.Node:
     """Replace ``anchor`` by a spear linear built from ``kwargs`` (w4a16 schema names).
 
-    If ``ec`` is None, the EC registered for ``weight_node``'s real tensor (if any) is
-    looked up and baked in as constants, turning the node into ``spear::ec_linear``.
+    If an EC is registered for ``weight_node``'s real tensor, the backend has added its
+    parameters as extra graph inputs; the node becomes ``spear::ec_linear`` reading them.
     """
-    from ..compensators.registry import lookup_ec
     from ..quant.ops import check_ec_shapes, out_features
 
     x_val = kwargs["x"].meta["val"]
@@ -148,17 +126,13 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     N = out_features(kwargs["qweight"].meta["val"], kwargs["scales"].meta["val"], kwargs["layout"])
     weight_name = ctx.name_of(weight_node) if weight_node is not None else "?"
     ec_rank = None
+    ec_inputs = ctx.ec_inputs_of(weight_node) if weight_node is not None else None
     with graph.inserting_before(anchor):
-        found = None
-        tensor = ctx.tensor_of(weight_node) if weight_node is not None else None
-        if tensor is not None:
-            found = lookup_ec(tensor)
-        if found is not None:
-            ec, ec_name = found
+        if ec_inputs is not None:
+            nodes, ec, ec_name = ec_inputs
             where = f"spear backend: EC registered for {ec_name or weight_name}"
             check_ec_shapes(K, N, ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, where)
-            consts = ec_constants(graph, ec, f"_spear_ec_{len(list(graph.nodes))}")
-            new = call_op(graph, EC_LINEAR, {**kwargs, **consts, "act": ec.act})
+            new = call_op(graph, EC_LINEAR, {**kwargs, **nodes, "act": ec.act})
             ec_rank = ec.rank
         else:
             new = call_op(graph, W4A16, kwargs)

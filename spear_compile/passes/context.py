@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -29,7 +29,8 @@ class PassContext:
     config: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     inputs: list[InputInfo] = dataclasses.field(default_factory=list)
     observer: Optional[Callable[[str, str, fx.Graph, "object"], None]] = None  # (phase, pass, graph, pass obj)
-    graph_index: int = 0
+    # input index of a foreign integer weight -> ({EC param name: input index}, EC, EC name)
+    ec_inputs: dict[int, tuple[dict[str, int], Any, str]] = dataclasses.field(default_factory=dict)
 
     def _placeholder_index(self, node: fx.Node) -> Optional[int]:
         if node.op != "placeholder" or node.graph is None:
@@ -54,6 +55,15 @@ class PassContext:
     def tensor_of(self, node: fx.Node) -> Optional[torch.Tensor]:
         info = self.input_of(node)
         return None if info is None else info.tensor
+
+    def ec_inputs_of(self, weight: fx.Node) -> Optional[tuple[dict[str, fx.Node], Any, str]]:
+        """Placeholders holding the EC registered for the graph input ``weight``, if any."""
+        i = self._placeholder_index(weight)
+        if i is None or i not in self.ec_inputs or self.input_of(weight) is None:
+            return None
+        index_of, ec, name = self.ec_inputs[i]
+        placeholders = [n for n in weight.graph.nodes if n.op == "placeholder"]
+        return {p: placeholders[j] for p, j in index_of.items()}, ec, name
 
     def name_of(self, node: fx.Node) -> str:
         info = self.input_of(node)

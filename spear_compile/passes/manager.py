@@ -4,9 +4,9 @@ Order is fixed: adopt our own ops first (so foreign matchers never see them), th
 foreign source forms, then phase dispatch over everything that became a spear linear.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
-``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
-compile config and the bytes of any foreign EC the graph will bake in, so a cached
-artifact is never reused after any of them changes.
+``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source and the
+compile config, so a cached artifact is never reused after either changes. (EC
+parameters are graph inputs, never baked-in constants, so their values need no key.)
 """
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchIn
 
 
 class SpearPassManager(CustomGraphPass):
-    def __init__(self, ctx: PassContext, ec_fingerprint: str = "") -> None:
+    def __init__(self, ctx: PassContext) -> None:
         self.ctx = ctx
-        self.ec_fingerprint = ec_fingerprint
         self.matched_counts: dict[str, int] = {}
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -51,5 +50,4 @@ class SpearPassManager(CustomGraphPass):
         for cls in PASSES:
             h.update(cls.source_hash().encode())
         h.update(self.ctx.config.fingerprint().encode())
-        h.update(self.ec_fingerprint.encode())
         return h.hexdigest()
