@@ -54,6 +54,12 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
 
 
 def decide(lo: int, hi: float, crossover: int) -> tuple[str, str]:
+    """(lowering, reason) for rows M known to lie in [lo, hi]."""
+    if lo == hi:
+        m = lo
+        if m < crossover:
+            return "fused", "decode (M == 1)" if m == 1 else f"M = {m} < crossover {crossover}"
+        return "overlapped", f"M = {m} >= crossover {crossover}"
     if hi < crossover:
         why = "decode (M == 1)" if hi == 1 else f"M <= {int(hi)} < crossover {crossover}"
         return "fused", why
