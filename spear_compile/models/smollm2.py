@@ -32,11 +32,14 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
 
     d = smollm2_dir()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the GGUF dequantization prints a progress bar per tensor
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # GGUF conversion logs and draws a bar per tensor: noise here
+    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval(), tok

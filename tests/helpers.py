@@ -1,0 +1,130 @@
+"""Test helpers: a generator of small Llama-like models, foreign quantized modules in the
+three source forms the compiler adopts, and graph capture for pass tests."""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spear_compile as spear
+from spear_compile.inspect import capture
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+class Block(nn.Module):
+    """Pre-norm attention (causal, no rotary) + SwiGLU MLP: the linears a Llama layer has."""
+
+    def __init__(self, d: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.h = heads
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = self.n1(x)
+        q, k, v = (p(h).view(B, T, self.h, D // self.h).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x = x + self.o_proj(a)
+        h = self.n2(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LlamaLike(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 1, heads: int = 2, ff: int = 128, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.random.fork_rng()
+        with g:
+            torch.manual_seed(seed)
+            self.layers = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+            self.norm = RMSNorm(d)
+            self.lm_head = nn.Linear(d, 32, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+class DequantLinear(nn.Module):
+    """HF-style foreign module: integer weight, ``(q - z) * s`` then ``F.linear``."""
+
+    def __init__(self, N: int, K: int, group_size=None, bias: bool = True, zero: str = "tensor",
+                 qdtype=torch.uint8, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        G = group_size or K
+        self.G = group_size
+        self.zero_kind = zero
+        self.register_buffer("q", torch.randint(0, 16, (N, K), generator=gen).to(qdtype))
+        shape = (N, K // G, 1) if group_size else (N, 1)
+        self.register_buffer("s", torch.rand(shape, generator=gen) * 0.02 + 0.005)
+        self.register_buffer("z", torch.randint(5, 11, shape, generator=gen).float())
+        self.register_buffer("bias", torch.randn(N, generator=gen) if bias else None)
+
+    def forward(self, x):
+        q = self.q.view(self.q.shape[0], -1, self.G) if self.G else self.q
+        w = q.to(x.dtype)
+        if self.zero_kind == "tensor":
+            w = w - self.z.to(x.dtype)
+        elif self.zero_kind == "scalar":
+            w = w - 8
+        w = (w * self.s.to(x.dtype)).reshape(self.q.shape[0], -1)
+        return F.linear(x, w, self.bias)
+
+
+class Int4PackLinear(nn.Module):
+    """torchao / gpt-fast style int4: ``aten._weight_int4pack_mm_for_cpu``."""
+
+    def __init__(self, N: int, K: int, group_size: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+        self.G = group_size
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 2))
+        sz = torch.empty(K // group_size, N, 2)
+        sz[..., 0] = torch.rand(K // group_size, N, generator=gen) * 0.02 + 0.005
+        sz[..., 1] = torch.randn(K // group_size, N, generator=gen) * 0.01
+        self.register_buffer("sz", sz)
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.G, self.sz)
+
+
+def spear_ops_after(report) -> collections.Counter:
+    """Counts of spear ops in the final graphs of a capture report."""
+    c = collections.Counter()
+    for g in report.graphs:
+        for k, v in g.snapshots[-1].ops_after.items():
+            if k.startswith("spear."):
+                c[k] += v
+    return c
+
+
+def ops_before_first_pass(report) -> collections.Counter:
+    c = collections.Counter()
+    for g in report.graphs:
+        c.update(g.snapshots[0].ops_before)
+    return c
+
+
+def quantized_llama(d=64, layers=1, heads=2, ff=128, group_size=None, dtype=torch.float32, seed=0):
+    m = LlamaLike(d, layers, heads, ff, seed).to(dtype)
+    spear.quantize_(m, spear.QuantConfig(group_size=group_size), progress=False)
+    return m
+
+
+__all__ = ["DequantLinear", "Int4PackLinear", "LlamaLike", "capture", "ops_before_first_pass", "quantized_llama",
+           "spear_ops_after"]
