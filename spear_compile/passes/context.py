@@ -70,7 +70,7 @@ class PassContext:
         return info.name if info is not None else node.name
 
 
-_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_PART = re.compile(r"\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
 
 def fqn_from_source(source: str) -> str:

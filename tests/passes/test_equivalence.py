@@ -33,7 +33,7 @@ def configs(draw):
     )
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(configs())
 def test_compiled_equals_eager(c):
     torch._dynamo.reset()
