@@ -173,3 +173,8 @@ _sc, _bw = _make_backward(w4a16_linear_ref, _W4A16_DIFF, 9, 7)
 torch.library.register_autograd("spear::w4a16_linear", _bw, setup_context=_sc)
 _sc, _bw = _make_backward(ec_linear_ref, _EC_DIFF, 17, 15)
 torch.library.register_autograd("spear::ec_linear", _bw, setup_context=_sc)
+
+
+from ..lowering.dispatch import register_cuda_kernels  # noqa: E402  (needs the ops defined above)
+
+register_cuda_kernels()

@@ -1,0 +1,40 @@
+"""Optional Triton import and small shared device helpers.
+
+Triton is optional: without it (a CPU-only install) the ops run their PyTorch
+references. On CPU, ``TRITON_INTERPRET=1`` (set before import) runs the kernels in
+Triton's interpreter, which is how CI checks them against the references.
+"""
+from __future__ import annotations
+
+import os
+
+try:  # pragma: no cover - exercised by whichever environment runs
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Gate activations as constexpr codes (Triton kernels cannot take strings).
+ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def gate_act(z, ACT: tl.constexpr):
+        if ACT == 0:
+            return z * tl.sigmoid(z)
+        elif ACT == 1:
+            return tl.maximum(z, 0.0)
+        else:  # exact (erf) GELU, as torch's default
+            return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))

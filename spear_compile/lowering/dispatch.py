@@ -1,0 +1,107 @@
+"""CUDA implementations of ``spear::w4a16_linear`` / ``spear::ec_linear``: pick a kernel.
+
+``lowering`` (set by the phase-dispatch pass) decides how the EC runs:
+
+* "fused" (decode): the EC inside the W4 GEMV launch (``w4a16_triton.w4a16_gemv``), for
+  M <= GEMV_MAX_M; beyond that the GEMM with the EC on a side stream.
+* "overlapped" (prefill): W4 GEMM on the current stream while the EC's shrink+gate
+  kernel runs on a side stream; after the join, ``y += alpha * hg B^T`` in place. The
+  fork/join uses ``wait_stream`` so the whole step is capturable in a CUDA graph.
+* "dispatch": branch on M at run time against ``crossover``; "auto": like dispatch.
+
+Anything the Triton kernels do not cover (fp32 activations, the tinygemm / unpacked
+layouts, no Triton installed) runs the PyTorch reference, so results never depend on
+what is installed, only speed does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._triton import HAS_TRITON
+from .ec_linear import ec_linear_ref
+from .w4a16 import w4a16_linear_ref
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(idx)
+    if s is None:
+        s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return s
+
+
+def use_fused(lowering: str, M: int, crossover: int) -> bool:
+    """Whether the fused (GEMV-epilogue) path runs for M rows under this lowering decision."""
+    from .w4a16_triton import GEMV_MAX_M
+
+    if M > GEMV_MAX_M:
+        return False
+    if lowering == "fused":
+        return True
+    if lowering == "overlapped":
+        return False
+    return M < crossover  # "dispatch" / "auto": the runtime branch
+
+
+def _triton_ok(x: torch.Tensor, layout: str) -> bool:
+    return HAS_TRITON and x.is_cuda and layout == "spear" and x.dtype in _TRITON_DTYPES
+
+
+def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto",
+                      crossover=16):
+    if not _triton_ok(x, layout):
+        return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
+    from .w4a16_triton import w4a16_gemm, w4a16_gemv
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if use_fused(lowering, x2.shape[0], crossover):
+        y = w4a16_gemv(x2, qweight, scales, zeros, group_size, bias)
+    else:
+        y = w4a16_gemm(x2, qweight, scales, zeros, group_size, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu",
+                   layout="spear", lowering="auto", crossover=16):
+    if not _triton_ok(x, layout):
+        return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
+    from .w4a16_triton import w4a16_gemv
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if use_fused(lowering, x2.shape[0], crossover):
+        y = w4a16_gemv(x2, qweight, scales, zeros, group_size, bias, ec=(A, B, W1, b1, W2, b2, alpha), act=act)
+    else:
+        y = ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
+                  side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+    """W4 GEMM on the current stream, EC shrink+gate on a side stream, join, expand-add."""
+    from .ec_triton import ec_expand_add_, ec_shrink_gate
+    from .w4a16_triton import w4a16_gemm
+
+    main = torch.cuda.current_stream(x2.device)
+    side = side or _side_stream(x2.device)
+    side.wait_stream(main)  # x2 is ready on main
+    with torch.cuda.stream(side):
+        hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act)
+    y = w4a16_gemm(x2, qweight, scales, zeros, group_size, bias)
+    main.wait_stream(side)
+    x2.record_stream(side)
+    hg.record_stream(main)
+    return ec_expand_add_(y, hg, B, alpha)
+
+
+def register_cuda_kernels() -> None:
+    """Route the ops' CUDA dispatch key to the Triton implementations (idempotent)."""
+    if getattr(register_cuda_kernels, "_done", False):
+        return
+    torch.library.register_kernel("spear::w4a16_linear", "cuda", w4a16_linear_cuda)
+    torch.library.register_kernel("spear::ec_linear", "cuda", ec_linear_cuda)
+    register_cuda_kernels._done = True  # type: ignore[attr-defined]

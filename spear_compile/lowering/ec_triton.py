@@ -1,0 +1,103 @@
+"""Triton kernels of the EC prefill path (large M), overlapped with the W4 GEMM.
+
+Reference: ``lowering/ec_linear.py:ec_delta_ref``.
+
+``_ec_shrink_gate_kernel``: ``hg = g * h`` with ``h = x A^T`` ([M, r], fp32) and the gate
+MLP on the r-vector, one program per BLOCK_M rows. It reads x once (M*K*2 bytes) and
+does M*K*r MACs: it runs on a side stream while the W4 GEMM (M*N*K MACs) runs.
+``_ec_expand_add_kernel``: ``y += alpha * hg B^T`` in place, after the join.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._triton import gate_act
+
+    @triton.jit
+    def _ec_shrink_gate_kernel(
+        X, A, W1, B1, W2, B2, HG, M, K, R, D, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        offs_r = tl.arange(0, R_P)
+        mask_r = offs_r < R
+        offs_d = tl.arange(0, D_P)
+        mask_d = offs_d < D
+        h = tl.zeros([BLOCK_M, R_P], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0)
+            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            if UPCAST_DOT:  # Triton's interpreter computes bf16 dots wrongly; fp32 there only
+                h = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), h)
+            else:
+                h = tl.dot(x, tl.trans(a.to(x.dtype)), h)
+        w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :], other=0.0)
+        z = tl.dot(h, tl.trans(w1.to(tl.float32)))
+        z = gate_act(z + tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :], ACT)
+        w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        g = tl.dot(z, tl.trans(w2.to(tl.float32)))
+        g = tl.sigmoid(g + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :])
+        tl.store(HG + offs_m[:, None] * R_P + offs_r[None, :], g * h, mask=mask_m[:, None] & mask_r[None, :])
+
+    @triton.jit
+    def _ec_expand_add_kernel(
+        HG, B, ALPHA, Y, M, N, R, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_P: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, R_P)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        mask_r = offs_r < R
+        hg = tl.load(HG + offs_m[:, None] * R_P + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        delta = tl.dot(hg, tl.trans(b.to(tl.float32))) * tl.load(ALPHA).to(tl.float32)
+        ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+SHRINK_CONFIG = (16, 32, 4) if INTERPRET else (64, 64, 4)  # BLOCK_M, BLOCK_K, num_warps
+EXPAND_CONFIG = (16, 32, 4) if INTERPRET else (64, 128, 4)  # BLOCK_M, BLOCK_N, num_warps
+
+
+def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu") -> torch.Tensor:
+    """``g * h`` as fp32 [M, R_P] (columns >= r are zero-padded, never read)."""
+    M, K = x2.shape
+    R, D = A.shape[0], W1.shape[0]
+    r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16
+    hg = torch.empty(M, r_p, dtype=torch.float32, device=x2.device)
+    bm, bk, warps = SHRINK_CONFIG
+    _ec_shrink_gate_kernel[(triton.cdiv(M, bm),)](
+        x2, A, W1, b1, W2, b2, hg, M, K, R, D, x2.stride(0),
+        BLOCK_M=bm, BLOCK_K=bk, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        UPCAST_DOT=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps,
+    )
+    return hg
+
+
+def ec_expand_add_(y: torch.Tensor, hg: torch.Tensor, B, alpha) -> torch.Tensor:
+    """``y += alpha * hg[:, :r] B^T`` in place; returns y."""
+    M, N = y.shape
+    R = B.shape[1]
+    bm, bn, warps = EXPAND_CONFIG
+    _ec_expand_add_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        hg, B, alpha, y, M, N, R, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, R_P=hg.shape[1], num_warps=warps,
+    )
+    return y

@@ -1,0 +1,287 @@
+"""Triton W4A16 kernels (CUDA; on CPU under ``TRITON_INTERPRET=1`` for tests).
+
+Reference: ``lowering/w4a16.py:w4a16_linear_ref`` (and ``ec_linear_ref`` for the fused EC).
+
+``_w4a16_gemv_kernel`` - small M (decode). One program per BLOCK_N output rows loops
+over all of K. The int4 weight is never dequantized element-wise: per K-tile (which
+never straddles a quantization group) it accumulates ``sum_k q[n,k] x[k]`` and
+``sum_k x[k]`` and applies ``s * (qx - z * sx)`` once, so the inner loop is
+convert + FMA on the bytes it streams. With ``HAS_EC`` the same launch also computes
+the error compensator: the first ``P_H`` programs compute split-K partials of
+``h = A x`` into a tiny fp32 workspace and publish them with a release-counter; the
+GEMV programs, after their weight loop, acquire that counter, run the gate MLP on the
+r-vector and add ``alpha * B[rows] (g * h)`` to the accumulator before the single
+store. The last GEMV program resets the workspace, so consecutive launches (and CUDA
+graph replays) need no memset.
+NOTE (forward progress): GEMV programs spin on the counter only after their main loop;
+the producers are the lowest program ids, which the hardware dispatches first, the
+same assumption CUB's decoupled look-back scan makes.
+
+``_w4a16_gemm_kernel`` - large M (prefill). Tiled GEMM; each K-tile of packed weights
+is unpacked (``join`` of low/high nibbles), dequantized in the activation dtype in the
+same order as the reference, ``(q - z) * s``, and fed to ``tl.dot``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
+
+GEMV_MAX_M = 8  # rows handled by the GEMV kernel; above this the tiled GEMM is used
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._triton import gate_act
+
+    @triton.jit
+    def _w4a16_gemv_kernel(
+        X, QW, S, Z, BIAS, Y,
+        A, B, W1, B1, W2, B2, ALPHA, HBUF, CNT,
+        M, N, K, G, NG, stride_xm, stride_ym, R, D,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_EC: tl.constexpr, P_H: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        HALF: tl.constexpr = BLOCK_K // 2
+        if HAS_EC and pid < P_H:
+            # ---- producer: split-K partial of h = A x, published to HBUF
+            offs_r = tl.arange(0, R_P)
+            mask_r = offs_r < R
+            chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_K) * BLOCK_K
+            k_lo = pid * chunk
+            h = tl.zeros([BLOCK_M, R_P], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                            other=0.0).to(tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    xm = tl.load(X + m * stride_xm + offs_k, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+                    part = tl.sum(a * xm[None, :], axis=1)
+                    h += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+            tl.atomic_add(HBUF + offs_m[:, None] * R_P + offs_r[None, :], h,
+                          mask=mask_m[:, None] & mask_r[None, :], sem="release")
+            tl.debug_barrier()
+            tl.atomic_add(CNT, 1, sem="release")
+        else:
+            nb = pid - P_H if HAS_EC else pid
+            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            offs_h = tl.arange(0, HALF)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            KB = K // 2
+            for k0 in range(0, K, BLOCK_K):
+                kb = k0 // 2 + offs_h
+                mask_kb = kb < KB
+                p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & mask_kb[None, :], other=0)
+                lo = (p & 0xF).to(tl.float32)
+                hi = (p >> 4).to(tl.float32)
+                g = k0 // G
+                s = tl.load(S + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    xe = tl.load(X + m * stride_xm + 2 * kb, mask=mask_kb & (m < M), other=0.0).to(tl.float32)
+                    xo = tl.load(X + m * stride_xm + 2 * kb + 1, mask=mask_kb & (m < M), other=0.0).to(tl.float32)
+                    qx = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+                    if HAS_Z:
+                        z = tl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
+                        qx = qx - z * tl.sum(xe + xo, axis=0)
+                    acc += tl.where(offs_m[:, None] == m, (s * qx)[None, :], 0.0)
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_EC:
+                # ---- consumer: wait for h, gate it, add alpha * B (g * h)
+                offs_r = tl.arange(0, R_P)
+                mask_r = offs_r < R
+                offs_d = tl.arange(0, D_P)
+                mask_d = offs_d < D
+                while tl.atomic_add(CNT, 0, sem="acquire") < P_H:
+                    pass
+                h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], volatile=True)
+                w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
+                             other=0.0).to(tl.float32)
+                zz = tl.sum(h[:, None, :] * w1[None, :, :], axis=2)
+                zz += tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+                zz = gate_act(zz, ACT)
+                w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                             other=0.0).to(tl.float32)
+                gg = tl.sum(zz[:, None, :] * w2[None, :, :], axis=2)
+                gg = tl.sigmoid(gg + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :])
+                hg = gg * h
+                bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                             other=0.0).to(tl.float32)
+                delta = tl.sum(hg[:, None, :] * bt[None, :, :], axis=2)
+                acc += tl.load(ALPHA).to(tl.float32) * delta
+                tl.debug_barrier()
+                done = tl.atomic_add(CNT + 1, 1, sem="acq_rel")
+                if done == tl.num_programs(0) - P_H - 1:  # last reader resets the workspace
+                    tl.store(HBUF + offs_m[:, None] * R_P + offs_r[None, :], tl.zeros([BLOCK_M, R_P], tl.float32))
+                    tl.atomic_xchg(CNT + 1, 0)
+                    tl.atomic_xchg(CNT, 0)
+            tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _w4a16_gemm_kernel(
+        X, QW, S, Z, BIAS, Y, M, N, K, G, NG, stride_xm, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * num_n)  # grouped ordering: tiles sharing weights run together
+        first_m = group * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % size_m)
+        pid_n = (pid % (GROUP_M * num_n)) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        HALF: tl.constexpr = BLOCK_K // 2
+        KB = K // 2
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K),
+                        other=0.0)
+            kb = k0 // 2 + tl.arange(0, HALF)
+            p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & (kb[None, :] < KB), other=0)
+            q = tl.join(p & 0xF, p >> 4).reshape(BLOCK_N, BLOCK_K)
+            g = k0 // G
+            if UPCAST:  # Triton's interpreter mishandles bf16 arithmetic: CPU tests use fp32 there
+                x = x.to(tl.float32)
+            s = tl.load(S + offs_n * NG + g, mask=mask_n, other=0.0).to(x.dtype)
+            w = q.to(x.dtype)
+            if HAS_Z:
+                w = w - tl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0).to(x.dtype)[:, None]
+            w = w * s[:, None]
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ------------------------------------------------------------------------ host side
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K is clipped to the group size.
+GEMV_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
+    (8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 8, 3), (64, 128, 8, 3),
+    (8, 512, 4, 2), (16, 512, 8, 2),
+]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+GEMM_CONFIGS = [(16, 32, 32, 4, 1)] if INTERPRET else [
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 64, 64, 4, 4),
+    (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 256, 64, 8, 3),
+]
+
+_TUNED: dict[tuple, tuple] = {}  # (gpu, kernel, shape key) -> config; see autotune()
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _block_k(bk: int, G: int, K: int) -> int:
+    """A K tile never straddles a quantization group: BLOCK_K <= G and divides it."""
+    bk = min(bk, G if G < K else next_pow2(K))
+    while G < K and G % bk:
+        bk //= 2
+    return max(bk, 16)
+
+
+def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's h buffer [GEMV_MAX_M, r_p] fp32 and its two counters, zeroed once.
+
+    Shared by every fused launch on the device: launches on one stream serialize, and each
+    launch leaves it zeroed (see the kernel docstring).
+    """
+    key = (str(device), r_p)
+    ws = _WORKSPACE.get(key)
+    if ws is None:
+        ws = (torch.zeros(GEMV_MAX_M, r_p, dtype=torch.float32, device=device),
+              torch.zeros(2, dtype=torch.int32, device=device))
+        _WORKSPACE[key] = ws
+    return ws
+
+
+def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
+               config: Optional[tuple] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[M, N] for M <= GEMV_MAX_M, optionally with the EC fused (ec = (A, B, W1, b1, W2, b2, alpha))."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    if M > GEMV_MAX_M:
+        raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    bn, bk, warps, stages = config or _TUNED.get(("gemv", N, K, G, ec is not None), GEMV_CONFIGS[0])
+    bk = _block_k(bk, G, K)
+    BM = next_pow2(M)
+    dummy = scales
+    if ec is not None:
+        A, B, W1, b1, W2, b2, alpha = ec
+        R, D = A.shape[0], W1.shape[0]
+        r_p, d_p = next_pow2(R), next_pow2(D)
+        hbuf, cnt = ec_workspace(x2.device, r_p)
+        p_h = max(1, min(32, triton.cdiv(K, 512)))
+    else:
+        A = B = W1 = b1 = W2 = b2 = alpha = hbuf = cnt = dummy
+        R = D = r_p = d_p = 1
+        p_h = 0
+    grid = (p_h + triton.cdiv(N, bn),)
+    _w4a16_gemv_kernel[grid](
+        x2, qweight, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
+        A, B, W1, b1, W2, b2, alpha, hbuf, cnt,
+        M, N, K, G, K // G, x2.stride(0), y.stride(0), R, D,
+        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, HAS_Z=zeros is not None, HAS_BIAS=bias is not None,
+        HAS_EC=ec is not None, P_H=p_h, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[M, N] with the tiled in-loop-dequant GEMM (any M)."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    bm, bn, bk, warps, stages = config or _TUNED.get(("gemm", _m_bucket(M), N, K, G), GEMM_CONFIGS[0])
+    bk = _block_k(bk, G, K)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _w4a16_gemm_kernel[grid](
+        x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        M, N, K, G, K // G, x2.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, HAS_Z=zeros is not None, HAS_BIAS=bias is not None,
+        UPCAST=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def _m_bucket(M: int) -> int:
+    return min(next_pow2(M), 4096)
+
+
+def autotune(kind: str, run, configs, key: tuple, reps: int = 20) -> tuple:
+    """Time ``run(config)`` for each config on the current GPU, remember the fastest under ``key``.
+
+    Cached per process in ``_TUNED`` (keyed with the GPU name) and persisted by
+    ``save_tuning`` so a later process on the same GPU skips the search.
+    """
+    from triton.testing import do_bench
+
+    best, best_t = None, float("inf")
+    for cfg in configs:
+        try:
+            t = do_bench(lambda: run(cfg), warmup=5, rep=reps, return_mode="median")
+        except Exception:  # a config can exceed shared memory / registers on this GPU: skip it
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"autotune {kind} {key}: no config ran")
+    _TUNED[(kind, *key)] = best
+    return best
