@@ -182,7 +182,32 @@ GEMM_CONFIGS = [(16, 32, 32, 4, 1)] if INTERPRET else [
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 256, 64, 8, 3),
 ]
 
-_TUNED: dict[tuple, tuple] = {}  # (gpu, kernel, shape key) -> config; see autotune()
+_TABLE: Optional[dict] = None  # tuned configs for this GPU (tuning.load_table("configs")), loaded lazily
+
+
+def tuned_table() -> dict:
+    global _TABLE
+    if _TABLE is None:
+        from .tuning import load_table
+
+        _TABLE = (load_table("configs") or {}) if torch.cuda.is_available() and not INTERPRET else {}
+    return _TABLE
+
+
+def gemv_key(N: int, K: int, G: int, has_ec: bool) -> str:
+    return f"gemv|{N}|{K}|{G}|{int(has_ec)}"
+
+
+def gemm_key(M: int, N: int, K: int, G: int) -> str:
+    return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
+
+
+def _default_gemm(M: int) -> tuple:
+    if INTERPRET:
+        return GEMM_CONFIGS[0]
+    return (16, 64, 128, 4, 4) if M <= 16 else (64, 128, 64, 4, 4) if M <= 128 else (128, 128, 64, 8, 3)
+
+
 _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -217,7 +242,7 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    bn, bk, warps, stages = config or _TUNED.get(("gemv", N, K, G, ec is not None), GEMV_CONFIGS[0])
+    bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
     bk = _block_k(bk, G, K)
     BM = next_pow2(M)
     dummy = scales
@@ -249,7 +274,7 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     M, K = x2.shape
     N = qweight.shape[0]
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    bm, bn, bk, warps, stages = config or _TUNED.get(("gemm", _m_bucket(M), N, K, G), GEMM_CONFIGS[0])
+    bm, bn, bk, warps, stages = config or tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
     bk = _block_k(bk, G, K)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _w4a16_gemm_kernel[grid](
@@ -263,25 +288,3 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
 
 def _m_bucket(M: int) -> int:
     return min(next_pow2(M), 4096)
-
-
-def autotune(kind: str, run, configs, key: tuple, reps: int = 20) -> tuple:
-    """Time ``run(config)`` for each config on the current GPU, remember the fastest under ``key``.
-
-    Cached per process in ``_TUNED`` (keyed with the GPU name) and persisted by
-    ``save_tuning`` so a later process on the same GPU skips the search.
-    """
-    from triton.testing import do_bench
-
-    best, best_t = None, float("inf")
-    for cfg in configs:
-        try:
-            t = do_bench(lambda: run(cfg), warmup=5, rep=reps, return_mode="median")
-        except Exception:  # a config can exceed shared memory / registers on this GPU: skip it
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-    if best is None:
-        raise RuntimeError(f"autotune {kind} {key}: no config ran")
-    _TUNED[(kind, *key)] = best
-    return best

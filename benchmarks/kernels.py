@@ -1,0 +1,185 @@
+"""W4A16 / W4A16+EC kernels on the GPU against cuBLAS and torch's int4 tinygemm, one run.
+
+For each weight shape (N x K) and M: correctness of our kernels against the PyTorch
+references (fresh random inputs, relative error), a config search for our kernels
+(saved per GPU for the library to use), then timing of every provider under CUDA
+graphs with input copies rotating through more than 3x the L2:
+
+  cublas_bf16      F.linear with a bf16 weight
+  tinygemm_int4    aten._weight_int4pack_mm (group 128, the torchao / gpt-fast path)
+  naive_ec         tinygemm + the EC as eager PyTorch ops (r = 64, gated)
+  ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
+  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped (side stream) above
+
+Writes JSON (all numbers, GPU, versions, date), the tuned-config table and the measured
+fused/overlapped crossover per shape, and prints a ratio table last.
+
+    python benchmarks/kernels.py --out $OUT [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import spear_compile  # noqa: F401  (registers ops)
+from spear_compile import QuantConfig
+from spear_compile.lowering import w4a16_triton as T
+from spear_compile.lowering.dispatch import ec_overlapped
+from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save_table, search
+from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.quant import quantize_rtn
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+RANKS = [16, 32, 64]
+G = 128
+DT = torch.bfloat16
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def make_weights(N, K, copies):
+    """`copies` independent quantized weights (ours and tinygemm's layout from the same ints)."""
+    ws = []
+    for c in range(copies):
+        w = torch.randn(N, K, device="cuda", dtype=torch.float32) * 0.02
+        qw = quantize_rtn(w, QuantConfig(group_size=G), out_dtype=DT)
+        from spear_compile.quant import unpack_int4
+
+        q = unpack_int4(qw.qweight).to(torch.int32)
+        # tinygemm's CUDA converter takes uint8 [N, K/2] with the even column in the HIGH nibble
+        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
+        # tinygemm: w = (q - 8) * s + zf  ==  (q - z) * s  with zf = (8 - z) * s
+        s = qw.scales.float()
+        zf = (8 - qw.zeros.float()) * s
+        sz = torch.stack([s.t(), zf.t()], dim=-1).contiguous().to(DT)
+        ws.append(dict(qw=qw, packed=packed, sz=sz, bf16=qw.dequantize(DT) if c < 2 or N * K <= 64e6 else None))
+    return ws
+
+
+def make_ec(N, K, r, d=16):
+    g = torch.Generator(device="cuda").manual_seed(r)
+    A = (torch.randn(r, K, device="cuda", generator=g) / K ** 0.5).to(DT)
+    B = (torch.randn(N, r, device="cuda", generator=g) * 0.02).to(DT)
+    W1 = (torch.randn(d, r, device="cuda", generator=g) / r ** 0.5).to(DT)
+    b1 = torch.zeros(d, device="cuda", dtype=DT)
+    W2 = (torch.randn(r, d, device="cuda", generator=g) * 0.1).to(DT)
+    b2 = torch.full((r,), 2.0, device="cuda", dtype=DT)
+    alpha = torch.tensor(1.1, device="cuda")
+    return (A, B, W1, b1, W2, b2, alpha)
+
+
+def naive_ec(x, y, ec):
+    A, B, W1, b1, W2, b2, alpha = ec
+    h = x @ A.t()
+    g = torch.sigmoid(F.silu(h @ W1.t() + b1) @ W2.t() + b2)
+    return y + alpha * ((g * h) @ B.t())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="two shapes, fewer M (smoke run)")
+    args = ap.parse_args()
+    shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
+    ms = [1, 8, 16, 256, 1024] if args.quick else MS
+    torch.manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "date": datetime.date.today().isoformat(), "group_size": G, "dtype": "bf16", "rows": [], "checks": [],
+           "crossover": {}}
+    t0 = time.time()
+    for N, K in shapes:
+        wbytes = N * K // 2
+        copies = min(copies_for(wbytes), 12)
+        ws = make_weights(N, K, copies)
+        ecs = {r: make_ec(N, K, r) for r in RANKS}
+        for M in ms:
+            xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
+            qw = ws[0]["qw"]
+            args_w = lambda i: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
+            # ---- correctness (fresh inputs, poisoned outputs) before any timing
+            x = torch.randn(M, K, device="cuda", dtype=DT)
+            ref = w4a16_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None)
+            fused_ok = M <= T.GEMV_MAX_M
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=DT)
+            (T.w4a16_gemv if fused_ok else T.w4a16_gemm)(x, qw.qweight, qw.scales, qw.zeros, G, None, out=out)
+            chk = {"N": N, "K": K, "M": M, "w4_rel_err": rel_err(out, ref)}
+            ec = ecs[64]
+            ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
+            if fused_ok:
+                chk["w4_ec_fused_rel_err"] = rel_err(T.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec), ref_ec)
+            chk["w4_ec_overlapped_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu"), ref_ec)
+            tg = torch.ops.aten._weight_int4pack_mm(x, ws[0]["packed"], G, ws[0]["sz"])
+            chk["tinygemm_vs_ref_rel_err"] = rel_err(tg, ref)
+            res["checks"].append(chk)
+            # ---- config search for our kernels (saved for the library)
+            if fused_ok:
+                cfg, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=c)), T.GEMV_CONFIGS, copies)
+                T.tuned_table()[T.gemv_key(N, K, G, False)] = list(cfg)
+                cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=c)),
+                                   T.GEMV_CONFIGS, copies)
+                T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
+            cfg, _ = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)), T.GEMM_CONFIGS, copies)
+            T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
+            # ---- timing, all providers in this same run
+            row = {"N": N, "K": K, "M": M}
+            bf = [w["bf16"] for w in ws if w["bf16"] is not None]
+            row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % len(bf)]), copies)
+            row["tinygemm_int4"] = bench_graph(lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), copies)
+            row["naive_ec_r64"] = bench_graph(lambda i: naive_ec(xs[i], torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), ec), copies)
+            if fused_ok:
+                row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
+            else:
+                row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None), copies)
+            for r in RANKS:
+                e = ecs[r]
+                row[f"ours_w4_ec_r{r}_overlapped"] = bench_graph(lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *e, "silu"), copies)
+                if fused_ok:
+                    row[f"ours_w4_ec_r{r}_fused"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=e), copies)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        # measured crossover: smallest M where overlapped (r=64) beats fused
+        fused = {r["M"]: r.get("ours_w4_ec_r64_fused") for r in res["rows"] if (r["N"], r["K"]) == (N, K)}
+        over = {r["M"]: r["ours_w4_ec_r64_overlapped"] for r in res["rows"] if (r["N"], r["K"]) == (N, K)}
+        cross = next((m for m in sorted(over) if fused.get(m) is None or over[m] < fused[m]), max(over) + 1)
+        res["crossover"][f"{N}x{K}"] = cross
+        del ws
+        torch.cuda.empty_cache()
+    res["seconds"] = time.time() - t0
+    save_table("configs", T.tuned_table())
+    save_table("crossover", res["crossover"])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"kernels_{gpu_key()}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    import shutil
+
+    from spear_compile.lowering.tuning import TUNED_DIR
+
+    for fn in os.listdir(TUNED_DIR):
+        if fn.endswith(".json"):
+            shutil.copy(os.path.join(TUNED_DIR, fn), args.out)
+    # ---- table
+    print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  (us per call, CUDA graphs)")
+    hdr = f"{'N x K':>12} {'M':>5} {'cuBLAS':>8} {'tinygemm':>9} {'naiveEC':>8} {'ours W4':>8} {'W4/tg':>6} {'W4/cuB':>7} {'EC64/W4':>8}"
+    print(hdr)
+    for r in res["rows"]:
+        ec64 = r.get("ours_w4_ec_r64_fused", r["ours_w4_ec_r64_overlapped"])
+        print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>5} {r['cublas_bf16']:8.1f} {r['tinygemm_int4']:9.1f} {r['naive_ec_r64']:8.1f} "
+              f"{r['ours_w4']:8.1f} {r['ours_w4'] / r['tinygemm_int4']:6.2f} {r['ours_w4'] / r['cublas_bf16']:7.2f} {ec64 / r['ours_w4']:8.2f}")
+    worst = max(max(c.get(k, 0) for k in c if k.endswith("rel_err")) for c in res["checks"])
+    print(f"max relative error of any check: {worst:.2e}; crossover: {res['crossover']}")
+    sys.exit(0 if worst < 2e-2 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Timing under CUDA graphs, config search, and the per-GPU tables they produce.
+
+Decode kernels run for ~10 us, less than a Python launch; timing them with plain events
+would measure the host. ``bench_graph`` captures ``calls`` invocations (cycling through
+input copies larger than L2, so HBM and not the cache is measured) into one CUDA graph
+and reports the median replay time per call, the way a compiled decode step runs.
+
+Tuned kernel configs and measured crossovers are saved as JSON keyed by GPU name under
+``spear_compile/lowering/tuned/`` and loaded on first use on that GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Callable, Iterable, Optional
+
+import torch
+
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+
+
+def gpu_key(device=None) -> str:
+    name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+    return name.replace(" ", "_")
+
+
+def bench_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20, replays: int = 15,
+                warmup: int = 3) -> float:
+    """Median microseconds per ``fn(i)`` call, ``i`` cycling over ``copies``, inside a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def copies_for(bytes_per_copy: int, l2_bytes: int = 60 << 20, min_total: int = 3) -> int:
+    """How many input copies make one sweep at least ``min_total`` x the L2 size."""
+    return max(1, -(-min_total * l2_bytes // max(1, bytes_per_copy)))
+
+
+def search(run: Callable[[tuple], Callable[[int], object]], configs: Iterable[tuple], copies: int) -> tuple[tuple, float]:
+    """Fastest config under ``bench_graph``; configs that fail to compile/launch are skipped."""
+    best, best_t = None, float("inf")
+    for cfg in configs:
+        try:
+            t = bench_graph(run(cfg), copies, calls=10, replays=5)
+        except Exception:  # too much shared memory / registers for this GPU
+            torch.cuda.synchronize()
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError("no kernel config ran")
+    return best, best_t
+
+
+def save_table(name: str, table: dict, device=None) -> str:
+    os.makedirs(TUNED_DIR, exist_ok=True)
+    path = os.path.join(TUNED_DIR, f"{name}_{gpu_key(device)}.json")
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    return path
+
+
+def load_table(name: str, device=None) -> Optional[dict]:
+    path = os.path.join(TUNED_DIR, f"{name}_{gpu_key(device)}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
