@@ -129,7 +129,8 @@ def main() -> None:
                 cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=c)),
                                    T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
-            cfg, _ = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)), T.GEMM_CONFIGS, copies)
+            cfg, t_gemm = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)),
+                                 T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS], copies)
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
             # ---- timing, all providers in this same run
             row = {"N": N, "K": K, "M": M}
@@ -146,6 +147,8 @@ def main() -> None:
                 row[f"ours_w4_ec_r{r}_overlapped"] = bench_graph(lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *e, "silu"), copies)
                 if fused_ok:
                     row[f"ours_w4_ec_r{r}_fused"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=e), copies)
+            row["gemm_choice"] = list(cfg)
+            row["ours_gemm_any_m"] = t_gemm
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         # measured crossover: smallest M where overlapped (r=64) beats fused

@@ -42,9 +42,10 @@ if HAS_TRITON:
         X, QW, S, Z, BIAS, Y,
         A, B, W1, B1, W2, B2, ALPHA, HBUF, CNT,
         M, N, K, G, NG, stride_xm, stride_ym, R, D,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_EC: tl.constexpr, P_H: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
+        PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_EC: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
+        ACT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -54,11 +55,11 @@ if HAS_TRITON:
             # ---- producer: split-K partial of h = A x, published to HBUF
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
-            chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_K) * BLOCK_K
+            chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
             k_lo = pid * chunk
             h = tl.zeros([BLOCK_M, R_P], dtype=tl.float32)
-            for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
+            for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
+                offs_k = k0 + tl.arange(0, BLOCK_KH)
                 mask_k = offs_k < K
                 a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
                             other=0.0).to(tl.float32)
@@ -75,7 +76,9 @@ if HAS_TRITON:
             offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             offs_h = tl.arange(0, HALF)
+            NT: tl.constexpr = BLOCK_K // TG  # scale groups per K tile
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            sx_all = tl.zeros([BLOCK_M], dtype=tl.float32)  # per-channel: sum_k x, for the zero point
             KB = K // 2
             for k0 in range(0, K, BLOCK_K):
                 kb = k0 // 2 + offs_h
@@ -83,16 +86,33 @@ if HAS_TRITON:
                 p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & mask_kb[None, :], other=0)
                 lo = (p & 0xF).to(tl.float32)
                 hi = (p >> 4).to(tl.float32)
-                g = k0 // G
-                s = tl.load(S + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
-                for m in tl.static_range(BLOCK_M):
-                    xe = tl.load(X + m * stride_xm + 2 * kb, mask=mask_kb & (m < M), other=0.0).to(tl.float32)
-                    xo = tl.load(X + m * stride_xm + 2 * kb + 1, mask=mask_kb & (m < M), other=0.0).to(tl.float32)
-                    qx = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                if not PER_CHANNEL:
+                    g = k0 // TG * TG // G + tl.arange(0, NT)  # group index of each TG sub-tile
+                    mask_g = mask_n[:, None] & (g[None, :] < NG)
+                    s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
                     if HAS_Z:
-                        z = tl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
-                        qx = qx - z * tl.sum(xe + xo, axis=0)
-                    acc += tl.where(offs_m[:, None] == m, (s * qx)[None, :], 0.0)
+                        z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    x = tl.load(X + m * stride_xm + offs_k, mask=(offs_k < K) & (m < M), other=0.0).to(tl.float32)
+                    xe, xo = tl.split(tl.reshape(x, [HALF, 2]))
+                    prod = lo * xe[None, :] + hi * xo[None, :]  # [BLOCK_N, BLOCK_K / 2]
+                    if PER_CHANNEL:
+                        part = tl.sum(prod, axis=1)
+                        sx_all += tl.where(offs_m == m, tl.sum(xe + xo, axis=0), 0.0)
+                    else:
+                        qx = tl.sum(tl.reshape(prod, [BLOCK_N, NT, TG // 2]), axis=2)  # [BLOCK_N, NT]
+                        if HAS_Z:
+                            sx = tl.sum(tl.reshape(xe + xo, [NT, TG // 2]), axis=1)  # [NT]
+                            qx = qx - z * sx[None, :]
+                        part = tl.sum(s * qx, axis=1)
+                    acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+            if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
+                s1 = tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    z1 = tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                    acc = acc - z1[None, :] * sx_all[:, None]
+                acc = acc * s1[None, :]
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if HAS_EC:
@@ -130,7 +150,7 @@ if HAS_TRITON:
     @triton.jit
     def _w4a16_gemm_kernel(
         X, QW, S, Z, BIAS, Y, M, N, K, G, NG, stride_xm, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_M: tl.constexpr,
         HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -155,14 +175,17 @@ if HAS_TRITON:
             kb = k0 // 2 + tl.arange(0, HALF)
             p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & (kb[None, :] < KB), other=0)
             q = tl.join(p & 0xF, p >> 4).reshape(BLOCK_N, BLOCK_K)
-            g = k0 // G
+            NT: tl.constexpr = BLOCK_K // TG
+            g = k0 // TG * TG // G + tl.arange(0, NT)
             if UPCAST:  # Triton's interpreter mishandles bf16 arithmetic: CPU tests use fp32 there
                 x = x.to(tl.float32)
-            s = tl.load(S + offs_n * NG + g, mask=mask_n, other=0.0).to(x.dtype)
-            w = q.to(x.dtype)
+            mask_g = mask_n[:, None] & (g[None, :] < NG)
+            s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(x.dtype)
+            w = tl.reshape(q.to(x.dtype), [BLOCK_N, NT, TG])
             if HAS_Z:
-                w = w - tl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0).to(x.dtype)[:, None]
-            w = w * s[:, None]
+                z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(x.dtype)
+                w = w - z[:, :, None]
+            w = tl.reshape(w * s[:, :, None], [BLOCK_N, BLOCK_K])
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -170,14 +193,30 @@ if HAS_TRITON:
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
+    @triton.jit
+    def _w4_dequant_kernel(QW, S, Z, W, N, K, G, NG, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HAS_Z: tl.constexpr):
+        """W[N, K] = (q - z) * s in W's dtype: the prologue of the dequantize + cuBLAS path."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        p = tl.load(QW + offs_n[:, None] * (K // 2) + offs_k[None, :] // 2, mask=mask, other=0)
+        q = tl.where(offs_k[None, :] % 2 == 0, p & 0xF, p >> 4).to(W.dtype.element_ty)
+        g = offs_k[None, :] // G
+        if HAS_Z:
+            q = q - tl.load(Z + offs_n[:, None] * NG + g, mask=mask, other=0.0).to(W.dtype.element_ty)
+        w = q * tl.load(S + offs_n[:, None] * NG + g, mask=mask, other=0.0).to(W.dtype.element_ty)
+        tl.store(W + offs_n[:, None] * K + offs_k[None, :], w, mask=mask)
+
+
 # ------------------------------------------------------------------------ host side
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K is clipped to the group size.
-GEMV_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
-    (8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 8, 3), (64, 128, 8, 3),
-    (8, 512, 4, 2), (16, 512, 8, 2),
+GEMV_CONFIGS = [(16, 128, 4, 1)] if INTERPRET else [
+    (8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3), (8, 1024, 4, 2), (4, 1024, 4, 3),
+    (16, 256, 4, 4), (32, 1024, 8, 2), (64, 256, 8, 3), (4, 2048, 8, 2),
 ]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-GEMM_CONFIGS = [(16, 32, 32, 4, 1)] if INTERPRET else [
+GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 64, 64, 4, 4),
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 256, 64, 8, 3),
 ]
@@ -211,12 +250,13 @@ def _default_gemm(M: int) -> tuple:
 _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _block_k(bk: int, G: int, K: int) -> int:
-    """A K tile never straddles a quantization group: BLOCK_K <= G and divides it."""
-    bk = min(bk, G if G < K else next_pow2(K))
-    while G < K and G % bk:
-        bk //= 2
-    return max(bk, 16)
+def _tiles(bk: int, G: int, K: int) -> tuple[int, int]:
+    """(BLOCK_K, TG): TG is the sub-tile sharing one scale; a K tile holds whole groups or
+    lies inside one (powers of two), and never runs past what masking covers."""
+    bk = max(16, min(bk, next_pow2(K)))
+    if G >= K:  # per-channel: one group, any tile
+        return bk, bk
+    return bk, min(bk, G)
 
 
 def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +283,7 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
-    bk = _block_k(bk, G, K)
+    bk, tg = _tiles(bk, G, K)
     BM = next_pow2(M)
     dummy = scales
     if ec is not None:
@@ -261,26 +301,48 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         x2, qweight, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
         A, B, W1, b1, W2, b2, alpha, hbuf, cnt,
         M, N, K, G, K // G, x2.stride(0), y.stride(0), R, D,
-        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, HAS_Z=zeros is not None, HAS_BIAS=bias is not None,
-        HAS_EC=ec is not None, P_H=p_h, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, TG=tg, PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
+        HAS_BIAS=bias is not None, HAS_EC=ec is not None, P_H=p_h, BLOCK_KH=32 if INTERPRET else 128,
+        R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
         num_warps=warps, num_stages=stages,
     )
     return y
 
 
+def w4_dequantize(qweight, scales, zeros, G: int, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight as [N, K] in ``dtype`` (one pass: reads N*K/2 bytes, writes N*K*2)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    w = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    bn, bk = (16, 32) if INTERPRET else (32, 256)
+    _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        qweight, scales, zeros if zeros is not None else scales, w, N, K, G, K // G,
+        BLOCK_N=bn, BLOCK_K=bk, HAS_Z=zeros is not None)
+    return w
+
+
+DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
+
+
 def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[M, N] with the tiled in-loop-dequant GEMM (any M)."""
+    """Y[M, N] for any M: the tiled in-loop-dequant Triton GEMM, or (when the tuned table says
+    it is faster for this M, as for large M where cuBLAS's tensor-core pipeline wins)
+    one dequantize pass plus cuBLAS."""
     M, K = x2.shape
     N = qweight.shape[0]
+    config = config or tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
+    if tuple(config) == DEQUANT_CUBLAS:
+        w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
+        return torch.nn.functional.linear(x2, w, bias) if out is None else torch.addmm(
+            bias, x2, w.t(), out=out) if bias is not None else torch.mm(x2, w.t(), out=out)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    bm, bn, bk, warps, stages = config or tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
-    bk = _block_k(bk, G, K)
+    bm, bn, bk, warps, stages = config
+    bk, tg = _tiles(bk, G, K)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _w4a16_gemm_kernel[grid](
         x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         M, N, K, G, K // G, x2.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, HAS_Z=zeros is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TG=tg, GROUP_M=8, HAS_Z=zeros is not None, HAS_BIAS=bias is not None,
         UPCAST=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
     )
     return y

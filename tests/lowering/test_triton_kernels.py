@@ -72,6 +72,33 @@ def test_gemm_matches_reference(dtype, G, M):
     _close(y, w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
 
 
+@pytest.mark.parametrize("G", [32, 64, None])
+@pytest.mark.parametrize("which", ["gemv_multi_group_tiles", "gemm_multi_group_tiles", "dequant_cublas"])
+def test_explicit_configs(G, which):
+    """Tiles spanning several groups (NT > 1) and the dequantize + cuBLAS path."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    dtype = torch.float16
+    qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
+    M = 2 if which.startswith("gemv") else 5
+    x = torch.randn(M, 320, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    if which == "gemv_multi_group_tiles":
+        y = T.w4a16_gemv(x, qweight, scales, zeros, Gs, bias, config=(8, 256, 4, 1))
+    elif which == "gemm_multi_group_tiles":
+        y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=(16, 32, 128, 4, 1))
+    else:
+        y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS)
+        torch.testing.assert_close(T.w4_dequantize(qweight, scales, zeros, Gs, dtype),
+                                   spear_dequant(qweight, scales, zeros, Gs, dtype), rtol=0, atol=0)
+    _close(y, w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
+
+
+def spear_dequant(qweight, scales, zeros, G, dtype):
+    from spear_compile.lowering.w4a16 import dequantize_ref
+
+    return dequantize_ref(qweight, scales, zeros, G, "spear", dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("R,D", [(8, 4), (5, 3)])
 @pytest.mark.parametrize("M", [1, 3])
@@ -105,10 +132,10 @@ def test_shrink_gate_and_expand_add_match_reference(act, M):
     _close(y, ref, dtype)
 
 
-def test_block_k_never_straddles_a_group():
-    from spear_compile.lowering.w4a16_triton import _block_k
+def test_tiles_hold_whole_groups_or_lie_inside_one():
+    from spear_compile.lowering.w4a16_triton import _tiles
 
-    assert _block_k(256, 64, 4096) == 64
-    assert _block_k(64, 128, 4096) == 64
-    assert _block_k(128, 320, 320) == 128  # per-channel: one group, tail masked
-    assert _block_k(256, 32, 320) == 32
+    assert _tiles(256, 64, 4096) == (256, 64)   # 4 groups per tile, one scale per 64
+    assert _tiles(64, 128, 4096) == (64, 64)    # tile inside a group
+    assert _tiles(1024, 320, 320) == (512, 512)  # per-channel: one group, tail masked
+    assert _tiles(8, 32, 320) == (16, 16)
