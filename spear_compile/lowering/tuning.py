@@ -64,8 +64,9 @@ def search(run: Callable[[tuple], Callable[[int], object]], configs: Iterable[tu
     for cfg in configs:
         try:
             t = bench_graph(run(cfg), copies, calls=10, replays=5)
-        except Exception:  # too much shared memory / registers for this GPU
+        except Exception as e:  # too much shared memory / registers for this GPU
             torch.cuda.synchronize()
+            print(f"  config {cfg} skipped: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
         if t < best_t:
             best, best_t = cfg, t

@@ -29,7 +29,7 @@ import torch
 
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 
-GEMV_MAX_M = 8  # rows handled by the GEMV kernel; above this the tiled GEMM is used
+GEMV_MAX_M = 4  # rows handled by the GEMV kernel (its accumulator is [M, BLOCK_N, BLOCK_K/8]); above: GEMM
 
 if HAS_TRITON:
     import triton
@@ -38,11 +38,30 @@ if HAS_TRITON:
     from ._triton import gate_act
 
     @triton.jit
+    def _split8(x, BLOCK_J: tl.constexpr):
+        """x[BLOCK_M, 8 * BLOCK_J] -> eight [BLOCK_M, BLOCK_J] with x_i[:, j] = x[:, 8 j + i]."""
+        BM: tl.constexpr = x.shape[0]
+        e, o = tl.split(tl.reshape(x, [BM, BLOCK_J, 4, 2]))        # i = 0,2,4,6 | 1,3,5,7
+        e0, e1 = tl.split(tl.reshape(e, [BM, BLOCK_J, 2, 2]))      # 0,4 | 2,6
+        o0, o1 = tl.split(tl.reshape(o, [BM, BLOCK_J, 2, 2]))      # 1,5 | 3,7
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _nib(w, i: tl.constexpr):
+        """Nibble i of int32 words as fp32 without I2F: OR the 4 bits into the mantissa of
+        2^23 (0x4B000000) and subtract 2^23."""
+        return (((w >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
     def _w4a16_gemv_kernel(
         X, QW, S, Z, BIAS, Y,
         A, B, W1, B1, W2, B2, ALPHA, HBUF, CNT,
         M, N, K, G, NG, stride_xm, stride_ym, R, D,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
         ACT: tl.constexpr,
@@ -50,7 +69,6 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
-        HALF: tl.constexpr = BLOCK_K // 2
         if HAS_EC and pid < P_H:
             # ---- producer: split-K partial of h = A x, published to HBUF
             offs_r = tl.arange(0, R_P)
@@ -63,10 +81,9 @@ if HAS_TRITON:
                 mask_k = offs_k < K
                 a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
                             other=0.0).to(tl.float32)
-                for m in tl.static_range(BLOCK_M):
-                    xm = tl.load(X + m * stride_xm + offs_k, mask=mask_k & (m < M), other=0.0).to(tl.float32)
-                    part = tl.sum(a * xm[None, :], axis=1)
-                    h += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+                x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                            other=0.0).to(tl.float32)
+                h += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
             tl.atomic_add(HBUF + offs_m[:, None] * R_P + offs_r[None, :], h,
                           mask=mask_m[:, None] & mask_r[None, :], sem="release")
             tl.debug_barrier()
@@ -75,44 +92,49 @@ if HAS_TRITON:
             nb = pid - P_H if HAS_EC else pid
             offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
-            offs_h = tl.arange(0, HALF)
-            NT: tl.constexpr = BLOCK_K // TG  # scale groups per K tile
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            sx_all = tl.zeros([BLOCK_M], dtype=tl.float32)  # per-channel: sum_k x, for the zero point
-            KB = K // 2
+            BJ: tl.constexpr = BLOCK_K // 8  # int32 words (8 nibbles) per row per K tile
+            offs_j = tl.arange(0, BJ)
+            KW = K // 8
+            # acc[m, n, j] accumulates over K tiles; one reduction over j at the end
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BJ], dtype=tl.float32)
+            sx = tl.zeros([BLOCK_M, BJ], dtype=tl.float32)  # per-channel zero point: sum_k x
             for k0 in range(0, K, BLOCK_K):
-                kb = k0 // 2 + offs_h
-                mask_kb = kb < KB
-                p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & mask_kb[None, :], other=0)
-                lo = (p & 0xF).to(tl.float32)
-                hi = (p >> 4).to(tl.float32)
+                kw = k0 // 8 + offs_j
+                mask_kw = kw < KW
+                w = tl.load(QW + offs_n[:, None] * KW + kw[None, :], mask=mask_n[:, None] & mask_kw[None, :], other=0)
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                if not PER_CHANNEL:
-                    g = k0 // TG * TG // G + tl.arange(0, NT)  # group index of each TG sub-tile
-                    mask_g = mask_n[:, None] & (g[None, :] < NG)
-                    s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BJ)
+                if PER_CHANNEL:
+                    t = _nib(w, 0)[None] * x0[:, None, :] + _nib(w, 1)[None] * x1[:, None, :]
+                    t += _nib(w, 2)[None] * x2[:, None, :] + _nib(w, 3)[None] * x3[:, None, :]
+                    t += _nib(w, 4)[None] * x4[:, None, :] + _nib(w, 5)[None] * x5[:, None, :]
+                    t += _nib(w, 6)[None] * x6[:, None, :] + _nib(w, 7)[None] * x7[:, None, :]
+                    acc += t
                     if HAS_Z:
-                        z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-                for m in tl.static_range(BLOCK_M):
-                    x = tl.load(X + m * stride_xm + offs_k, mask=(offs_k < K) & (m < M), other=0.0).to(tl.float32)
-                    xe, xo = tl.split(tl.reshape(x, [HALF, 2]))
-                    prod = lo * xe[None, :] + hi * xo[None, :]  # [BLOCK_N, BLOCK_K / 2]
-                    if PER_CHANNEL:
-                        part = tl.sum(prod, axis=1)
-                        sx_all += tl.where(offs_m == m, tl.sum(xe + xo, axis=0), 0.0)
-                    else:
-                        qx = tl.sum(tl.reshape(prod, [BLOCK_N, NT, TG // 2]), axis=2)  # [BLOCK_N, NT]
-                        if HAS_Z:
-                            sx = tl.sum(tl.reshape(xe + xo, [NT, TG // 2]), axis=1)  # [NT]
-                            qx = qx - z * sx[None, :]
-                        part = tl.sum(s * qx, axis=1)
-                    acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+                        sx += x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+                else:
+                    # a word's 8 nibbles share one group (G >= 8); scale and zero gathered per word
+                    gi = (k0 + 8 * offs_j) // G
+                    mg = mask_n[:, None] & mask_kw[None, :]
+                    sc = tl.load(S + offs_n[:, None] * NG + gi[None, :], mask=mg, other=0.0).to(tl.float32)
+                    t = _nib(w, 0)[None] * x0[:, None, :] + _nib(w, 1)[None] * x1[:, None, :]
+                    t += _nib(w, 2)[None] * x2[:, None, :] + _nib(w, 3)[None] * x3[:, None, :]
+                    t += _nib(w, 4)[None] * x4[:, None, :] + _nib(w, 5)[None] * x5[:, None, :]
+                    t += _nib(w, 6)[None] * x6[:, None, :] + _nib(w, 7)[None] * x7[:, None, :]
+                    if HAS_Z:
+                        zc = tl.load(Z + offs_n[:, None] * NG + gi[None, :], mask=mg, other=0.0).to(tl.float32)
+                        t -= zc[None] * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[:, None, :]
+                    acc += sc[None] * t
+            out = tl.sum(acc, axis=2)
             if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
                 s1 = tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 if HAS_Z:
                     z1 = tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                    acc = acc - z1[None, :] * sx_all[:, None]
-                acc = acc * s1[None, :]
+                    out = out - z1[None, :] * tl.sum(sx, axis=1)[:, None]
+                out = out * s1[None, :]
+            acc = out
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if HAS_EC:
@@ -121,8 +143,10 @@ if HAS_TRITON:
                 mask_r = offs_r < R
                 offs_d = tl.arange(0, D_P)
                 mask_d = offs_d < D
-                while tl.atomic_add(CNT, 0, sem="acquire") < P_H:
-                    pass
+                c = tl.load(CNT, volatile=True)  # poll with plain loads, then one acquire
+                while c < P_H:
+                    c = tl.load(CNT, volatile=True)
+                tl.atomic_add(CNT, 0, sem="acquire")
                 h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], volatile=True)
                 w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
                              other=0.0).to(tl.float32)
@@ -212,13 +236,14 @@ if HAS_TRITON:
 # ------------------------------------------------------------------------ host side
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K is clipped to the group size.
 GEMV_CONFIGS = [(16, 128, 4, 1)] if INTERPRET else [
-    (8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3), (8, 1024, 4, 2), (4, 1024, 4, 3),
-    (16, 256, 4, 4), (32, 1024, 8, 2), (64, 256, 8, 3), (4, 2048, 8, 2),
+    (32, 1024, 8, 2), (16, 1024, 4, 3), (32, 512, 4, 3), (16, 2048, 8, 2), (64, 512, 8, 3), (8, 2048, 4, 2),
+    (32, 2048, 8, 1), (16, 512, 4, 4), (64, 1024, 8, 2), (8, 1024, 4, 3),
 ]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 64, 64, 4, 4),
-    (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 256, 64, 8, 3),
+    (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 256, 64, 8, 3), (16, 32, 256, 4, 4), (16, 32, 512, 4, 3),
+    (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
 ]
 
 _TABLE: Optional[dict] = None  # tuned configs for this GPU (tuning.load_table("configs")), loaded lazily
@@ -282,8 +307,10 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if K % 8:
+        raise ValueError(f"w4a16_gemv: K={K} must be a multiple of 8 (int32 words of 8 nibbles)")
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
-    bk, tg = _tiles(bk, G, K)
+    bk = max(16, min(bk, next_pow2(K)))
     BM = next_pow2(M)
     dummy = scales
     if ec is not None:
@@ -291,18 +318,18 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         R, D = A.shape[0], W1.shape[0]
         r_p, d_p = next_pow2(R), next_pow2(D)
         hbuf, cnt = ec_workspace(x2.device, r_p)
-        p_h = max(1, min(32, triton.cdiv(K, 512)))
+        p_h = max(1, min(64, triton.cdiv(K, 256)))
     else:
         A = B = W1 = b1 = W2 = b2 = alpha = hbuf = cnt = dummy
         R = D = r_p = d_p = 1
         p_h = 0
     grid = (p_h + triton.cdiv(N, bn),)
     _w4a16_gemv_kernel[grid](
-        x2, qweight, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
-        A, B, W1, b1, W2, b2, alpha, hbuf, cnt,
+        x2, qweight.view(torch.int32), scales, zeros if zeros is not None else dummy,
+        bias if bias is not None else dummy, y, A, B, W1, b1, W2, b2, alpha, hbuf, cnt,
         M, N, K, G, K // G, x2.stride(0), y.stride(0), R, D,
-        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, TG=tg, PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, HAS_EC=ec is not None, P_H=p_h, BLOCK_KH=32 if INTERPRET else 128,
+        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
+        HAS_BIAS=bias is not None, HAS_EC=ec is not None, P_H=p_h, BLOCK_KH=32 if INTERPRET else 64,
         R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
         num_warps=warps, num_stages=stages,
     )
