@@ -86,6 +86,14 @@ def naive_ec(x, y, ec):
     return y + alpha * ((g * h) @ B.t())
 
 
+def _dump(res, out) -> None:
+    """Write results and tables after every row, so a run cut short still leaves its numbers."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"kernels_{gpu_key()}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    save_table("configs", T.tuned_table())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -149,8 +157,12 @@ def main() -> None:
                     row[f"ours_w4_ec_r{r}_fused"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=e), copies)
             row["gemm_choice"] = list(cfg)
             row["ours_gemm_any_m"] = t_gemm
+            if M >= 256:
+                row["ours_dequant_cublas"] = bench_graph(
+                    lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+            _dump(res, args.out)
         # measured crossover: smallest M where overlapped (r=64) beats fused
         fused = {r["M"]: r.get("ours_w4_ec_r64_fused") for r in res["rows"] if (r["N"], r["K"]) == (N, K)}
         over = {r["M"]: r["ours_w4_ec_r64_overlapped"] for r in res["rows"] if (r["N"], r["K"]) == (N, K)}

@@ -29,7 +29,7 @@ import torch
 
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 
-GEMV_MAX_M = 4  # rows handled by the GEMV kernel (its accumulator is [M, BLOCK_N, BLOCK_K/8]); above: GEMM
+GEMV_MAX_M = 4  # rows handled by the GEMV kernel; above this the tiled GEMM (tensor cores) is faster
 
 if HAS_TRITON:
     import triton
@@ -38,17 +38,11 @@ if HAS_TRITON:
     from ._triton import gate_act
 
     @triton.jit
-    def _nib(w, i: tl.constexpr):
-        """Nibble i of int32 words as fp32 without I2F: OR the 4 bits into the mantissa of
-        2^23 (0x4B000000) and subtract 2^23."""
-        return (((w >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-    @triton.jit
     def _w4a16_gemv_kernel(
         X, QW, S, Z, BIAS, Y,
         A, B, W1, B1, W2, B2, ALPHA, HBUF, CNT,
         M, N, K, G, NG, stride_xm, stride_ym, R, D,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
         PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
         ACT: tl.constexpr,
@@ -56,8 +50,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
-        if HAS_EC:
-          if pid < P_H:
+        if HAS_EC and pid < P_H:
             # ---- producer (the first P_H programs, before their own GEMV work): split-K partial
             # of h = A x, published to HBUF. No extra programs: the GEMV keeps its wave count.
             offs_r = tl.arange(0, R_P)
@@ -77,95 +70,81 @@ if HAS_TRITON:
                           mask=mask_m[:, None] & mask_r[None, :], sem="release")
             tl.debug_barrier()
             tl.atomic_add(CNT, 1, sem="release")
-        if True:
-            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            BJ: tl.constexpr = BLOCK_K // 8  # int32 words (8 nibbles) per row per K tile
-            offs_j = tl.arange(0, BJ)
-            KW = K // 8
-            # acc[m, n, j] accumulates over K tiles; one reduction over j at the end
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BJ], dtype=tl.float32)
-            sx = tl.zeros([BLOCK_M, BJ], dtype=tl.float32)  # per-channel zero point: sum_k x
-            for k0 in range(0, K, BLOCK_K):
-                kw = k0 // 8 + offs_j
-                mask_kw = kw < KW
-                w = tl.load(QW + offs_n[:, None] * KW + kw[None, :], mask=mask_n[:, None] & mask_kw[None, :], other=0)
-                # x[k0 + 8 j + i] for nibble i: eight strided loads of a tile that sits in L1,
-                # cheaper than reshaping one load into eight (shared-memory shuffles + barriers)
-                xp = X + offs_m[:, None] * stride_xm + (k0 + 8 * offs_j)[None, :]
-                xm = mask_m[:, None] & mask_kw[None, :]
-                x0 = tl.load(xp + 0, mask=xm, other=0.0).to(tl.float32)
-                x1 = tl.load(xp + 1, mask=xm, other=0.0).to(tl.float32)
-                x2 = tl.load(xp + 2, mask=xm, other=0.0).to(tl.float32)
-                x3 = tl.load(xp + 3, mask=xm, other=0.0).to(tl.float32)
-                x4 = tl.load(xp + 4, mask=xm, other=0.0).to(tl.float32)
-                x5 = tl.load(xp + 5, mask=xm, other=0.0).to(tl.float32)
-                x6 = tl.load(xp + 6, mask=xm, other=0.0).to(tl.float32)
-                x7 = tl.load(xp + 7, mask=xm, other=0.0).to(tl.float32)
-                if PER_CHANNEL:
-                    t = _nib(w, 0)[None] * x0[:, None, :] + _nib(w, 1)[None] * x1[:, None, :]
-                    t += _nib(w, 2)[None] * x2[:, None, :] + _nib(w, 3)[None] * x3[:, None, :]
-                    t += _nib(w, 4)[None] * x4[:, None, :] + _nib(w, 5)[None] * x5[:, None, :]
-                    t += _nib(w, 6)[None] * x6[:, None, :] + _nib(w, 7)[None] * x7[:, None, :]
-                    acc += t
-                    if HAS_Z:
-                        sx += x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-                else:
-                    # a word's 8 nibbles share one group (G >= 8); scale and zero gathered per word
-                    gi = (k0 + 8 * offs_j) // G
-                    mg = mask_n[:, None] & mask_kw[None, :]
-                    sc = tl.load(S + offs_n[:, None] * NG + gi[None, :], mask=mg, other=0.0).to(tl.float32)
-                    t = _nib(w, 0)[None] * x0[:, None, :] + _nib(w, 1)[None] * x1[:, None, :]
-                    t += _nib(w, 2)[None] * x2[:, None, :] + _nib(w, 3)[None] * x3[:, None, :]
-                    t += _nib(w, 4)[None] * x4[:, None, :] + _nib(w, 5)[None] * x5[:, None, :]
-                    t += _nib(w, 6)[None] * x6[:, None, :] + _nib(w, 7)[None] * x7[:, None, :]
-                    if HAS_Z:
-                        zc = tl.load(Z + offs_n[:, None] * NG + gi[None, :], mask=mg, other=0.0).to(tl.float32)
-                        t -= zc[None] * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[:, None, :]
-                    acc += sc[None] * t
-            out = tl.sum(acc, axis=2)
-            if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
-                s1 = tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        if HAS_EC:  # EC operands do not depend on h: load them before the weight stream
+            offs_r = tl.arange(0, R_P)
+            mask_r = offs_r < R
+            offs_d = tl.arange(0, D_P)
+            mask_d = offs_d < D
+            w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
+                         other=0.0).to(tl.float32)
+            b1 = tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            b2 = tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                         other=0.0).to(tl.float32)
+            alpha = tl.load(ALPHA).to(tl.float32)
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_h = tl.arange(0, HALF)
+        NT: tl.constexpr = BLOCK_K // TG  # scale groups per K tile
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sx_all = tl.zeros([BLOCK_M], dtype=tl.float32)  # per-channel: sum_k x, for the zero point
+        KB = K // 2
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 2 + offs_h
+            mask_kb = kb < KB
+            p = tl.load(QW + offs_n[:, None] * KB + kb[None, :], mask=mask_n[:, None] & mask_kb[None, :], other=0)
+            lo = (p & 0xF).to(tl.float32)
+            hi = (p >> 4).to(tl.float32)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if not PER_CHANNEL:
+                g = k0 // TG * TG // G + tl.arange(0, NT)  # group index of each TG sub-tile
+                mask_g = mask_n[:, None] & (g[None, :] < NG)
+                s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
                 if HAS_Z:
-                    z1 = tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                    out = out - z1[None, :] * tl.sum(sx, axis=1)[:, None]
-                out = out * s1[None, :]
-            acc = out
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if HAS_EC:
-                # ---- consumer: wait for h, gate it, add alpha * B (g * h)
-                offs_r = tl.arange(0, R_P)
-                mask_r = offs_r < R
-                offs_d = tl.arange(0, D_P)
-                mask_d = offs_d < D
-                c = tl.load(CNT, volatile=True)  # poll with plain loads, then one acquire
-                while c < P_H:
-                    c = tl.load(CNT, volatile=True)
-                tl.atomic_add(CNT, 0, sem="acquire")
-                h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], volatile=True)
-                w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
-                             other=0.0).to(tl.float32)
-                zz = tl.sum(h[:, None, :] * w1[None, :, :], axis=2)
-                zz += tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-                zz = gate_act(zz, ACT)
-                w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
-                             other=0.0).to(tl.float32)
-                gg = tl.sum(zz[:, None, :] * w2[None, :, :], axis=2)
-                gg = tl.sigmoid(gg + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :])
-                hg = gg * h
-                bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                             other=0.0).to(tl.float32)
-                delta = tl.sum(hg[:, None, :] * bt[None, :, :], axis=2)
-                acc += tl.load(ALPHA).to(tl.float32) * delta
-                tl.debug_barrier()
-                done = tl.atomic_add(CNT + 1, 1, sem="acq_rel")
-                if done == tl.num_programs(0) - 1:  # last reader resets the workspace
-                    tl.store(HBUF + offs_m[:, None] * R_P + offs_r[None, :], tl.zeros([BLOCK_M, R_P], tl.float32))
-                    tl.atomic_xchg(CNT + 1, 0)
-                    tl.atomic_xchg(CNT, 0)
-            tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_n[None, :])
+                    z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x = tl.load(X + m * stride_xm + offs_k, mask=(offs_k < K) & (m < M), other=0.0).to(tl.float32)
+                xe, xo = tl.split(tl.reshape(x, [HALF, 2]))
+                prod = lo * xe[None, :] + hi * xo[None, :]  # [BLOCK_N, BLOCK_K / 2]
+                if PER_CHANNEL:
+                    part = tl.sum(prod, axis=1)
+                    sx_all += tl.where(offs_m == m, tl.sum(xe + xo, axis=0), 0.0)
+                else:
+                    qx = tl.sum(tl.reshape(prod, [BLOCK_N, NT, TG // 2]), axis=2)  # [BLOCK_N, NT]
+                    if HAS_Z:
+                        sx = tl.sum(tl.reshape(xe + xo, [NT, TG // 2]), axis=1)  # [NT]
+                        qx = qx - z * sx[None, :]
+                    part = tl.sum(s * qx, axis=1)
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
+            s1 = tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_Z:
+                z1 = tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                acc = acc - z1[None, :] * sx_all[:, None]
+            acc = acc * s1[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_EC:
+            # ---- consumer: wait for h, gate it, add alpha * B (g * h)
+            c = tl.load(CNT, volatile=True)  # poll with plain loads, then one acquire
+            while c < P_H:
+                c = tl.load(CNT, volatile=True)
+            tl.atomic_add(CNT, 0, sem="acquire")
+            h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], volatile=True)
+            zz = gate_act(tl.sum(h[:, None, :] * w1[None, :, :], axis=2) + b1[None, :], ACT)
+            gg = tl.sigmoid(tl.sum(zz[:, None, :] * w2[None, :, :], axis=2) + b2[None, :])
+            acc += alpha * tl.sum((gg * h)[:, None, :] * bt[None, :, :], axis=2)
+            tl.debug_barrier()
+            done = tl.atomic_add(CNT + 1, 1, sem="acq_rel")
+            if done == tl.num_programs(0) - 1:  # last reader resets the workspace
+                tl.store(HBUF + offs_m[:, None] * R_P + offs_r[None, :], tl.zeros([BLOCK_M, R_P], tl.float32))
+                tl.atomic_xchg(CNT + 1, 0)
+                tl.atomic_xchg(CNT, 0)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
     def _w4a16_gemm_kernel(
@@ -303,10 +282,8 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    if K % 8:
-        raise ValueError(f"w4a16_gemv: K={K} must be a multiple of 8 (int32 words of 8 nibbles)")
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
-    bk = max(16, min(bk, next_pow2(K)))
+    bk, tg = _tiles(bk, G, K)
     BM = next_pow2(M)
     dummy = scales
     if ec is not None:
@@ -323,10 +300,10 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         p_h = 0
     grid = (triton.cdiv(N, bn),)
     _w4a16_gemv_kernel[grid](
-        x2, qweight.view(torch.int32), scales, zeros if zeros is not None else dummy,
+        x2, qweight, scales, zeros if zeros is not None else dummy,
         bias if bias is not None else dummy, y, A, B, W1, b1, W2, b2, alpha, hbuf, cnt,
         M, N, K, G, K // G, x2.stride(0), y.stride(0), R, D,
-        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
+        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, TG=tg, PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, HAS_EC=ec is not None, P_H=p_h, BLOCK_KH=32 if INTERPRET else 64,
         R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
         num_warps=warps, num_stages=stages,
