@@ -98,8 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer M (smoke run)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     args = ap.parse_args()
     shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes]
     ms = [1, 8, 16, 256, 1024] if args.quick else MS
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,

@@ -79,12 +79,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import capture
     from .models import load
 
-    model, _ = load(args.model)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model, _ = load(args.model, dtype=dtype)
+    model = model.to(args.device)
     quantize_(model, QuantConfig(group_size=args.group_size or None, symmetric=args.symmetric))
     if args.ec == "random":
-        attach_(model, random_ecs(model, ECConfig(rank=args.rank), seed=args.seed))
+        attach_(model, {k: v.to(args.device, dtype) for k, v in
+                        random_ecs(model, ECConfig(rank=args.rank), seed=args.seed).items()})
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
     report = capture(model, (ids,), model_name=args.model)
     paths = report.write(args.out)
     print(report.format_summary())
@@ -111,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tokens", type=int, default=16, help="sequence length of the example input")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--out", required=True)
+    i.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     _add_quant_args(i)
     i.set_defaults(fn=cmd_inspect)
     return p

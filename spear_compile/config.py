@@ -88,16 +88,21 @@ class CompileConfig(_Serialisable):
     """Options of the ``spear`` torch.compile backend.
 
     crossover_m: rows M at which the overlapped (prefill) lowering beats the
-        fused-epilogue (decode) one. A config value until the GPU issue replaces
-        it with a measured, per-GPU table (``runtime.latency``).
+        fused-epilogue (decode) one. ``None`` (default) = measured: the per-GPU,
+        per-shape table ``lowering/tuned/crossover_<GPU>.json`` written by
+        ``benchmarks/kernels.py``; shapes or devices without a measurement use
+        ``default_crossover_m``.
     enable_dequant_match / enable_int4pack_match: turn source-form matchers off.
     """
 
-    crossover_m: int = 16
+    crossover_m: Optional[int] = None
+    default_crossover_m: int = 16
     enable_dequant_match: bool = True
     enable_int4pack_match: bool = True
     enable_phase_dispatch: bool = True
 
     def __post_init__(self) -> None:
-        if self.crossover_m < 2:
-            raise ValueError(f"CompileConfig.crossover_m={self.crossover_m}: must be >= 2 (M == 1 is always decode)")
+        for name in ("crossover_m", "default_crossover_m"):
+            v = getattr(self, name)
+            if v is not None and v < 2:
+                raise ValueError(f"CompileConfig.{name}={v}: must be >= 2 (M == 1 is always decode)")

@@ -37,10 +37,11 @@ def render_html(report) -> str:
     parts.append("<h2>Matched linears</h2>")
     rows = [[r["graph"], e(str(r.get("weight", ""))), e(r["source_form"]), e(str(r.get("M", "?"))), r.get("N"),
              r.get("K"), r.get("group_size"), e(str(r.get("layout"))), r.get("ec_rank") or "-",
-             f"<span class='{e(str(r.get('lowering')))}'>{e(str(r.get('lowering')))}</span>", e(str(r.get("reason", "")))]
+             f"<span class='{e(str(r.get('lowering')))}'>{e(str(r.get('lowering')))}</span>", e(str(r.get("reason", ""))),
+             e(str(r.get("kernel", "")))]
             for r in report.linears]
     parts.append(_table(["graph", "weight", "source form", "M", "N", "K", "group", "layout", "EC rank", "lowering",
-                         "why"], rows))
+                         "why", "kernel"], rows))
     parts.append("<h2>Graphs before / after each pass</h2>")
     for g in report.graphs:
         for snap in g.snapshots:

@@ -35,6 +35,11 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return s
 
 
+# NOTE (H200, benchmarks/results/kernels_NVIDIA_H200.json): without an EC the GEMV beats the
+# small-M GEMM only at M = 1 (4096x4096: 8.4 us vs 15.1; at M = 2: 13.2 vs 16.5, M = 4: 20.5 vs 16.5).
+W4_GEMV_MAX_M = 1
+
+
 def use_fused(lowering: str, M: int, crossover: int) -> bool:
     """Whether the fused (GEMV-epilogue) path runs for M rows under this lowering decision."""
     from .w4a16_triton import GEMV_MAX_M
@@ -59,7 +64,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear
     from .w4a16_triton import w4a16_gemm, w4a16_gemv
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if use_fused(lowering, x2.shape[0], crossover):
+    if x2.shape[0] <= W4_GEMV_MAX_M:
         y = w4a16_gemv(x2, qweight, scales, zeros, group_size, bias)
     else:
         y = w4a16_gemm(x2, qweight, scales, zeros, group_size, bias)

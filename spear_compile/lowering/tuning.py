@@ -89,3 +89,12 @@ def load_table(name: str, device=None) -> Optional[dict]:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def measured_crossover(N: int, K: int, device=None) -> Optional[int]:
+    """Fused/overlapped crossover M measured for an [N, K] weight on this GPU, if any."""
+    table = load_table("crossover", device) if torch.cuda.is_available() else None
+    if not table:
+        return None
+    v = table.get(f"{N}x{K}")
+    return int(v) if v else None

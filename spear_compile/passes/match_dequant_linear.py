@@ -71,7 +71,7 @@ class MatchDequantLinear(SpearPass):
                 scales = self._canon(graph, m["scale"], N, m["ng"], m["grouped"], m["dtype"], m["device"])
                 zeros = None if m["zero"] is None else self._canon(graph, m["zero"], N, m["ng"], m["grouped"], m["dtype"], m["device"])
             kwargs = dict(x=x, qweight=q2, scales=scales, zeros=zeros, group_size=K // m["ng"], bias=bias,
-                          layout="unpacked", lowering="auto", crossover=self.ctx.config.crossover_m)
+                          layout="unpacked", lowering="auto", crossover=self.ctx.config.default_crossover_m)
             emit_spear_linear(graph, node, self.ctx, kwargs, integer_source(m["q"]), "dequant_linear")
             count += 1
         return count

@@ -40,7 +40,7 @@ class MatchInt4PackMM(SpearPass):
             if not isinstance(group_size, int):
                 continue
             kwargs = dict(x=x, qweight=packed, scales=sz, zeros=None, group_size=group_size, bias=None,
-                          layout=_FORMS[node.target], lowering="auto", crossover=self.ctx.config.crossover_m)
+                          layout=_FORMS[node.target], lowering="auto", crossover=self.ctx.config.default_crossover_m)
             emit_spear_linear(graph, node, self.ctx, kwargs, packed, "int4pack_mm")
             count += 1
         return count

@@ -18,7 +18,10 @@ in ``node.meta["spear"]`` for the inspection report.
 Example graph:
     before: %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='auto')
     after:  %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='dispatch', crossover=16)
-            meta: lowering='dispatch', reason='M = s0 in [2, oo) straddles crossover 16'
+            meta: lowering='dispatch', reason='M in [2, oo] straddles crossover 16: runtime branch (default)'
+
+The crossover is, in order: ``CompileConfig.crossover_m`` if set; the value measured for
+this GPU and weight shape by ``benchmarks/kernels.py``; ``default_crossover_m``.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from .base import SpearPass
-from .common import SPEAR_OPS, bind, positional, record
+from .common import SPEAR_OPS, W4A16, bind, positional, record
 
 
 def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
@@ -53,6 +56,18 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
     return str(expr), int(lo), hi_f
 
 
+def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool) -> str:
+    """Which implementation will run this node (for the inspection report)."""
+    from ..lowering._triton import HAS_TRITON
+
+    if not (x_val.device.type == "cuda" and HAS_TRITON and layout == "spear"
+            and x_val.dtype in (torch.float16, torch.bfloat16)):
+        return "pytorch reference"
+    fused = "triton GEMV + fused EC epilogue" if has_ec else "triton GEMV (M = 1) / GEMM"
+    over = "triton GEMM + EC on side stream" if has_ec else "triton GEMM"
+    return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
+
+
 def decide(lo: int, hi: float, crossover: int) -> tuple[str, str]:
     """(lowering, reason) for rows M known to lie in [lo, hi]."""
     if lo == hi:
@@ -75,16 +90,34 @@ class PhaseDispatch(SpearPass):
     def run(self, graph: fx.Graph) -> int:
         if not self.ctx.config.enable_phase_dispatch:
             return 0
-        crossover = self.ctx.config.crossover_m
         count = 0
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in SPEAR_OPS:
                 continue
             kwargs = bind(node)
+            crossover, source = self._crossover(node, kwargs)
             expr, lo, hi = m_range(kwargs["x"].meta["val"])
             lowering, reason = decide(lo, hi, crossover)
+            reason = f"{reason} ({source})"
             node.args = positional(node.target, {**kwargs, "lowering": lowering, "crossover": crossover})
             node.kwargs = {}
-            record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason)
+            record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason,
+                   crossover=crossover, crossover_source=source,
+                   kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16))
             count += 1
         return count
+
+    def _crossover(self, node, kwargs) -> tuple[int, str]:
+        cfg = self.ctx.config
+        if cfg.crossover_m is not None:
+            return cfg.crossover_m, "configured"
+        x = kwargs["x"].meta["val"]
+        if x.device.type == "cuda":
+            from ..lowering.tuning import measured_crossover
+
+            N = node.meta["val"].shape[-1]
+            K = x.shape[-1]
+            m = measured_crossover(int(N), int(K), x.device)
+            if m is not None:
+                return m, "measured"
+        return cfg.default_crossover_m, "default"

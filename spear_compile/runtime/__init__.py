@@ -1,5 +1,6 @@
-"""Runtime: latency tables, the SLO chunk scheduler and the serving engine.
+"""Runtime: latency tables, the SLO chunk scheduler and the serving engine (later issues).
 
-Not built yet (later issues). The phase-dispatch crossover is a config value
-(``CompileConfig.crossover_m``) until measured latency tables land here.
+Kernel-level measurements already drive compilation: ``benchmarks/kernels.py`` writes the
+per-GPU tuned kernel configs and fused/overlapped crossovers under
+``spear_compile/lowering/tuned/``, which the Triton wrappers and the phase-dispatch pass read.
 """

@@ -1,0 +1,81 @@
+"""Per-GPU tables (configs, crossovers) and the CUDA dispatch decisions, without a GPU."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from spear_compile.lowering import tuning
+from spear_compile.lowering.dispatch import W4_GEMV_MAX_M, use_fused
+
+
+def test_table_roundtrip_and_measured_crossover(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "gpu_key", lambda device=None: "Fake_GPU")
+    path = tuning.save_table("crossover", {"4096x4096": 2, "11008x4096": 4})
+    assert os.path.basename(path) == "crossover_Fake_GPU.json"
+    assert tuning.load_table("crossover") == {"4096x4096": 2, "11008x4096": 4}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tuning.measured_crossover(11008, 4096) == 4
+    assert tuning.measured_crossover(123, 456) is None
+
+
+@pytest.mark.parametrize("lowering,M,crossover,expected", [
+    ("fused", 1, 16, True), ("fused", 4, 2, True), ("fused", 5, 16, False),
+    ("overlapped", 1, 16, False), ("dispatch", 1, 2, True), ("dispatch", 2, 2, False), ("auto", 3, 16, True),
+])
+def test_use_fused(lowering, M, crossover, expected):
+    assert use_fused(lowering, M, crossover) is expected
+
+
+def test_w4_gemv_only_for_decode():
+    assert W4_GEMV_MAX_M == 1
+
+
+def test_shipped_tables_are_well_formed():
+    here = os.path.dirname(tuning.__file__)
+    files = glob.glob(os.path.join(here, "tuned", "*.json"))
+    assert any("configs_" in f for f in files) and any("crossover_" in f for f in files)
+    for f in files:
+        table = json.load(open(f))
+        for key, val in table.items():
+            if "configs_" in f:
+                kind = key.split("|")[0]
+                assert kind in ("gemv", "gemm")
+                assert val == ["dequant_cublas"] or (len(val) == (4 if kind == "gemv" else 5)
+                                                     and all(isinstance(v, int) and v > 0 for v in val))
+            else:
+                assert "x" in key and isinstance(val, int) and val >= 1
+
+
+def test_phase_dispatch_names_where_the_crossover_came_from():
+    import torch.nn as nn
+
+    import spear_compile as spear
+    from spear_compile import CompileConfig
+    from spear_compile.inspect import capture
+
+    m = spear.quantize_(nn.Sequential(nn.Linear(64, 64)), spear.QuantConfig(), progress=False)
+    rec = capture(m, (torch.randn(3, 64),)).linears[0]
+    assert rec["crossover_source"] == "default" and rec["crossover"] == 16 and rec["reason"].endswith("(default)")
+    assert rec["kernel"] == "pytorch reference"  # CPU tensors
+    rec = capture(m, (torch.randn(3, 64),), config=CompileConfig(crossover_m=2)).linears[0]
+    assert rec["crossover_source"] == "configured" and rec["lowering"] == "overlapped"
+
+
+def test_kernel_for_cuda_nodes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from spear_compile.lowering._triton import HAS_TRITON
+    from spear_compile.passes.phase_dispatch import kernel_for
+
+    with FakeTensorMode():
+        x = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
+        x32 = torch.empty(1, 64, dtype=torch.float32, device="cuda")
+    if HAS_TRITON:
+        assert kernel_for(x, "spear", "fused", True) == "triton GEMV + fused EC epilogue"
+        assert kernel_for(x, "spear", "overlapped", True) == "triton GEMM + EC on side stream"
+        assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
+    assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
+    assert kernel_for(x, "tinygemm_cuda", "fused", False) == "pytorch reference"
