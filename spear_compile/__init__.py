@@ -8,6 +8,7 @@ See README.md and DESIGN.md for the method and the compiler.
 """
 from . import quant  # noqa: F401  (registers the spear:: ops)
 from .api import attach_, detach_, quantize_, quantized_linears
+from .artifacts import ArtifactError, load, save
 from .compensators import ErrorCompensator, register_ec
 from .config import CompileConfig, ECConfig, QuantConfig
 from .passes import compile_config, spear_backend
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 _register_backend()
 
 __all__ = [
-    "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",
-    "attach_", "compile_config", "detach_", "quantize_", "quantized_linears", "register_ec", "spear_backend",
+    "ArtifactError", "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",
+    "attach_", "compile_config", "detach_", "load", "quantize_", "quantized_linears", "register_ec", "save", "spear_backend",
 ]

@@ -18,12 +18,18 @@ BUILTIN = ("smollm2-135m", "tiny-llama")
 def load(name: str, dtype=None, **kw):
     import torch
 
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
     if name == "smollm2-135m":
-        return load_smollm2(dtype=dtype)
-    if name == "tiny-llama":
-        return tiny_llama(dtype=dtype, **kw), None
-    return load_hub(name, dtype=dtype)
+        model, tok = load_smollm2(dtype=dtype)
+    elif name == "tiny-llama":
+        model, tok = tiny_llama(dtype=dtype, **kw), None
+    else:
+        return load_hub(name, dtype=dtype)
+    # how spear_compile.save records the architecture, so load() can rebuild it offline
+    model._spear_source = {"source": "builtin", "name": name, "kwargs": {"dtype": str(dtype).replace("torch.", ""), **kw}}
+    return model, tok
 
 
 def load_hub(repo_or_dir: str, dtype=None):

@@ -1,0 +1,208 @@
+"""Saving and loading quantized, error-compensated models.
+
+An artifact is a directory with two files:
+
+* ``model.safetensors``: every tensor of the model (packed int4 weights, scales, zeros,
+  EC parameters, the unquantized rest), tied tensors stored once;
+* ``spear_config.json``: format name and version, how to rebuild the architecture
+  (a built-in model name or the Hugging Face config), which modules are ``QuantLinear``
+  (with in/out features, group size, bias), which carry ECs (with their ``ECConfig``),
+  every tensor's shape and dtype, and the SHA-256 of the tensor file.
+
+``load`` checks everything before it returns anything: the JSON parses and names a
+supported version, the tensor file exists and its checksum matches (catching truncation
+and corruption), the rebuilt skeleton has exactly the recorded tensors with the recorded
+shapes. Any failure raises :class:`ArtifactError` naming the file, module or tensor;
+nothing is half loaded. Reloading gives bitwise-identical logits.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .compensators.ec import ErrorCompensator
+from .config import ECConfig
+from .quant.linear import QuantLinear
+
+FORMAT = "spear_compile"
+FORMAT_VERSION = 1
+CONFIG_FILE = "spear_config.json"
+TENSOR_FILE = "model.safetensors"
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory is missing, corrupted, truncated or does not match its config."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_of(model: nn.Module) -> dict[str, Any]:
+    src = getattr(model, "_spear_source", None)
+    if src is not None:
+        return dict(src)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        return {"source": "hf_config", "class": type(model).__name__, "config": cfg.to_dict()}
+    return {"source": "module", "class": f"{type(model).__module__}.{type(model).__qualname__}"}
+
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict with tied tensors kept once (safetensors refuses shared storage)."""
+    out, seen = {}, {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen[key] = name
+        out[name] = t.detach().contiguous().cpu()
+    return out
+
+
+def save(model: nn.Module, path: str) -> str:
+    """Write ``model`` as an artifact directory at ``path`` (replaced atomically)."""
+    from safetensors.torch import save_file
+
+    from . import __version__
+
+    quantized, ecs = {}, {}
+    for fqn, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            quantized[fqn] = {"in_features": m.in_features, "out_features": m.out_features,
+                              "group_size": m.group_size, "bias": m.bias is not None,
+                              "dtype": str(m.scales.dtype).replace("torch.", "")}
+            if m.ec is not None:
+                ecs[fqn] = {"config": m.ec.cfg.to_dict(), "rank": m.ec.rank, "gate_hidden": m.ec.W1.shape[0],
+                            "dtype": str(m.ec.A.dtype).replace("torch.", "")}
+    tensors = _unique_state(model)
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".spear_save_", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, TENSOR_FILE))
+        cfg = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+            "model": _source_of(model), "quantized": quantized, "ecs": ecs,
+            "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+                        for k, v in tensors.items()},
+            "checksums": {TENSOR_FILE: _sha256(os.path.join(tmp, TENSOR_FILE))},
+        }
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(cfg, f, indent=1, default=str)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise ArtifactError(f"{path}: not a spear artifact ({CONFIG_FILE} missing)")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{cfg_path}: corrupted JSON ({e})") from e
+    if cfg.get("format") != FORMAT:
+        raise ArtifactError(f"{cfg_path}: format {cfg.get('format')!r} is not {FORMAT!r}")
+    if cfg.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{cfg_path}: format_version {cfg.get('format_version')!r} is not supported "
+                            f"(this library reads version {FORMAT_VERSION})")
+    for key in ("model", "quantized", "ecs", "tensors", "checksums"):
+        if key not in cfg:
+            raise ArtifactError(f"{cfg_path}: missing key {key!r}")
+    return cfg
+
+
+def _skeleton(cfg: dict[str, Any], model: Optional[nn.Module]) -> nn.Module:
+    if model is not None:
+        return copy.deepcopy(model)
+    src = cfg["model"]
+    if src.get("source") == "builtin":
+        from .models import load as load_builtin
+
+        return load_builtin(src["name"], **src.get("kwargs", {}))[0]
+    if src.get("source") == "hf_config":
+        import transformers
+
+        hf_cfg = transformers.AutoConfig.for_model(**src["config"])
+        cls = getattr(transformers, src.get("class", "AutoModelForCausalLM"))
+        return cls(hf_cfg).eval()
+    raise ArtifactError(f"artifact model source {src!r} cannot be rebuilt; pass model= (the unquantized architecture)")
+
+
+def load(path: str, model: Optional[nn.Module] = None, map_location: str = "cpu") -> nn.Module:
+    """Rebuild the model saved at ``path``. ``model`` (left untouched) supplies the
+    architecture when the artifact cannot rebuild it itself."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = _read_config(path)
+    tpath = os.path.join(path, TENSOR_FILE)
+    if not os.path.isfile(tpath):
+        raise ArtifactError(f"{tpath}: tensor file missing")
+    want = cfg["checksums"].get(TENSOR_FILE)
+    got = _sha256(tpath)
+    if want != got:
+        raise ArtifactError(f"{tpath}: checksum mismatch (file truncated or corrupted): expected {want}, got {got}")
+    try:
+        tensors = load_file(tpath, device=map_location)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{tpath}: unreadable ({e})") from e
+    for name, meta in cfg["tensors"].items():
+        t = tensors.get(name)
+        if t is None or list(t.shape) != meta["shape"] or str(t.dtype).replace("torch.", "") != meta["dtype"]:
+            raise ArtifactError(f"{tpath}: tensor {name!r} is {None if t is None else (list(t.shape), t.dtype)}, "
+                                f"config says {meta}")
+    skel = _skeleton(cfg, model)
+    mods = dict(skel.named_modules())
+    for fqn, q in cfg["quantized"].items():
+        if fqn not in mods:
+            raise ArtifactError(f"{path}: quantized module {fqn!r} does not exist in {type(skel).__name__}")
+        dtype = getattr(torch, q["dtype"])
+        ql = QuantLinear(q["in_features"], q["out_features"], q["group_size"], q["bias"], dtype, map_location, fqn)
+        parent, _, child = fqn.rpartition(".")
+        setattr(skel.get_submodule(parent) if parent else skel, child, ql)
+    for fqn, e in cfg["ecs"].items():
+        ql = skel.get_submodule(fqn)
+        ec = ErrorCompensator(ql.in_features, ql.out_features,
+                              ECConfig.from_dict({**e["config"], "rank": e["rank"], "gate_hidden": e["gate_hidden"]}),
+                              device=map_location, dtype=getattr(torch, e["dtype"]))
+        ql.ec = ec
+    expected = skel.state_dict()
+    missing = [k for k in expected if k not in tensors and not _tied_elsewhere(skel, k, tensors)]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise ArtifactError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in expected.items():
+        if k in tensors and tuple(v.shape) != tuple(tensors[k].shape):
+            raise ArtifactError(f"{path}: tensor {k!r} has shape {tuple(tensors[k].shape)}, the module expects "
+                                f"{tuple(v.shape)}")
+    skel.load_state_dict(tensors, strict=False)
+    skel._spear_source = cfg["model"]
+    return skel.eval()
+
+
+def _tied_elsewhere(model: nn.Module, key: str, tensors: dict) -> bool:
+    """A state-dict key absent from the file because it shares storage with one that is present."""
+    sd = model.state_dict()
+    t = sd[key]
+    return any(k in tensors and k != key and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+               and v.shape == t.shape for k, v in sd.items())
