@@ -1,0 +1,54 @@
+"""Static (input-independent) error compensators at a given rank: W ≈ Q(W) + B A.
+
+All three factor the weight error E = W - Q(W) (N x K) by a truncated SVD after a
+right-scaling S, then undo the scaling on A:  E S ≈ U_r Σ_r V_r^T,  B = U_r Σ_r^½,
+A = Σ_r^½ V_r^T S^{-1}.
+
+* LoRC (ZeroQuant-V2): S = I, the best rank-r approximation of the weight error.
+* LQER: S = diag(mean |x_k|), a heuristic activation scaling.
+* QERA-exact: S = R_xx^{1/2} with R_xx = E[x x^T]; then ||(E - BA) S||_F^2 equals the
+  expected output error E||(E - BA) x||^2, so the truncated SVD is its exact minimiser
+  over rank-r corrections (Eckart-Young in the whitened space).
+
+These are what SPEAR's ECs are initialised from and what they are measured against.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _factor(err: torch.Tensor, rank: int, S: Optional[torch.Tensor] = None,
+            S_inv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    E = err.to(torch.float64)
+    ES = E if S is None else E @ S
+    U, sig, Vh = torch.linalg.svd(ES, full_matrices=False)
+    root = sig[:rank].sqrt()
+    B = U[:, :rank] * root
+    A = root[:, None] * Vh[:rank]
+    if S_inv is not None:
+        A = A @ S_inv
+    return A.to(torch.float32), B.to(torch.float32)
+
+
+def lorc(err: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r, K], B [N, r]): plain SVD of the weight error."""
+    return _factor(err, rank)
+
+
+def lqer(err: torch.Tensor, rank: int, mean_abs_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) with the error scaled by mean |x| per input channel."""
+    s = mean_abs_x.to(torch.float64).clamp_min(1e-8)
+    return _factor(err, rank, torch.diag(s), torch.diag(1.0 / s))
+
+
+def qera_exact(err: torch.Tensor, rank: int, rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) minimising E||(err - B A) x||^2 for input autocorrelation ``rxx`` = E[x x^T]."""
+    R = rxx.to(torch.float64)
+    R = 0.5 * (R + R.t())
+    evals, evecs = torch.linalg.eigh(R)
+    evals = evals.clamp_min(eps * evals.max().clamp_min(1e-30))
+    S = (evecs * evals.sqrt()) @ evecs.t()
+    S_inv = (evecs * evals.rsqrt()) @ evecs.t()
+    return _factor(err, rank, S, S_inv)
