@@ -1,0 +1,154 @@
+"""Where ECs go and at which rank: CKA damage, its entropy, and a byte budget.
+
+Damage of module m: ``d_m = 1 - CKA(f_fp, f_m)``, where ``f`` are the features that feed
+the output head, ``f_fp`` from the full-precision model and ``f_m`` from the same model
+with *only* m quantized (linear CKA, fp64, streamed; ``compensators/cka.py``).
+
+Entropy decides concentrate-vs-spread. With ``p_m = d_m / sum d``, ``H = -sum p ln p``
+and ``n_eff = exp(H)`` (the effective number of damaged modules): a few dominant modules
+(low entropy) get few, high-rank ECs; damage spread evenly (high entropy) gets many,
+low-rank ECs. We take the ``round(n_eff)`` modules with the best cost-aware score
+``d_m / (bytes per rank of m / mean)^gamma`` (so a cheap module with the same damage wins)
+and give them one shared rank, the largest that fits the byte budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .cka import StreamingCKA
+
+
+@dataclasses.dataclass
+class ModuleChoice:
+    name: str
+    damage: float
+    rank: int
+    bytes: int
+    reason: str
+
+
+@dataclasses.dataclass
+class Plan:
+    modules: list[ModuleChoice]
+    budget_bytes: int
+    entropy: float
+    n_eff: float
+    damage: dict[str, float]
+
+    @property
+    def ec_bytes(self) -> int:
+        return sum(m.bytes for m in self.modules)
+
+    def ranks(self) -> dict[str, int]:
+        return {m.name: m.rank for m in self.modules}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Plan":
+        d = json.loads(s)
+        d["modules"] = [ModuleChoice(**m) for m in d["modules"]]
+        return cls(**d)
+
+
+def ec_bytes(N: int, K: int, rank: int, gate_hidden: int = 8, dtype_bytes: int = 2) -> int:
+    """Stored bytes of one EC: A, B, the gate MLP (W1, b1, W2, b2) and alpha."""
+    return dtype_bytes * (rank * (N + K) + 2 * rank * gate_hidden + gate_hidden + rank + 1)
+
+
+def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_bytes: int, gate_hidden: int = 8,
+         dtype_bytes: int = 2, max_rank: int = 256, gamma: float = 0.5) -> Plan:
+    """Choose modules and a rank under ``budget_bytes`` from per-module damage and [N, K] shapes."""
+    names = [n for n in damage if damage[n] > 0]
+    if not names:
+        return Plan([], budget_bytes, 0.0, 0.0, dict(damage))
+    missing = [n for n in names if n not in shapes]
+    if missing:
+        raise KeyError(f"plan: no shape for modules {missing[:5]}")
+    total = sum(damage[n] for n in names)
+    p = {n: damage[n] / total for n in names}
+    H = -sum(v * math.log(v) for v in p.values() if v > 0)
+    n_eff = math.exp(H)
+    per_rank = {n: ec_bytes(*shapes[n], 1, gate_hidden, dtype_bytes) for n in names}
+    mean_cost = sum(per_rank.values()) / len(per_rank)
+    score = {n: damage[n] / (per_rank[n] / mean_cost) ** gamma for n in names}
+    order = sorted(names, key=lambda n: -score[n])
+    k = max(1, min(len(order), round(n_eff)))
+    while k >= 1:
+        chosen = order[:k]
+        rank = max_rank
+        while rank >= 1 and sum(ec_bytes(*shapes[n], rank, gate_hidden, dtype_bytes) for n in chosen) > budget_bytes:
+            rank -= 1
+        if rank >= 1:
+            break
+        k -= 1  # the budget cannot give every chosen module rank 1: drop the weakest
+    if k < 1:
+        return Plan([], budget_bytes, H, n_eff, dict(damage))
+    mods = [ModuleChoice(n, damage[n], rank, ec_bytes(*shapes[n], rank, gate_hidden, dtype_bytes),
+                         f"top {k} of {len(names)} by damage/cost^{gamma} (n_eff = exp(H) = {n_eff:.1f}); "
+                         f"rank {rank} is the largest shared rank within the budget")
+            for n in order[:k]]
+    return Plan(mods, budget_bytes, H, n_eff, dict(damage))
+
+
+@torch.no_grad()
+def module_damage(fp_model: nn.Module, q_model: nn.Module, batches: Iterable[torch.Tensor],
+                  names: Optional[list[str]] = None, feature_module: str = "lm_head",
+                  progress: bool = True) -> dict[str, float]:
+    """``1 - CKA`` of the inputs of ``feature_module`` with one module quantized at a time.
+
+    ``q_model`` is a quantized copy of ``fp_model`` (same module names); for each name its
+    module is swapped into ``fp_model`` for the measurement and swapped back after.
+    """
+    from tqdm.auto import tqdm
+
+    from ..quant.linear import QuantLinear
+
+    batches = list(batches)
+    q_mods = dict(q_model.named_modules())
+    names = names or [n for n, m in q_mods.items() if isinstance(m, QuantLinear)]
+    feats: list[torch.Tensor] = []
+    hook_mod = fp_model.get_submodule(feature_module)
+    handle = hook_mod.register_forward_hook(lambda m, args, out: feats.append(args[0].detach()))
+    try:
+        ref = []
+        for b in batches:
+            feats.clear()
+            fp_model(b)
+            ref.append(feats[-1])
+        damage = {}
+        for name in tqdm(names, desc="CKA damage", disable=not progress, leave=False):
+            parent_name, _, child = name.rpartition(".")
+            parent = fp_model.get_submodule(parent_name) if parent_name else fp_model
+            orig = getattr(parent, child)
+            setattr(parent, child, q_mods[name])
+            try:
+                s = StreamingCKA()
+                for b, r in zip(batches, ref):
+                    feats.clear()
+                    fp_model(b)
+                    s.update(r, feats[-1])
+                damage[name] = max(0.0, 1.0 - s.value())
+            finally:
+                setattr(parent, child, orig)
+    finally:
+        handle.remove()
+    return damage
+
+
+def shapes_of(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for n in names:
+        m = model.get_submodule(n)
+        out[n] = (m.out_features, m.in_features)
+    return out
+
+
+Scorer = Callable[[str], float]

@@ -1,0 +1,53 @@
+"""Selection: entropy decides concentrate vs spread, the budget is respected, real damage ranks the worst module first."""
+import copy
+
+import pytest
+import torch
+
+import spear_compile as spear
+from spear_compile.compensators.selection import Plan, ec_bytes, module_damage, plan, shapes_of
+from tests.helpers import LlamaLike
+
+SHAPES = {f"m{i}": (256, 256) for i in range(20)}
+
+
+def test_low_entropy_concentrates_high_entropy_spreads():
+    budget = 20 * ec_bytes(256, 256, 8)
+    peaked = {n: (1.0 if n == "m3" else 1e-4) for n in SHAPES}
+    flat = {n: 1.0 for n in SHAPES}
+    p1, p2 = plan(peaked, SHAPES, budget), plan(flat, SHAPES, budget)
+    assert [m.name for m in p1.modules] == ["m3"] and p1.modules[0].rank > 100
+    assert len(p2.modules) == 20 and p2.modules[0].rank == 8
+    assert p1.entropy < p2.entropy
+    for p in (p1, p2):
+        assert p.ec_bytes <= budget
+
+
+def test_cost_aware_score_prefers_cheaper_modules_at_equal_damage():
+    shapes = {"small": (128, 128), "big": (4096, 4096)}
+    p = plan({"small": 1.0, "big": 1.0}, shapes, budget_bytes=ec_bytes(128, 128, 4), max_rank=4)
+    assert [m.name for m in p.modules] == ["small"]
+
+
+def test_tiny_budget_and_json_round_trip():
+    p = plan({"m0": 1.0, "m1": 0.5}, SHAPES, budget_bytes=10)
+    assert p.modules == []
+    p = plan({"m0": 1.0, "m1": 0.5}, SHAPES, budget_bytes=ec_bytes(256, 256, 16) * 2)
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_real_damage_finds_the_broken_module():
+    torch.manual_seed(0)
+    fp = LlamaLike(layers=2)
+    q = spear.quantize_(copy.deepcopy(fp), spear.QuantConfig(), progress=False)
+    bad = q.layers[1].up_proj
+    with torch.no_grad():
+        bad.zeros.add_(3.0)  # a badly quantized module: its outputs shift a lot
+    batches = [torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    dmg = module_damage(fp, q, batches, progress=False)
+    assert len(dmg) == 14 and max(dmg, key=dmg.get) == "layers.1.up_proj"
+    assert all(0.0 <= v <= 1.0 for v in dmg.values())
+    # the fp model was restored after every swap
+    assert isinstance(fp.layers[1].up_proj, torch.nn.Linear)
+    p = plan(dmg, shapes_of(q, dmg), budget_bytes=4 * ec_bytes(128, 64, 4))
+    assert p.modules[0].name == "layers.1.up_proj"
