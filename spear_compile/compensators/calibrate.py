@@ -1,0 +1,139 @@
+"""Calibration without external data: KL(p_fp || p_quant+EC) on text the fp model writes.
+
+1. ``sample_sequences``: the full-precision model samples ``n`` sequences of ``seq_len``
+   tokens from its BOS token (seeded, batched; on the model's device). No dataset is read.
+2. ``calibrate_``: minimise the token-mean KL divergence between the fp model's next-token
+   distribution and the quantized model's (with ECs) over those sequences with Adam,
+   training the gates and, with ``train_ab=True``, A, B and alpha. The teacher's logits
+   are recomputed per minibatch (storing them for a 49k vocabulary would take GBs).
+
+Deterministic under a seed; a progress bar shows the running KL; ``KeyboardInterrupt``
+stops cleanly after the current step and keeps the parameters trained so far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..quant.linear import QuantLinear
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibConfig:
+    n_seqs: int = 32
+    seq_len: int = 256
+    steps: int = 80
+    batch_size: int = 4
+    lr: float = 2e-3
+    lr_ab: float = 2e-4
+    train_ab: bool = True
+    seed: int = 0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in ("n_seqs", "seq_len", "steps", "batch_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 1")
+
+
+@torch.no_grad()
+def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, batch_size: int = 8,
+                     seed: int = 0, temperature: float = 1.0, progress: bool = True) -> torch.Tensor:
+    """[n, seq_len] token ids sampled from ``model`` (a HF causal LM), starting at BOS."""
+    device = next(model.parameters()).device
+    out = []
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
+        b = min(batch_size, n - i)
+        ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
+        past = None
+        cur = ids
+        for _ in range(seq_len - 1):
+            o = model(cur, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            probs = torch.softmax(o.logits[:, -1].float() / temperature, -1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=gen).to(device)
+            ids = torch.cat([ids, nxt], 1)
+            cur = nxt
+        out.append(ids)
+    return torch.cat(out)
+
+
+def kl_fp_q(fp_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Token-mean KL(p_fp || p_q)."""
+    lp = torch.log_softmax(fp_logits.float(), -1)
+    lq = torch.log_softmax(q_logits.float(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean()
+
+
+def _logits(model, ids):
+    out = model(ids)
+    return getattr(out, "logits", out)
+
+
+def ec_parameters(model: nn.Module, train_ab: bool) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    gate, ab = [], []
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.ec is not None:
+            gate += [m.ec.W1, m.ec.b1, m.ec.W2, m.ec.b2]
+            if train_ab:
+                ab += [m.ec.A, m.ec.B, m.ec.alpha]
+    return gate, ab
+
+
+@torch.no_grad()
+def mean_kl(ref: nn.Module, model: nn.Module, seqs: torch.Tensor, batch_size: int = 4) -> float:
+    tot = 0.0
+    for i in range(0, seqs.shape[0], batch_size):
+        b = seqs[i:i + batch_size]
+        tot += float(kl_fp_q(_logits(ref, b), _logits(model, b))) * b.shape[0]
+    return tot / seqs.shape[0]
+
+
+def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibConfig = CalibConfig(),
+               progress: bool = True) -> dict:
+    """Train the attached ECs of ``model`` in place; returns a log (losses, seconds, steps run)."""
+    gate, ab = ec_parameters(model, cfg.train_ab)
+    if not gate:
+        raise ValueError("calibrate_: the model has no attached ECs (use attach_ first)")
+    frozen = [p for p in model.parameters() if all(p is not q for q in gate + ab)]
+    req = [p.requires_grad for p in frozen]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in gate + ab:
+        p.requires_grad_(True)
+    groups = [{"params": gate, "lr": cfg.lr}] + ([{"params": ab, "lr": cfg.lr_ab}] if ab else [])
+    opt = torch.optim.Adam(groups)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses, t0, step = [], time.time(), 0
+    bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
+    was_training = model.training
+    model.eval()
+    try:
+        for step in bar:
+            idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
+            b = seqs[idx]
+            with torch.no_grad():
+                t = _logits(ref, b)
+            loss = kl_fp_q(t, _logits(model, b))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+        step = cfg.steps
+    except KeyboardInterrupt:  # stop cleanly: keep what was trained
+        pass
+    finally:
+        for p, r in zip(frozen, req):
+            p.requires_grad_(r)
+        for p in gate + ab:
+            p.requires_grad_(False)
+        model.train(was_training)
+    return {"losses": losses, "seconds": time.time() - t0, "steps": len(losses)}
