@@ -45,23 +45,19 @@ class CalibConfig:
 @torch.no_grad()
 def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, batch_size: int = 8,
                      seed: int = 0, temperature: float = 1.0, progress: bool = True) -> torch.Tensor:
-    """[n, seq_len] token ids sampled from ``model`` (a HF causal LM), starting at BOS."""
+    """[n, seq_len] token ids sampled (pure ancestral sampling, no top-k/top-p) from ``model``
+    (a Hugging Face causal LM) starting at BOS; EOS is suppressed so every row is full length."""
     device = next(model.parameters()).device
     out = []
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
         b = min(batch_size, n - i)
         ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
-        past = None
-        cur = ids
-        for _ in range(seq_len - 1):
-            o = model(cur, past_key_values=past, use_cache=True)
-            past = o.past_key_values
-            probs = torch.softmax(o.logits[:, -1].float() / temperature, -1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=gen).to(device)
-            ids = torch.cat([ids, nxt], 1)
-            cur = nxt
-        out.append(ids)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed * 100_003 + i)
+            gen = model.generate(ids, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
+                                 temperature=temperature, top_k=0, top_p=1.0,
+                                 pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids))
+        out.append(gen[:, :seq_len])
     return torch.cat(out)
 
 
@@ -125,7 +121,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             bar.set_postfix(kl=f"{losses[-1]:.4f}")
         step = cfg.steps
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
