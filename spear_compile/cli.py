@@ -2,6 +2,7 @@
 
     spear demo      SmolLM2-135M + Shakespeare: quantize W4, compile with backend="spear",
                     check compiled == eager, print reference and W4 perplexity
+    spear eval      ref / quantized / compensated perplexity at a memory budget, as JSON
     spear inspect   write the graph-inspection report (graph.json, report.html, summary.json)
 """
 from __future__ import annotations
@@ -95,6 +96,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .compensators.calibrate import CalibConfig
+    from .evaluate import run_eval
+
+    calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps, seed=args.seed)
+    res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
+                   args.max_tokens, calib)
+    print(f"ppl ref {res['ppl_ref']:.2f} | {args.quant} g{args.group_size or 'ch'} {res['ppl_quant']:.2f} | "
+          f"{args.method} {res['ppl_method']:.2f} | gap recovered {res['gap_recovered']:.1%} | "
+          f"EC bytes {res['memory_overhead']:.2%} of fp16 on {len(res['modules'])} modules | "
+          f"calibration {res['calibration_seconds']:.0f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -107,6 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, help="write the results as JSON here")
     _add_quant_args(d)
     d.set_defaults(fn=cmd_demo)
+    e = sub.add_parser("eval", help="perplexity of ref / quantized / compensated model (JSON contract)")
+    from .data import DEFAULT_EVAL_PLAYS
+    from .evaluate import METHODS
+
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--text", nargs="+", default=list(DEFAULT_EVAL_PLAYS), help="play names or text files")
+    e.add_argument("--quant", default="rtn", choices=["rtn", "gptq", "awq"])
+    e.add_argument("--group-size", type=int, default=0, help="0 = per-channel")
+    e.add_argument("--method", default="spear", choices=list(METHODS))
+    e.add_argument("--budget", type=float, default=0.01, help="EC bytes as a fraction of the fp16 model")
+    e.add_argument("--seq-len", type=int, default=2048)
+    e.add_argument("--max-tokens", type=int, default=None, help="per text")
+    e.add_argument("--calib-seqs", type=int, default=32)
+    e.add_argument("--calib-len", type=int, default=256)
+    e.add_argument("--steps", type=int, default=80)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", default=None)
+    e.set_defaults(fn=cmd_eval)
     i = sub.add_parser("inspect", help="write the graph inspection report for a model")
     i.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "smollm2-135m"])
     i.add_argument("--ec", default="none", choices=["none", "random"], help="attach random ECs to every linear")

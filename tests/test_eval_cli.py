@@ -1,0 +1,32 @@
+"""`spear eval`: the JSON contract other tools rely on (real SmolLM2-135M, tiny settings)."""
+import json
+
+import pytest
+
+from spear_compile.cli import main as spear_main
+
+KEYS = {"ppl_ref", "ppl_quant", "ppl_method", "gap_recovered", "ec_bytes", "ref_model_bytes", "memory_overhead",
+        "modules", "calibration_seconds"}
+TINY = ["--text", "hamlet_gut", "--max-tokens", "512", "--seq-len", "128", "--calib-seqs", "4", "--calib-len", "16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["qera", "spear"])
+def test_eval_contract(method, tmp_path):
+    out = tmp_path / "r.json"
+    assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, "--json", str(out)]) == 0
+    r = json.load(open(out))
+    assert KEYS <= set(r)
+    assert r["ppl_quant"] > r["ppl_ref"] > 1
+    assert r["gap_recovered"] == pytest.approx((r["ppl_quant"] - r["ppl_method"]) / (r["ppl_quant"] - r["ppl_ref"]))
+    assert 0 < r["ec_bytes"] <= 0.005 * r["ref_model_bytes"]
+    assert r["memory_overhead"] == pytest.approx(r["ec_bytes"] / r["ref_model_bytes"])
+    assert r["modules"] and all(set(m) == {"name", "rank"} and m["rank"] >= 1 for m in r["modules"])
+    if method == "qera":
+        assert len(r["modules"]) == 210  # static methods: every quantized linear, one uniform rank
+        assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optimum helps even before any training
+
+
+def test_eval_rejects_unimplemented_quantizer(capsys):
+    with pytest.raises(NotImplementedError, match="--quant gptq is not implemented yet"):
+        spear_main(["eval", "--quant", "gptq", *TINY])
