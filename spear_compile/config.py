@@ -13,7 +13,7 @@ import json
 from typing import Any, Optional
 
 _GROUP_SIZES = (None, 32, 64, 128, 256)
-_QUANT_METHODS = ("rtn",)  # GPTQ / AWQ produce the same format; they land with the quality issue.
+_QUANT_METHODS = ("rtn", "gptq")  # AWQ will produce the same format
 _GATE_ACTS = ("silu", "relu", "gelu")
 
 
@@ -44,13 +44,18 @@ class QuantConfig(_Serialisable):
         input channels share a scale and zero point.
     symmetric: if True the zero point is fixed at 8 (signed range [-8, 7] stored
         offset by 8); else asymmetric min/max with an integer zero point.
-    method: quantizer that produced the integers ("rtn" now).
+    method: "rtn", or "gptq" (needs calibration inputs, see ``quantize_``).
+    damp, act_order, block_size: GPTQ's Hessian damping (fraction of mean diag), column
+        order by decreasing Hessian diagonal, and lazy-update block width.
     """
 
     bits: int = 4
     group_size: Optional[int] = None
     symmetric: bool = False
     method: str = "rtn"
+    damp: float = 0.01
+    act_order: bool = False
+    block_size: int = 128
 
     def __post_init__(self) -> None:
         if self.group_size == 0:
@@ -63,6 +68,10 @@ class QuantConfig(_Serialisable):
             )
         if self.method not in _QUANT_METHODS:
             raise ValueError(f"QuantConfig.method={self.method!r}: expected one of {_QUANT_METHODS}")
+        if not 0.0 <= self.damp < 1.0:
+            raise ValueError(f"QuantConfig.damp={self.damp}: expected 0 <= damp < 1")
+        if self.block_size < 1:
+            raise ValueError(f"QuantConfig.block_size={self.block_size}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

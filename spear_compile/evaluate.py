@@ -78,8 +78,8 @@ def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EV
 
     if method not in METHODS:
         raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
-    if quant != "rtn":
-        raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet (only rtn)")
+    if quant not in ("rtn", "gptq"):
+        raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet (rtn, gptq)")
     torch.manual_seed(calib.seed)
     ref, tok = load(model_name)
     if tok is None:
@@ -88,14 +88,17 @@ def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EV
     ref_bytes = fp16_bytes(ref)
     budget_bytes = int(budget * ref_bytes)
     ppl_ref = perplexity(ref, wins, progress=progress, desc="ppl ref")
-    q = quantize_(copy.deepcopy(ref), QuantConfig(group_size=group_size or None), progress=progress)
+    seqs = None
+    if quant == "gptq" or method != "none":  # the only calibration data: text the fp model writes
+        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, seed=calib.seed,
+                                progress=progress)
+    q = quantize_(copy.deepcopy(ref), QuantConfig(group_size=group_size or None, method=quant), progress=progress,
+                  calib=None if seqs is None else [seqs[i:i + 4] for i in range(0, len(seqs), 4)])
     ppl_quant = perplexity(q, wins, progress=progress, desc="ppl quant")
     t0 = time.time()
     ecs: dict[str, ErrorCompensator] = {}
     log: dict = {}
     if method != "none":
-        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, seed=calib.seed,
-                                progress=progress)
         if method == "spear":
             damage = module_damage(ref, q, [seqs[i:i + 4] for i in range(0, min(8, len(seqs)), 4)],
                                    progress=progress)

@@ -28,5 +28,5 @@ def test_eval_contract(method, tmp_path):
 
 
 def test_eval_rejects_unimplemented_quantizer(capsys):
-    with pytest.raises(NotImplementedError, match="--quant gptq is not implemented yet"):
-        spear_main(["eval", "--quant", "gptq", *TINY])
+    with pytest.raises(NotImplementedError, match="--quant awq is not implemented yet"):
+        spear_main(["eval", "--quant", "awq", *TINY])
