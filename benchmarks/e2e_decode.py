@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 import spear_compile as spear
 from spear_compile import ECConfig, QuantConfig
 from spear_compile.compensators.init import random_ecs
-from spear_compile.lowering.tuning import bench_graph
 from spear_compile.quant import QuantLinear, unpack_int4
 
 D, H, FF, L, V, CTX, POS, G = 4096, 32, 11008, 32, 32000, 1024, 512, 128
@@ -147,19 +147,34 @@ def time_variant(variant, batch, base_state, reps=50):
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
     ids = torch.randint(0, V, (batch, 1), device="cuda")
     pos = torch.tensor([POS], device="cuda")
+    t = time.time()
     with torch.no_grad():
-        t = time.time()
-        model(ids, pos)  # compiles both layer structures
-        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                out = model(ids, pos)
+        torch.cuda.current_stream().wait_stream(s)
         compile_s = time.time() - t
-        # one decode step captured as one CUDA graph, median of the replays
-        ms = bench_graph(lambda i: model(ids, pos), copies=1, calls=1, replays=reps, warmup=2) / 1e3
-        out = model(ids, pos)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(ids, pos)
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
     ok = bool(torch.isfinite(out.float()).all())
-    del model
+    del g, model
     torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return {"variant": variant, "batch": batch, "ms_per_token": ms, "ec_linears": n_ec,
+    return {"variant": variant, "batch": batch, "ms_per_token": statistics.median(times), "ec_linears": n_ec,
             "compile_and_warmup_s": compile_s, "finite": ok}
 
 
