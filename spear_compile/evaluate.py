@@ -16,6 +16,7 @@ Methods at a byte budget (``--budget 0.01`` = EC bytes <= 1 % of the fp16 model)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -138,12 +139,7 @@ def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EV
         "memory_overhead_of_w4": used / (ref_bytes - 2 * sum(m.in_features * m.out_features
                                                              for m in quantized_linears(q).values()) + w4_bytes),
         "modules": [{"name": n, "rank": e.rank} for n, e in sorted(ecs.items())],
-        "calibration_seconds": calib_s, "calibration": dataclasses_asdict(calib),
+        "calibration_seconds": calib_s, "calibration": dataclasses.asdict(calib),
         "calibration_losses": log.get("losses", []), "plan": log.get("plan"),
     }
 
-
-def dataclasses_asdict(obj) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(obj)

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -107,7 +104,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     groups = [{"params": gate, "lr": cfg.lr}] + ([{"params": ab, "lr": cfg.lr_ab}] if ab else [])
     opt = torch.optim.Adam(groups)
     gen = torch.Generator().manual_seed(cfg.seed)
-    losses, t0, step = [], time.time(), 0
+    losses, t0 = [], time.time()
     bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
     was_training = model.training
     model.eval()
@@ -123,7 +120,6 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
             opt.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(kl=f"{losses[-1]:.4f}")
-        step = cfg.steps
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
     finally:

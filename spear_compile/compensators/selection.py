@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -150,5 +150,3 @@ def shapes_of(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[int, in
         out[n] = (m.out_features, m.in_features)
     return out
 
-
-Scorer = Callable[[str], float]
