@@ -90,11 +90,6 @@ def record(node: fx.Node, **info: Any) -> None:
     node.meta.setdefault(META_KEY, {}).update(info)
 
 
-def static_shape(node: fx.Node) -> Optional[tuple]:
-    v = node.meta.get("val")
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
 def integer_source(node: fx.Node) -> Optional[fx.Node]:
     """Walk up from an integer weight expression to the single graph input it comes from."""
     seen, stack, found = set(), [node], []
@@ -112,6 +107,16 @@ def integer_source(node: fx.Node) -> Optional[fx.Node]:
     return found[0] if len(found) == 1 else None
 
 
+def replace_with_op(graph: fx.Graph, anchor: fx.Node, target, kwargs: dict[str, Any]) -> fx.Node:
+    """Insert ``target(**kwargs)`` before ``anchor``, move its uses and provenance over, erase it."""
+    with graph.inserting_before(anchor):
+        new = call_op(graph, target, kwargs)
+    copy_meta(anchor, new)
+    anchor.replace_all_uses_with(new)
+    graph.erase_node(anchor)
+    return new
+
+
 def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weight_node: Optional[fx.Node],
                       source_form: str) -> fx.Node:
     """Replace ``anchor`` by a spear linear built from ``kwargs`` (w4a16 schema names).
@@ -127,18 +132,14 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     weight_name = ctx.name_of(weight_node) if weight_node is not None else "?"
     ec_rank = None
     ec_inputs = ctx.ec_inputs_of(weight_node) if weight_node is not None else None
-    with graph.inserting_before(anchor):
-        if ec_inputs is not None:
-            nodes, ec, ec_name = ec_inputs
-            where = f"spear backend: EC registered for {ec_name or weight_name}"
-            check_ec_shapes(K, N, ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, where)
-            new = call_op(graph, EC_LINEAR, {**kwargs, **nodes, "act": ec.act})
-            ec_rank = ec.rank
-        else:
-            new = call_op(graph, W4A16, kwargs)
-    copy_meta(anchor, new)
-    anchor.replace_all_uses_with(new)
-    graph.erase_node(anchor)
+    if ec_inputs is not None:
+        nodes, ec, ec_name = ec_inputs
+        where = f"spear backend: EC registered for {ec_name or weight_name}"
+        check_ec_shapes(K, N, ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, where)
+        new = replace_with_op(graph, anchor, EC_LINEAR, {**kwargs, **nodes, "act": ec.act})
+        ec_rank = ec.rank
+    else:
+        new = replace_with_op(graph, anchor, W4A16, kwargs)
     record(new, source_form=source_form, weight=weight_name, ec_rank=ec_rank, N=int(N), K=int(K),
            group_size=kwargs["group_size"], layout=kwargs["layout"])
     return new

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .base import SpearPass
-from .common import EC_LINEAR, META_KEY, SPEAR_OPS, W4A16, bind, call_op, copy_meta, emit_spear_linear, record
+from .common import EC_LINEAR, META_KEY, SPEAR_OPS, W4A16, bind, emit_spear_linear, record, replace_with_op
 
 
 class MatchSpearOp(SpearPass):
@@ -29,11 +29,7 @@ class MatchSpearOp(SpearPass):
             if node.target is W4A16:
                 emit_spear_linear(graph, node, self.ctx, kwargs, kwargs["qweight"], "spear_op")
                 continue
-            with graph.inserting_before(node):
-                new = call_op(graph, EC_LINEAR, kwargs)
-            copy_meta(node, new)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+            new = replace_with_op(graph, node, EC_LINEAR, kwargs)
             K = kwargs["x"].meta["val"].shape[-1]
             record(new, source_form="spear_op", weight=self.ctx.name_of(kwargs["qweight"]),
                    ec_rank=int(kwargs["A"].meta["val"].shape[0]), N=int(new.meta["val"].shape[-1]), K=int(K),
