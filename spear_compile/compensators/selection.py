@@ -14,8 +14,10 @@ and give them one shared rank, the largest that fits the byte budget.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
+import re
 from typing import Iterable, Optional
 
 import torch
@@ -98,14 +100,51 @@ def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_by
     return Plan(mods, budget_bytes, H, n_eff, dict(damage))
 
 
+class _Stop(Exception):
+    """Raised by the feature hook: nothing after the output head's input is needed."""
+
+
+class _Cached(nn.Module):
+    """Stands in for a decoder layer during a replay: returns the layer's recorded output."""
+
+    def __init__(self, outputs: list, batch: list) -> None:
+        super().__init__()
+        self.outputs, self.batch = outputs, batch
+
+    def forward(self, *args, **kwargs):
+        return self.outputs[self.batch[0]]
+
+
+def _layer_index(names: list[str], model: nn.Module) -> tuple[Optional[nn.ModuleList], dict[str, int]]:
+    """The ``nn.ModuleList`` of decoder layers holding the modules, and each module's layer index."""
+    stack, index = None, {}
+    for n in names:
+        m = re.match(r"^(.*?)\.?(\d+)\.(.+)$", n)
+        if not m:
+            continue
+        parent = model.get_submodule(m.group(1)) if m.group(1) else model
+        if not isinstance(parent, nn.ModuleList):
+            continue
+        if stack is not None and parent is not stack:
+            return None, {}  # modules in two stacks: replay would be ambiguous, run whole forwards
+        stack, index[n] = parent, int(m.group(2))
+    return stack, index
+
+
 @torch.no_grad()
 def module_damage(fp_model: nn.Module, q_model: nn.Module, batches: Iterable[torch.Tensor],
                   names: Optional[list[str]] = None, feature_module: str = "lm_head",
-                  progress: bool = True) -> dict[str, float]:
+                  progress: bool = True, replay: bool = True) -> dict[str, float]:
     """``1 - CKA`` of the inputs of ``feature_module`` with one module quantized at a time.
 
     ``q_model`` is a quantized copy of ``fp_model`` (same module names); for each name its
     module is swapped into ``fp_model`` for the measurement and swapped back after.
+
+    Cost: one partial forward per module. The full-precision outputs of every decoder layer
+    are recorded once; measuring a module in layer i replaces layers 0..i-1 by their
+    recorded outputs, so only layers i..L-1 run, and the forward stops at the output head's
+    input (the head itself, 49k x 576 on SmolLM2, never runs). Identical numbers to whole
+    forwards (tested; ``replay=False`` runs whole forwards), about 2.5x less compute.
     """
     from tqdm.auto import tqdm
 
@@ -114,32 +153,55 @@ def module_damage(fp_model: nn.Module, q_model: nn.Module, batches: Iterable[tor
     batches = list(batches)
     q_mods = dict(q_model.named_modules())
     names = names or [n for n, m in q_mods.items() if isinstance(m, QuantLinear)]
+    stack, layer_of = _layer_index(names, fp_model) if replay else (None, {})
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(fp_model.forward).parameters else {}
     feats: list[torch.Tensor] = []
-    hook_mod = fp_model.get_submodule(feature_module)
-    handle = hook_mod.register_forward_hook(lambda m, args, out: feats.append(args[0].detach()))
+    layer_out: list[list] = [[] for _ in (stack or [])]
+
+    def grab(m, args):
+        feats.append(args[0].detach())
+        raise _Stop
+
+    def run(b):
+        feats.clear()
+        try:
+            fp_model(b, **kwargs)
+        except _Stop:
+            pass
+        return feats[-1]
+
+    handles = [fp_model.get_submodule(feature_module).register_forward_pre_hook(grab)]
+    handles += [layer.register_forward_hook(lambda m, a, out, i=i: layer_out[i].append(out))
+                for i, layer in enumerate(stack or [])]
     try:
-        ref = []
-        for b in batches:
-            feats.clear()
-            fp_model(b)
-            ref.append(feats[-1])
+        ref = [run(b) for b in batches]
+        for h in handles[1:]:
+            h.remove()
+        del handles[1:]
+        batch_no = [0]
+        originals = list(stack or [])
         damage = {}
         for name in tqdm(names, desc="CKA damage", disable=not progress, leave=False):
             parent_name, _, child = name.rpartition(".")
             parent = fp_model.get_submodule(parent_name) if parent_name else fp_model
             orig = getattr(parent, child)
             setattr(parent, child, q_mods[name])
+            upto = layer_of.get(name, 0)
+            for i in range(upto):
+                stack[i] = _Cached(layer_out[i], batch_no)
             try:
                 s = StreamingCKA()
-                for b, r in zip(batches, ref):
-                    feats.clear()
-                    fp_model(b)
-                    s.update(r, feats[-1])
+                for j, (b, r) in enumerate(zip(batches, ref)):
+                    batch_no[0] = j
+                    s.update(r, run(b))
                 damage[name] = max(0.0, 1.0 - s.value())
             finally:
                 setattr(parent, child, orig)
+                for i in range(upto):
+                    stack[i] = originals[i]
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     return damage
 
 

@@ -51,3 +51,38 @@ def test_real_damage_finds_the_broken_module():
     assert isinstance(fp.layers[1].up_proj, torch.nn.Linear)
     p = plan(dmg, shapes_of(q, dmg), budget_bytes=4 * ec_bytes(128, 64, 4))
     assert p.modules[0].name == "layers.1.up_proj"
+
+
+@pytest.mark.parametrize("kind", ["llamalike", "hf_llama"])
+def test_replayed_damage_equals_whole_forwards(kind):
+    """Replaying from the module's layer (recorded outputs for the layers before it, stop at
+    the head's input) gives the same damage as running the whole quantized-one-module model."""
+    torch.manual_seed(0)
+    if kind == "llamalike":
+        fp = _WithHead()
+        batches = [torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    else:
+        from spear_compile.models.tiny import tiny_llama
+
+        fp = tiny_llama(layers=3)
+        batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    q = spear.quantize_(copy.deepcopy(fp), spear.QuantConfig(), progress=False)
+    fast = module_damage(fp, q, batches, progress=False)
+    slow = module_damage(fp, q, batches, progress=False, replay=False)
+    assert fast.keys() == slow.keys() and len(fast) == 21
+    for n in fast:
+        assert fast[n] == pytest.approx(slow[n], rel=1e-6, abs=1e-12), n
+    assert len({round(v, 12) for v in fast.values()}) > 10  # real, distinct damages
+    stack = fp.model.layers if kind == "hf_llama" else fp.body.layers
+    assert all(type(layer) is type(stack[0]) and type(layer).__name__ != "_Cached" for layer in stack)
+
+
+class _WithHead(torch.nn.Module):
+    """LlamaLike under a prefix ("body.layers.i...") with an output head, like a causal LM."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.lm_head = LlamaLike(layers=3), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
