@@ -26,6 +26,7 @@ from torch import nn
 from ..config import ECConfig
 from ..lowering.ec_linear import ec_delta_ref
 from ..quant.ops import check_ec_shapes
+from .static import qera_exact
 
 
 class ErrorCompensator(nn.Module):
@@ -58,23 +59,35 @@ class ErrorCompensator(nn.Module):
 
     @classmethod
     def from_weight_error(cls, weight: torch.Tensor, dequantized: torch.Tensor, cfg: ECConfig = ECConfig(),
-                          act_scale: Optional[torch.Tensor] = None) -> "ErrorCompensator":
-        """SVD-of-error initialisation; ``act_scale`` (shape [K]) = sqrt(E[x^2]) per input channel."""
+                          act_scale: Optional[torch.Tensor] = None,
+                          rxx: Optional[torch.Tensor] = None) -> "ErrorCompensator":
+        """SVD-of-error initialisation of ``B A``.
+
+        ``rxx`` ([K, K] = E[x x^T]): QERA-exact whitening, the rank-r ``B A`` minimising the
+        expected output error E||(E - BA) x||^2 (``compensators/static.qera_exact``).
+        ``act_scale`` ([K] = sqrt(E[x^2])): its diagonal approximation. Neither: plain SVD.
+        """
         if weight.shape != dequantized.shape:
             raise ValueError(f"from_weight_error: weight {tuple(weight.shape)} and dequantized "
                              f"{tuple(dequantized.shape)} differ in shape")
         N, K = weight.shape
         ec = cls(K, N, cfg, device=weight.device)
         err = weight.detach().to(torch.float32) - dequantized.detach().to(torch.float32)
-        s = torch.ones(K, device=weight.device) if act_scale is None else act_scale.to(torch.float32).clamp_min(1e-6)
-        if s.shape != (K,):
-            raise ValueError(f"from_weight_error: act_scale has shape {tuple(s.shape)}, expected ({K},)")
-        U, S, Vh = torch.linalg.svd(err * s, full_matrices=False)
         r = cfg.rank
-        root = S[:r].sqrt()
+        if rxx is not None:
+            if rxx.shape != (K, K):
+                raise ValueError(f"from_weight_error: rxx has shape {tuple(rxx.shape)}, expected ({K}, {K})")
+            A, B = qera_exact(err, r, rxx)
+        else:
+            s = torch.ones(K, device=weight.device) if act_scale is None else act_scale.to(torch.float32).clamp_min(1e-6)
+            if s.shape != (K,):
+                raise ValueError(f"from_weight_error: act_scale has shape {tuple(s.shape)}, expected ({K},)")
+            U, S, Vh = torch.linalg.svd(err * s, full_matrices=False)
+            root = S[:r].sqrt()
+            A, B = root[:, None] * Vh[:r] / s, U[:, :r] * root
         with torch.no_grad():
-            ec.B.copy_(U[:, :r] * root)
-            ec.A.copy_(root[:, None] * Vh[:r] / s)
+            ec.B.copy_(B)
+            ec.A.copy_(A)
         return ec
 
     def check_fits(self, in_features: int, out_features: int, where: str) -> None:

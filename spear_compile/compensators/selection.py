@@ -10,6 +10,13 @@ and ``n_eff = exp(H)`` (the effective number of damaged modules): a few dominant
 low-rank ECs. We take the ``round(n_eff)`` modules with the best cost-aware score
 ``d_m / (bytes per rank of m / mean)^gamma`` (so a cheap module with the same damage wins)
 and give them one shared rank, the largest that fits the byte budget.
+
+With ``spectra`` (per module, the squared singular values of the activation-whitened weight
+error, ``static.output_error_spectrum``), ranks are no longer shared: bytes go greedily to
+the next singular direction with the most damage removed per byte, ``d_m * sigma_{m,r}^2 /
+sum_i sigma_{m,i}^2 / bytes_per_rank(m)``, i.e. module m's damage is assumed proportional to
+its expected output error and a rank-r correction removes its top r directions. Modules
+whose first direction is never worth its bytes get no EC.
 """
 from __future__ import annotations
 
@@ -65,9 +72,38 @@ def ec_bytes(N: int, K: int, rank: int, gate_hidden: int = 8, dtype_bytes: int =
     return dtype_bytes * (rank * (N + K) + 2 * rank * gate_hidden + gate_hidden + rank + 1)
 
 
+def _allocate(chosen: list[str], damage: dict[str, float], shapes: dict[str, tuple[int, int]],
+              spectra: dict[str, torch.Tensor], budget_bytes: int, gate_hidden: int, dtype_bytes: int,
+              max_rank: int) -> dict[str, int]:
+    """Greedy water-filling of ranks: the most damage removed per byte first (see module doc)."""
+    import heapq
+
+    missing = [n for n in chosen if n not in spectra]
+    if missing:
+        raise KeyError(f"plan: no error spectrum for modules {missing[:5]}")
+    frac = {n: (spectra[n].double() / spectra[n].double().sum().clamp_min(1e-30)).tolist() for n in chosen}
+    rank = {n: 0 for n in chosen}
+    cost = lambda n, r: ec_bytes(*shapes[n], r, gate_hidden, dtype_bytes)  # noqa: E731
+    heap = [(-damage[n] * frac[n][0] / cost(n, 1), n) for n in chosen]
+    heapq.heapify(heap)
+    spent = 0
+    while heap:
+        _, n = heapq.heappop(heap)
+        r = rank[n]
+        step = cost(n, r + 1) - (cost(n, r) if r else 0)
+        if spent + step > budget_bytes:
+            continue  # this module's next direction does not fit; cheaper ones may
+        rank[n], spent = r + 1, spent + step
+        if r + 1 < min(max_rank, len(frac[n]), *shapes[n]):
+            heapq.heappush(heap, (-damage[n] * frac[n][r + 1] / (cost(n, r + 2) - cost(n, r + 1)), n))
+    return {n: r for n, r in rank.items() if r > 0}
+
+
 def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_bytes: int, gate_hidden: int = 8,
-         dtype_bytes: int = 2, max_rank: int = 256, gamma: float = 0.5) -> Plan:
-    """Choose modules and a rank under ``budget_bytes`` from per-module damage and [N, K] shapes."""
+         dtype_bytes: int = 2, max_rank: int = 256, gamma: float = 0.5,
+         spectra: Optional[dict[str, torch.Tensor]] = None) -> Plan:
+    """Choose modules and ranks under ``budget_bytes`` from per-module damage and [N, K] shapes
+    (shared rank, or greedy per-module ranks when ``spectra`` are given)."""
     names = [n for n in damage if damage[n] > 0]
     if not names:
         return Plan([], budget_bytes, 0.0, 0.0, dict(damage))
@@ -93,6 +129,13 @@ def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_by
         k -= 1  # the budget cannot give every chosen module rank 1: drop the weakest
     if k < 1:
         return Plan([], budget_bytes, H, n_eff, dict(damage))
+    if spectra is not None:
+        ranks = _allocate(order[:k], damage, shapes, spectra, budget_bytes, gate_hidden, dtype_bytes, max_rank)
+        mods = [ModuleChoice(n, damage[n], ranks[n], ec_bytes(*shapes[n], ranks[n], gate_hidden, dtype_bytes),
+                             f"one of the top {k} of {len(names)} by damage/cost^{gamma} (n_eff = exp(H) = "
+                             f"{n_eff:.1f}); rank {ranks[n]} by greedy damage-weighted output-error "
+                             f"reduction per byte") for n in order[:k] if n in ranks]
+        return Plan(mods, budget_bytes, H, n_eff, dict(damage))
     mods = [ModuleChoice(n, damage[n], rank, ec_bytes(*shapes[n], rank, gate_hidden, dtype_bytes),
                          f"top {k} of {len(names)} by damage/cost^{gamma} (n_eff = exp(H) = {n_eff:.1f}); "
                          f"rank {rank} is the largest shared rank within the budget")

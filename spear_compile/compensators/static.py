@@ -43,12 +43,24 @@ def lqer(err: torch.Tensor, rank: int, mean_abs_x: torch.Tensor) -> tuple[torch.
     return _factor(err, rank, torch.diag(s), torch.diag(1.0 / s))
 
 
-def qera_exact(err: torch.Tensor, rank: int, rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) minimising E||(err - B A) x||^2 for input autocorrelation ``rxx`` = E[x x^T]."""
+def _whitening(rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R^1/2, R^-1/2) of a symmetric PSD ``rxx``, eigenvalues floored at eps * max."""
     R = rxx.to(torch.float64)
     R = 0.5 * (R + R.t())
     evals, evecs = torch.linalg.eigh(R)
     evals = evals.clamp_min(eps * evals.max().clamp_min(1e-30))
-    S = (evecs * evals.sqrt()) @ evecs.t()
-    S_inv = (evecs * evals.rsqrt()) @ evecs.t()
+    return (evecs * evals.sqrt()) @ evecs.t(), (evecs * evals.rsqrt()) @ evecs.t()
+
+
+def qera_exact(err: torch.Tensor, rank: int, rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) minimising E||(err - B A) x||^2 for input autocorrelation ``rxx`` = E[x x^T]."""
+    S, S_inv = _whitening(rxx, eps)
     return _factor(err, rank, S, S_inv)
+
+
+def output_error_spectrum(err: torch.Tensor, rxx: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Squared singular values of ``err R^1/2``, descending: their sum is the expected output
+    error E||err x||^2, and the sum of all but the first r is what the best rank-r
+    correction (QERA-exact) leaves. The currency rank allocation spends bytes on."""
+    S, _ = _whitening(rxx, eps)
+    return torch.linalg.svdvals(err.to(torch.float64) @ S).pow(2).float()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from spear_compile.compensators.cka import StreamingCKA, linear_cka, linear_cka_gram
-from spear_compile.compensators.static import lorc, lqer, qera_exact
+from spear_compile.compensators.static import lorc, lqer, output_error_spectrum, qera_exact
 
 
 def _acts(n=200, p=24, seed=0):
@@ -73,3 +73,18 @@ def test_lorc_is_the_weight_error_optimum():
     A, B = lorc(err, 4)
     U, S, Vh = torch.linalg.svd(err)
     assert torch.linalg.norm(err - B @ A) == pytest.approx(S[4:].norm().item(), rel=1e-5)
+
+
+def test_output_error_spectrum_measures_what_qera_leaves():
+    torch.manual_seed(3)
+    err = torch.randn(40, 32)
+    x = torch.randn(4096, 32) * torch.linspace(0.2, 3.0, 32)
+    rxx = x.t().double() @ x.double() / x.shape[0]
+    spec = output_error_spectrum(err, rxx)
+    assert spec.shape == (32,) and bool((spec[:-1] >= spec[1:]).all())
+    torch.testing.assert_close(spec.sum().double(), (x.double() @ err.double().t()).pow(2).sum(1).mean(),
+                               rtol=1e-4, atol=0)
+    for r in (1, 5, 20):
+        A, B = qera_exact(err, r, rxx)
+        left = (x.double() @ (err - B @ A).double().t()).pow(2).sum(1).mean()
+        torch.testing.assert_close(spec[r:].sum().double(), left, rtol=1e-3, atol=0)

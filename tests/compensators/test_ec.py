@@ -52,6 +52,25 @@ def test_activation_scaled_init_beats_plain_on_skewed_inputs():
     assert e_scaled < 0.8 * e_plain
 
 
+def test_rxx_init_is_qera_exact_and_beats_diagonal_scaling_on_correlated_inputs():
+    lin, q = _layer(seed=2)
+    mix = torch.randn(64, 64) * 0.3 + torch.eye(64)
+    mix[:, :3] *= 20.0  # correlated inputs with a few dominant directions
+    x = torch.randn(2048, 64) @ mix.t()
+    rxx = x.t() @ x / x.shape[0]
+    cfg = ECConfig(rank=4)
+    full = ErrorCompensator.from_weight_error(lin.weight, q.dequantize(), cfg, rxx=rxx)
+    diag = ErrorCompensator.from_weight_error(lin.weight, q.dequantize(), cfg, act_scale=x.pow(2).mean(0).sqrt())
+    A, B = spear.compensators.static.qera_exact(lin.weight.detach() - q.dequantize(), 4, rxx)
+    torch.testing.assert_close(full.B @ full.A, B @ A)
+    ref = lin(x)
+    e_full = (q(x) + full(x) - ref).pow(2).mean()
+    e_diag = (q(x) + diag(x) - ref).pow(2).mean()
+    assert e_full < 0.9 * e_diag
+    with pytest.raises(ValueError, match="rxx has shape"):
+        ErrorCompensator.from_weight_error(lin.weight, q.dequantize(), cfg, rxx=rxx[:10])
+
+
 def test_attached_ec_changes_forward_by_its_delta():
     lin, q = _layer()
     model = nn.Sequential(q)

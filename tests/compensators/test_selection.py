@@ -86,3 +86,23 @@ class _WithHead(torch.nn.Module):
 
     def forward(self, x):
         return self.lm_head(self.body(x))
+
+
+def test_spectra_allocate_ranks_by_damage_removed_per_byte():
+    shapes = {f"m{i}": (256, 256) for i in range(4)}
+    damage = {"m0": 1.0, "m1": 1.0, "m2": 0.5, "m3": 0.5}
+    flat = 0.9 ** torch.arange(256.0)                        # error spread over many directions
+    steep = torch.tensor([100.0] + [0.01] * 255)             # one direction holds it all
+    spectra = {"m0": flat, "m1": steep, "m2": steep, "m3": flat}
+    budget = ec_bytes(256, 256, 40)
+    p = plan(damage, shapes, budget, spectra=spectra)
+    r = p.ranks()
+    assert p.ec_bytes <= budget
+    assert r["m1"] == 1 and r["m2"] == 1          # one direction removes nearly all their damage
+    assert r["m0"] > r["m3"] > 1                  # flat spectra share the rest by damage
+    assert sum(r.values()) >= 38                   # the budget is (nearly) spent
+    # a shared-rank plan over the same modules cannot be better by this measure
+    shared = plan(damage, shapes, budget)
+    removed = lambda ranks: sum(damage[n] * float(spectra[n][:k].sum() / spectra[n].sum())  # noqa: E731
+                                for n, k in ranks.items())
+    assert removed(r) > removed(shared.ranks())
