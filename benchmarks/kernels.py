@@ -94,12 +94,102 @@ def _dump(res, out) -> None:
     save_table("configs", T.tuned_table())
 
 
+def bandwidth() -> dict:
+    """Copy (read + write) and read-only bandwidth of this GPU in GB/s, 1 GiB buffers."""
+    src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = bench_graph(lambda i: dst.copy_(src), 1, calls=5, replays=10)
+    v = src.view(torch.int32)
+    t_read = bench_graph(lambda i: v.sum(), 1, calls=5, replays=10)
+    del src, dst
+    return {"copy_rw_GBps": 2 * (1 << 30) / t_copy / 1e3, "read_sum_GBps": (1 << 30) / t_read / 1e3}
+
+
+def lab_gemv(args) -> None:
+    """M = 1 variants side by side (correctness first): tinygemm, the previous GEMV, the M = 1
+    kernel in each config and nibble mode, and the fused EC with stages left out."""
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes] if args.shapes else SHAPES
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "date": datetime.date.today().isoformat(), "bandwidth": bandwidth(), "rows": []}
+    print(json.dumps(res["bandwidth"]), flush=True)
+    configs = T.GEMV1_CONFIGS
+    for N, K in shapes:
+        wbytes = N * K // 2 + N * (K // G) * 4  # packed weight + bf16 scales and zeros
+        copies = min(copies_for(wbytes), 12)
+        ws = make_weights(N, K, copies)
+        args_w = lambda i: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
+        xs = [torch.randn(1, K, device="cuda", dtype=DT) for _ in range(copies)]
+        for i in range(copies):  # make the GEMV layout outside the timed region
+            T.gemv_words(ws[i]["qw"].qweight)
+        qw = ws[0]["qw"]
+        x = torch.randn(1, K, device="cuda", dtype=DT)
+        ref = w4a16_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None)
+        row = {"N": N, "K": K, "weight_bytes": wbytes, "err": {}, "us": {}}
+
+        def check(name, fn):
+            out = torch.full((1, N), float("nan"), device="cuda", dtype=DT)
+            fn(x, out)
+            row["err"][name] = rel_err(out, ref)
+
+        def timeit(name, fn):
+            try:
+                row["us"][name] = bench_graph(fn, copies)
+            except Exception as e:  # noqa: BLE001
+                row["us"][name] = None
+                print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+        timeit("tinygemm", lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]))
+        old = tuple(T.tuned_table().get(T.gemv_key(N, K, G, False), T.GEMV_CONFIGS[0]))
+        check("old", lambda xx, o: T.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
+        timeit("old", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
+        for exact in (True, False):
+            for cfg in configs:
+                name = f"v4_{'exact' if exact else 'biased'}_{'_'.join(map(str, cfg))}"
+                check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
+                                                        exact=exact, out=o))
+                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, exact=exact))
+        best = min((k for k in row["us"] if k.startswith("v4_") and row["us"][k]), key=lambda k: row["us"][k])
+        row["best_v4"] = best
+        if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
+            ec = make_ec(N, K, 64)
+            cfg = tuple(int(v) for v in best.split("_")[2:])
+            exact = "_exact_" in best
+            ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
+            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, exact=exact)
+            row["err"]["v4_ec_full"] = rel_err(out, ref_ec)
+            # EC_PARTS bits: 1 producers (A x), 2 gate + flag, 4 wait + reset, 8 B (g h) epilogue
+            for parts, name in ((15, "ec_full"), (0, "ec_operands_only"), (1, "ec_producer_only"),
+                                (8, "ec_epilogue_only")):
+                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, exact=exact,
+                                                     ec_parts=parts))
+                hbuf, cnt = T.ec_workspace(x.device, 64)
+                hbuf.zero_(), cnt.zero_()
+            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, exact=exact)
+            row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
+            old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
+            timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
+        res["rows"].append(row)
+        tg = row["us"]["tinygemm"]
+        print(f"{N}x{K}: tinygemm {tg:.1f} us  old {row['us']['old']:.1f}  best {best} {row['us'][best]:.1f} us "
+              f"= {row['us'][best] / tg:.2f}x tg, {wbytes / row['us'][best] / 1e3:.0f} GB/s; "
+              f"max err {max(row['err'].values()):.1e}", flush=True)
+        print("   " + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items() if v), flush=True)
+        with open(os.path.join(args.out, f"lab_gemv_{gpu_key()}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer M (smoke run)")
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
+    ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.lab == "gemv":
+        return lab_gemv(args)
     shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes]

@@ -2,7 +2,21 @@
 
 Reference: ``lowering/w4a16.py:w4a16_linear_ref`` (and ``ec_linear_ref`` for the fused EC).
 
-``_w4a16_gemv_kernel`` - small M (decode). One program per BLOCK_N output rows loops
+``_w4a16_gemv1_kernel`` - M = 1 (decode), the fast path. It reads the weight in a GEMV
+layout made once per weight (``gemv_words``: int32 words, nibble i of word 4c + j holds
+column 32c + 4i + j), so each thread streams 16-byte weight loads while the eight
+activation slices it needs are contiguous 8-byte loads in the same register layout (no
+shared-memory shuffles). Nibbles become fp32 without I2F: OR-ing a nibble into the
+mantissa of 2^E gives exactly 2^E + q. Exact mode subtracts 2^E per weight (LOP3, FADD,
+FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x_k once per
+32-column chunk from the activation side (LOP3, FFMA). Scales and zero points apply once
+per 32-column chunk. With ``HAS_EC`` the first ``P_H`` programs also compute split-K
+partials of ``h = A x``; the last of them (by an acq_rel counter) runs the gate MLP once
+and publishes ``g * h`` with a ready flag; every program adds ``alpha * B[rows] (g * h)``
+after its weight loop.
+
+``_w4a16_gemv_kernel`` - small M > 1 (and shapes the M = 1 kernel does not take: K or G
+not a multiple of 32). One program per BLOCK_N output rows loops
 over all of K. The int4 weight is never dequantized element-wise: per K-tile (which
 never straddles a quantization group) it accumulates ``sum_k q[n,k] x[k]`` and
 ``sum_k x[k]`` and applies ``s * (qx - z * sx)`` once, so the inner loop is
@@ -36,6 +50,168 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ._triton import gate_act
+
+    @triton.jit
+    def _nib(w, MASK: tl.constexpr, MAGIC, BIAS: tl.constexpr, EXACT: tl.constexpr):
+        """The nibble ``w & MASK`` (sitting where the mantissa bit weight of MAGIC = 2^E is 1)
+        as fp32: 2^E + q (biased), or q (exact; BIAS = 2^E)."""
+        v = ((w & MASK) | MAGIC).to(tl.float32, bitcast=True)
+        if EXACT:
+            v = v - BIAS
+        return v
+
+    @triton.jit
+    def _xi(X, ww, mask, i: tl.constexpr):
+        """Activations multiplying nibble i of words ``ww``: X[32 (ww // 4) + 4 i + ww % 4]."""
+        return tl.load(X + (ww // 4) * 32 + (ww % 4) + 4 * i, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _ec_gate(h, W1, B1, W2, B2, R, D, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr):
+        """g * h for one r-vector h [R_P]: g = sigmoid(W2 act(W1 h + b1) + b2)."""
+        offs_r = tl.arange(0, R_P)
+        mask_r = offs_r < R
+        offs_d = tl.arange(0, D_P)
+        mask_d = offs_d < D
+        w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
+                     other=0.0).to(tl.float32)
+        z = gate_act(tl.sum(w1 * h[None, :], axis=1) + tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32),
+                     ACT)
+        w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        g = tl.sigmoid(tl.sum(w2 * z[None, :], axis=1) + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32))
+        return g * h
+
+    @triton.jit
+    def _w4a16_gemv1_kernel(
+        X, QW, S, Z, BIAS, Y,
+        A, B, W1, B1, W2, B2, ALPHA, HBUF, GH, CNT,
+        N, K, KW, NG, R, D, MAG7, MAG11, MAG15, MAG19, MAG23,
+        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
+        EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        if HAS_EC:
+            offs_r = tl.arange(0, R_P)
+            mask_r = offs_r < R
+            if (EC_PARTS & 1) != 0 and pid < P_H:
+                # ---- producer (the first P_H programs, before their own rows): split-K partial of h = A x
+                chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
+                k_lo = pid * chunk
+                h = tl.zeros([R_P], dtype=tl.float32)
+                for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
+                    offs_k = k0 + tl.arange(0, BLOCK_KH)
+                    mask_k = offs_k < K
+                    a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                                other=0.0).to(tl.float32)
+                    xk = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                    h += tl.sum(a * xk[None, :], axis=1)
+                tl.atomic_add(HBUF + offs_r, h, mask=mask_r)
+                tl.debug_barrier()
+                old = tl.atomic_add(CNT, 1, sem="acq_rel")
+                if (EC_PARTS & 2) != 0 and old == P_H - 1:
+                    # the last producer gates once and publishes g * h behind a ready flag
+                    hf = tl.load(HBUF + offs_r, volatile=True)
+                    tl.store(GH + offs_r, _ec_gate(hf, W1, B1, W2, B2, R, D, R_P, D_P, ACT))
+                    tl.debug_barrier()
+                    tl.atomic_xchg(CNT + 1, 1, sem="release")
+            # EC operands that do not depend on h: load them before the weight stream
+            bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                         other=0.0).to(tl.float32)
+            alpha = tl.load(ALPHA).to(tl.float32)
+        offs_w = tl.arange(0, BLOCK_W)
+        BC: tl.constexpr = BLOCK_W // 4  # 32-column chunks per tile (4 words, one thread's 16 bytes)
+        offs_c = tl.arange(0, BC)
+        acc = tl.zeros([BLOCK_N, BC], dtype=tl.float32)
+        sxa = tl.zeros([BC], dtype=tl.float32)  # per-channel zero point: sum_k x
+        wp = QW + offs_n[:, None] * KW + offs_w[None, :]
+        mrow = mask_n[:, None]
+        w = tl.load(wp, mask=mrow & (offs_w[None, :] < KW), other=0, eviction_policy="evict_first")
+        for w0 in range(0, KW, BLOCK_W):
+            ww = w0 + offs_w
+            mask_w = ww < KW
+            if PREFETCH:  # the next tile's weights are in flight while this one is computed
+                wn = tl.load(wp + (w0 + BLOCK_W), mask=mrow & ((ww + BLOCK_W) < KW)[None, :], other=0,
+                             eviction_policy="evict_first")
+            else:
+                w = tl.load(wp + w0, mask=mrow & mask_w[None, :], other=0, eviction_policy="evict_first")
+            x0 = _xi(X, ww, mask_w, 0)
+            x1 = _xi(X, ww, mask_w, 1)
+            x2 = _xi(X, ww, mask_w, 2)
+            x3 = _xi(X, ww, mask_w, 3)
+            x4 = _xi(X, ww, mask_w, 4)
+            x5 = _xi(X, ww, mask_w, 5)
+            x6 = _xi(X, ww, mask_w, 6)
+            x7 = _xi(X, ww, mask_w, 7)
+            hi = w >> 12  # nibbles 5..7 at bits 8..19
+            if EXACT:  # nibble p at bits 4p: mantissa weight 1 under 2^(23 - 4p)
+                t = _nib(w, 0xF, MAG23, 8388608.0, True) * x0[None, :]
+                t += _nib(w, 0xF0, MAG19, 524288.0, True) * x1[None, :]
+                t += _nib(w, 0xF00, MAG15, 32768.0, True) * x2[None, :]
+                t += _nib(w, 0xF000, MAG11, 2048.0, True) * x3[None, :]
+                t += _nib(w, 0xF0000, MAG7, 128.0, True) * x4[None, :]
+                t += _nib(hi, 0xF00, MAG15, 32768.0, True) * x5[None, :]
+                t += _nib(hi, 0xF000, MAG11, 2048.0, True) * x6[None, :]
+                t += _nib(hi, 0xF0000, MAG7, 128.0, True) * x7[None, :]
+            else:  # every nibble at bits 8..19 (2^E <= 2^15); the biases leave through xb below
+                lo = w << 8
+                t = _nib(lo, 0xF00, MAG15, 32768.0, False) * x0[None, :]
+                t += _nib(lo, 0xF000, MAG11, 2048.0, False) * x1[None, :]
+                t += _nib(lo, 0xF0000, MAG7, 128.0, False) * x2[None, :]
+                t += _nib(w, 0xF000, MAG11, 2048.0, False) * x3[None, :]
+                t += _nib(w, 0xF0000, MAG7, 128.0, False) * x4[None, :]
+                t += _nib(hi, 0xF00, MAG15, 32768.0, False) * x5[None, :]
+                t += _nib(hi, 0xF000, MAG11, 2048.0, False) * x6[None, :]
+                t += _nib(hi, 0xF0000, MAG7, 128.0, False) * x7[None, :]
+            d = tl.sum(tl.reshape(t, [BLOCK_N, BC, 4]), axis=2)  # [BLOCK_N, BC]: sum over one chunk
+            if not EXACT:
+                xb = 32768.0 * (x0 + x5) + 2048.0 * (x1 + x3 + x6) + 128.0 * (x2 + x4 + x7)
+                d -= tl.sum(tl.reshape(xb, [BC, 4]), axis=1)[None, :]
+            if HAS_Z:
+                sx = tl.sum(tl.reshape(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, [BC, 4]), axis=1)  # [BC]
+            if PER_CHANNEL:
+                acc += d
+                if HAS_Z:
+                    sxa += sx
+            else:  # a 32-column chunk lies inside one group (G % 32 == 0)
+                cc = w0 // 4 + offs_c
+                g = cc * 32 // G
+                mg = mask_n[:, None] & (cc < KW // 4)[None, :]
+                s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
+                    d -= z * sx[None, :]
+                acc += s * d
+            if PREFETCH:
+                w = wn
+        out = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
+            if HAS_Z:
+                out -= tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.sum(sxa, axis=0)
+            out *= tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            out += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_EC:
+            if (EC_PARTS & 4) != 0:  # wait for g * h: poll with plain loads, then one acquire
+                c = tl.load(CNT + 1, volatile=True)
+                while c == 0:
+                    c = tl.load(CNT + 1, volatile=True)
+                tl.atomic_add(CNT + 1, 0, sem="acquire")
+            if (EC_PARTS & 8) != 0:
+                gh = tl.load(GH + offs_r, volatile=True)
+                out += alpha * tl.sum(bt * gh[None, :], axis=1)
+            if (EC_PARTS & 4) != 0:
+                tl.debug_barrier()
+                done = tl.atomic_add(CNT + 2, 1, sem="acq_rel")
+                if done == tl.num_programs(0) - 1:  # the last reader resets the workspace
+                    tl.store(HBUF + offs_r, tl.zeros([R_P], tl.float32))
+                    tl.atomic_xchg(CNT + 2, 0)
+                    tl.atomic_xchg(CNT + 1, 0)
+                    tl.atomic_xchg(CNT, 0)
+        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
 
     @triton.jit
     def _w4a16_gemv_kernel(
@@ -209,7 +385,16 @@ if HAS_TRITON:
 
 
 # ------------------------------------------------------------------------ host side
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K is clipped to the group size.
+# M = 1 kernel: (BLOCK_N, BLOCK_W int32 words per row per tile, num_warps, prefetch 0/1)
+GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
+    (8, 512, 4, 1), (8, 512, 4, 0), (16, 512, 4, 0), (4, 1024, 8, 1), (8, 256, 2, 1), (16, 256, 4, 1),
+    (8, 1024, 8, 1), (4, 512, 4, 1),
+]
+# Exact nibble conversion (q exact in fp32) or biased (2^E + q with 2^E <= 2^15; the bias is
+# removed per 32-column chunk): see the kernel docstring and benchmarks/NOTES.md.
+GEMV1_EXACT = True
+_MAGICS = (0x43000000, 0x45000000, 0x47000000, 0x49000000, 0x4B000000)  # 2^7, 2^11, 2^15, 2^19, 2^23
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the M > 1 GEMV; BLOCK_K is clipped to the group size.
 GEMV_CONFIGS = [(16, 128, 4, 1)] if INTERPRET else [
     (32, 1024, 8, 2), (16, 1024, 4, 3), (32, 512, 4, 3), (16, 2048, 8, 2), (64, 512, 8, 3), (8, 2048, 4, 2),
     (32, 2048, 8, 1), (16, 512, 4, 4), (64, 1024, 8, 2), (8, 1024, 4, 3),
@@ -237,6 +422,10 @@ def gemv_key(N: int, K: int, G: int, has_ec: bool) -> str:
     return f"gemv|{N}|{K}|{G}|{int(has_ec)}"
 
 
+def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> str:
+    return f"gemv1|{N}|{K}|{G}|{int(has_ec)}"
+
+
 def gemm_key(M: int, N: int, K: int, G: int) -> str:
     return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
 
@@ -260,18 +449,102 @@ def _tiles(bk: int, G: int, K: int) -> tuple[int, int]:
 
 
 def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel's h buffer [GEMV_MAX_M, r_p] fp32 and its two counters, zeroed once.
+    """The fused kernels' workspace: h buffer [GEMV_MAX_M + 1, r_p] fp32 (row GEMV_MAX_M is
+    the M = 1 kernel's published g * h) and three counters, zeroed once.
 
     Shared by every fused launch on the device: launches on one stream serialize, and each
-    launch leaves it zeroed (see the kernel docstring).
+    launch leaves the h rows and counters zeroed (see the kernel docstrings).
     """
     key = (str(device), r_p)
     ws = _WORKSPACE.get(key)
     if ws is None:
-        ws = (torch.zeros(GEMV_MAX_M, r_p, dtype=torch.float32, device=device),
-              torch.zeros(2, dtype=torch.int32, device=device))
+        ws = (torch.zeros(GEMV_MAX_M + 1, r_p, dtype=torch.float32, device=device),
+              torch.zeros(4, dtype=torch.int32, device=device))
         _WORKSPACE[key] = ws
     return ws
+
+
+def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
+    """spear-packed uint8 [N, K/2] -> the M = 1 kernel's int32 [N, K/8] (K % 32 == 0).
+
+    Nibble i (bits 4i..4i+3) of word 4c + j holds column 32c + 4i + j, so the activations a
+    thread needs for one nibble position of its four words are 4 contiguous values.
+    """
+    from ..quant.format import unpack_int4
+
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    q = unpack_int4(qweight).view(N, K // 32, 8, 4).transpose(2, 3)  # [N, chunk, j, i]
+    b = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()  # byte b of a word: nibbles 2b, 2b+1
+    return b.view(torch.int32).view(N, K // 8)
+
+
+_PACKED: dict = {}  # (storage ptr, offset, shape, device) -> (storage weakref, version, words)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def gemv_words(qweight: torch.Tensor) -> torch.Tensor:
+    """``repack_gemv(qweight)``, made on first use and cached while the weight's storage lives
+    and its version is unchanged (an in-place update of the weight repacks it)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    st = qweight.untyped_storage()
+    key = (st.data_ptr(), qweight.storage_offset(), tuple(qweight.shape), str(qweight.device))
+    hit = _PACKED.get(key)
+    if hit is not None and not hit[0].expired() and hit[1] == _version(qweight):
+        return hit[2]
+    for k in [k for k, v in _PACKED.items() if v[0].expired()]:  # weights freed since
+        del _PACKED[k]
+    words = repack_gemv(qweight)
+    _PACKED[key] = (StorageWeakRef(st), _version(qweight), words)
+    return words
+
+
+def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
+    """Whether the M = 1 kernel takes this weight: 32-column chunks that never straddle a group."""
+    return M == 1 and K % 32 == 0 and (G >= K or G % 32 == 0) and qweight.is_contiguous()
+
+
+def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
+                config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, exact: Optional[bool] = None,
+                ec_parts: int = 15) -> torch.Tensor:
+    """Y[1, N] through the M = 1 kernel (``ec_parts`` < 15 leaves EC stages out, for timing only:
+    it leaves the workspace dirty)."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    words = gemv_words(qweight)
+    bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
+    dummy = scales
+    if ec is not None:
+        A, B, W1, b1, W2, b2, alpha = ec
+        R, D = A.shape[0], W1.shape[0]
+        r_p, d_p = next_pow2(R), next_pow2(D)
+        hbuf, cnt = ec_workspace(x2.device, r_p)
+        gh = hbuf[GEMV_MAX_M]
+        # Programs run one after another in Triton's interpreter: a single producer (program 0)
+        # keeps the spin-wait satisfiable there.
+        p_h = 1 if INTERPRET else max(1, min(64, triton.cdiv(K, 256), triton.cdiv(N, bn)))
+    else:
+        A = B = W1 = b1 = W2 = b2 = alpha = hbuf = gh = cnt = dummy
+        R = D = r_p = d_p = 1
+        p_h = 0
+    _w4a16_gemv1_kernel[(triton.cdiv(N, bn),)](
+        x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
+        A, B, W1, b1, W2, b2, alpha, hbuf, gh, cnt,
+        N, K, K // 8, K // G, R, D, *_MAGICS,
+        G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), EXACT=GEMV1_EXACT if exact is None else exact,
+        PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
+        EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=32 if INTERPRET else 64, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        num_warps=warps, num_stages=1,
+    )
+    return y
 
 
 def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
@@ -281,6 +554,8 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
     N = qweight.shape[0]
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
+    if config is None and gemv1_ok(M, K, G, qweight):
+        return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
     bk, tg = _tiles(bk, G, K)

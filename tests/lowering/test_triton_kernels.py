@@ -104,7 +104,7 @@ def spear_dequant(qweight, scales, zeros, G, dtype):
 @pytest.mark.parametrize("M", [1, 3])
 def test_fused_ec_gemv_matches_reference_and_leaves_workspace_clean(dtype, R, D, M):
     from spear_compile.lowering._triton import next_pow2
-    from spear_compile.lowering.w4a16_triton import ec_workspace, w4a16_gemv
+    from spear_compile.lowering.w4a16_triton import GEMV_MAX_M, ec_workspace, w4a16_gemv
 
     qweight, scales, zeros, bias, Gs = _weight(123, 320, 64, dtype)
     ec = _ec(123, 320, R, D, dtype)
@@ -113,7 +113,8 @@ def test_fused_ec_gemv_matches_reference_and_leaves_workspace_clean(dtype, R, D,
         y = w4a16_gemv(x, qweight, scales, zeros, Gs, bias, ec=ec, act="silu")
         _close(y, ec_linear_ref(x, qweight, scales, zeros, Gs, bias, *ec, "silu"), dtype)
     hbuf, cnt = ec_workspace(torch.device(DEV), next_pow2(R))
-    assert int(cnt.abs().sum()) == 0 and float(hbuf.abs().sum()) == 0.0
+    # h accumulators and counters are reset; the last row is the M = 1 kernel's published g * h
+    assert int(cnt.abs().sum()) == 0 and float(hbuf[:GEMV_MAX_M].abs().sum()) == 0.0
 
 
 @pytest.mark.parametrize("act", ["silu", "relu", "gelu"])
@@ -139,3 +140,62 @@ def test_tiles_hold_whole_groups_or_lie_inside_one():
     assert _tiles(64, 128, 4096) == (64, 64)    # tile inside a group
     assert _tiles(1024, 320, 320) == (512, 512)  # per-channel: one group, tail masked
     assert _tiles(8, 32, 320) == (16, 16)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("G", [32, 64, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", [(16, 64, 4, 1), (8, 16, 1, 0), (4, 16, 1, 1)])
+def test_gemv1_modes_and_tiles(exact, G, dtype, config):
+    """The M = 1 kernel in both nibble modes, one tile or several (K = 320 is 40 words)."""
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
+    for with_bias, with_zero in ((True, True), (False, False)):
+        b, z = (bias if with_bias else None), (zeros if with_zero else None)
+        x = torch.randn(1, 320, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
+        y = torch.full((1, 123), float("nan"), dtype=dtype, device=DEV)
+        w4a16_gemv1(x, qweight, scales, z, Gs, b, config=config, exact=exact, out=y)
+        _close(y, w4a16_linear_ref(x, qweight, scales, z, Gs, b), dtype)
+
+
+def test_gemv1_biased_mode_error_is_small_in_fp32():
+    """Biased nibbles (2^E + q, E <= 15) lose a few bits per 32-column chunk, not more."""
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    qweight, scales, zeros, bias, Gs = _weight(64, 1024, 128, torch.float32)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(2)).to(DEV)
+    ref = w4a16_linear_ref(x.double(), qweight, scales.double(), zeros.double(), Gs, None)
+    for exact, tol in ((True, 1e-5), (False, 2e-3)):
+        y = w4a16_gemv1(x, qweight, scales, zeros, Gs, None, config=(16, 64, 4, 1), exact=exact)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+
+
+def test_gemv_words_layout_and_cache():
+    from spear_compile.lowering.w4a16_triton import gemv_words, repack_gemv
+    from spear_compile.quant import unpack_int4
+
+    qweight = _weight(8, 96, 32, torch.float16)[0]
+    words = repack_gemv(qweight)
+    q = unpack_int4(qweight).long()
+    w = words.long() & 0xFFFFFFFF
+    for c in range(3):
+        for j in range(4):
+            for i in range(8):
+                assert torch.equal((w[:, 4 * c + j] >> (4 * i)) & 0xF, q[:, 32 * c + 4 * i + j])
+    assert gemv_words(qweight) is gemv_words(qweight)  # cached
+    before = gemv_words(qweight)
+    qweight[0, 0] ^= 0x11  # an in-place update bumps the version: repacked, not stale
+    after = gemv_words(qweight)
+    assert after is not before and torch.equal(after, repack_gemv(qweight))
+
+
+def test_gemv_falls_back_for_unchunkable_shapes():
+    """K not a multiple of 32 (or G not) goes to the M > 1 kernel, still correct."""
+    from spear_compile.lowering.w4a16_triton import gemv1_ok, w4a16_gemv
+
+    dtype = torch.float16
+    qweight, scales, zeros, bias, Gs = _weight(40, 48, None, dtype)
+    assert not gemv1_ok(1, 48, Gs, qweight)
+    x = torch.randn(1, 48, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    _close(w4a16_gemv(x, qweight, scales, zeros, Gs, bias), w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
