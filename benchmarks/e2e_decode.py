@@ -4,7 +4,7 @@
 (decoding at position 512; no rotary embedding: identical work in every variant).
 Each variant's decoder layer is compiled with torch.compile (layers share one compiled
 graph per structure), the whole decode step (embedding, 32 layers, head) is captured in
-one CUDA graph, and we time graph replays (median ms/token):
+one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.bench_graph``):
 
   bf16              nn.Linear, Inductor
   int4_tinygemm     aten._weight_int4pack_mm (group 128), Inductor   (torchao / gpt-fast way)
@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 import spear_compile as spear
 from spear_compile import ECConfig, QuantConfig
 from spear_compile.compensators.init import random_ecs
+from spear_compile.lowering.tuning import bench_graph
 from spear_compile.quant import QuantLinear, unpack_int4
 
 D, H, FF, L, V, CTX, POS, G = 4096, 32, 11008, 32, 32000, 1024, 512, 128
@@ -147,34 +147,19 @@ def time_variant(variant, batch, base_state, reps=50):
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
     ids = torch.randint(0, V, (batch, 1), device="cuda")
     pos = torch.tensor([POS], device="cuda")
-    t = time.time()
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                out = model(ids, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        compile_s = time.time() - t
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = model(ids, pos)
-        for _ in range(5):
-            g.replay()
+        t = time.time()
+        model(ids, pos)  # compiles (and makes the GEMV weight layout, outside the graph)
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        compile_s = time.time() - t
+        # the whole decode step captured in one CUDA graph, median replay time (tuning.bench_graph)
+        ms = bench_graph(lambda i: model(ids, pos), copies=1, calls=1, replays=reps) / 1e3
+        out = model(ids, pos)
     ok = bool(torch.isfinite(out.float()).all())
-    del g, model
+    del model
     torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return {"variant": variant, "batch": batch, "ms_per_token": statistics.median(times), "ec_linears": n_ec,
+    return {"variant": variant, "batch": batch, "ms_per_token": ms, "ec_linears": n_ec,
             "compile_and_warmup_s": compile_s, "finite": ok}
 
 

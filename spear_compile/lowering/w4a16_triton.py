@@ -82,23 +82,85 @@ if HAS_TRITON:
         return g * h
 
     @triton.jit
+    def _gemv1_tile(w, X, S, Z, offs_n, mask_n, w0, KW, NG, MAG7, MAG11, MAG15, MAG19, MAG23,
+                    G: tl.constexpr, BLOCK_W: tl.constexpr, EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    HAS_Z: tl.constexpr):
+        """One K tile of one row block: words w [BLOCK_N, BLOCK_W] -> per-chunk partials
+        [BLOCK_N, BLOCK_W // 4] (scaled, zero point removed; per-channel: raw) and sum_k x [BC]."""
+        offs_w = tl.arange(0, BLOCK_W)
+        BC: tl.constexpr = BLOCK_W // 4  # 32-column chunks per tile (4 words, one thread's 16 bytes)
+        ww = w0 + offs_w
+        mask_w = ww < KW
+        x0 = _xi(X, ww, mask_w, 0)
+        x1 = _xi(X, ww, mask_w, 1)
+        x2 = _xi(X, ww, mask_w, 2)
+        x3 = _xi(X, ww, mask_w, 3)
+        x4 = _xi(X, ww, mask_w, 4)
+        x5 = _xi(X, ww, mask_w, 5)
+        x6 = _xi(X, ww, mask_w, 6)
+        x7 = _xi(X, ww, mask_w, 7)
+        hi = w >> 12  # nibbles 5..7 at bits 8..19
+        if EXACT:  # nibble p at bits 4p: mantissa weight 1 under 2^(23 - 4p)
+            t = _nib(w, 0xF, MAG23, 8388608.0, True) * x0[None, :]
+            t += _nib(w, 0xF0, MAG19, 524288.0, True) * x1[None, :]
+            t += _nib(w, 0xF00, MAG15, 32768.0, True) * x2[None, :]
+            t += _nib(w, 0xF000, MAG11, 2048.0, True) * x3[None, :]
+            t += _nib(w, 0xF0000, MAG7, 128.0, True) * x4[None, :]
+            t += _nib(hi, 0xF00, MAG15, 32768.0, True) * x5[None, :]
+            t += _nib(hi, 0xF000, MAG11, 2048.0, True) * x6[None, :]
+            t += _nib(hi, 0xF0000, MAG7, 128.0, True) * x7[None, :]
+        else:  # every nibble at bits 8..19 (2^E <= 2^15); the biases leave through xb below
+            lo = w << 8
+            t = _nib(lo, 0xF00, MAG15, 32768.0, False) * x0[None, :]
+            t += _nib(lo, 0xF000, MAG11, 2048.0, False) * x1[None, :]
+            t += _nib(lo, 0xF0000, MAG7, 128.0, False) * x2[None, :]
+            t += _nib(w, 0xF000, MAG11, 2048.0, False) * x3[None, :]
+            t += _nib(w, 0xF0000, MAG7, 128.0, False) * x4[None, :]
+            t += _nib(hi, 0xF00, MAG15, 32768.0, False) * x5[None, :]
+            t += _nib(hi, 0xF000, MAG11, 2048.0, False) * x6[None, :]
+            t += _nib(hi, 0xF0000, MAG7, 128.0, False) * x7[None, :]
+        d = tl.sum(tl.reshape(t, [t.shape[0], BC, 4]), axis=2)  # [BLOCK_N, BC]: sum over one chunk
+        if not EXACT:
+            xb = 32768.0 * (x0 + x5) + 2048.0 * (x1 + x3 + x6) + 128.0 * (x2 + x4 + x7)
+            d -= tl.sum(tl.reshape(xb, [BC, 4]), axis=1)[None, :]
+        sx = tl.zeros([BC], dtype=tl.float32)
+        if HAS_Z:
+            sx = tl.sum(tl.reshape(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, [BC, 4]), axis=1)  # [BC]
+        if not PER_CHANNEL:  # a 32-column chunk lies inside one group (G % 32 == 0)
+            cc = w0 // 4 + tl.arange(0, BC)
+            g = cc * 32 // G
+            mg = mask_n[:, None] & (cc < KW // 4)[None, :]
+            sc = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
+            if HAS_Z:
+                z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
+                d -= z * sx[None, :]
+            d = sc * d
+        return d, sx
+
+    @triton.jit
     def _w4a16_gemv1_kernel(
         X, QW, S, Z, BIAS, Y,
         A, B, W1, B1, W2, B2, ALPHA, HBUF, GH, CNT,
         N, K, KW, NG, R, D, MAG7, MAG11, MAG15, MAG19, MAG23,
-        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
+        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
         EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, GH_COPIES: tl.constexpr,
     ):
+        # Persistent over row blocks: program p takes blocks p, p + nprog, ...; its (block, K tile)
+        # items form one loop, and the next item's weights are always in flight, also across blocks.
         pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+        nprog = tl.num_programs(0)
+        n_rb = tl.cdiv(N, BLOCK_N)
+        T = tl.cdiv(KW, BLOCK_W)  # K tiles per row block
+        n_items = tl.cdiv(n_rb - pid, nprog) * T
+        FLAG: tl.constexpr = 32  # counters on separate 128-byte lines: CNT[0] producers, [32] ready, [64] done
+        DONE: tl.constexpr = 64
         if HAS_EC:
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
             if (EC_PARTS & 1) != 0 and pid < P_H:
-                # ---- producer (the first P_H programs, before their own rows): split-K partial of h = A x
+                # ---- producer (the first P_H programs, before their rows): split-K partial of h = A x
                 chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
                 k_lo = pid * chunk
                 h = tl.zeros([R_P], dtype=tl.float32)
@@ -113,105 +175,78 @@ if HAS_TRITON:
                 tl.debug_barrier()
                 old = tl.atomic_add(CNT, 1, sem="acq_rel")
                 if (EC_PARTS & 2) != 0 and old == P_H - 1:
-                    # the last producer gates once and publishes g * h behind a ready flag
-                    hf = tl.load(HBUF + offs_r, volatile=True)
-                    tl.store(GH + offs_r, _ec_gate(hf, W1, B1, W2, B2, R, D, R_P, D_P, ACT))
+                    # the last producer gates once, publishes g * h in GH_COPIES copies (every
+                    # program reads one: no single hot L2 line), resets h, then raises the flag
                     tl.debug_barrier()
-                    tl.atomic_xchg(CNT + 1, 1, sem="release")
-            # EC operands that do not depend on h: load them before the weight stream
-            bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                         other=0.0).to(tl.float32)
+                    hf = tl.load(HBUF + offs_r, cache_modifier=".cg")
+                    gh = _ec_gate(hf, W1, B1, W2, B2, R, D, R_P, D_P, ACT)
+                    offs_g = tl.arange(0, GH_COPIES)
+                    tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
+                    tl.store(HBUF + offs_r, tl.zeros([R_P], tl.float32))
+                    tl.atomic_xchg(CNT, 0)
+                    tl.debug_barrier()
+                    tl.atomic_xchg(CNT + FLAG, 1, sem="release")
             alpha = tl.load(ALPHA).to(tl.float32)
         offs_w = tl.arange(0, BLOCK_W)
-        BC: tl.constexpr = BLOCK_W // 4  # 32-column chunks per tile (4 words, one thread's 16 bytes)
-        offs_c = tl.arange(0, BC)
+        BC: tl.constexpr = BLOCK_W // 4
         acc = tl.zeros([BLOCK_N, BC], dtype=tl.float32)
         sxa = tl.zeros([BC], dtype=tl.float32)  # per-channel zero point: sum_k x
-        wp = QW + offs_n[:, None] * KW + offs_w[None, :]
-        mrow = mask_n[:, None]
-        w = tl.load(wp, mask=mrow & (offs_w[None, :] < KW), other=0, eviction_policy="evict_first")
-        for w0 in range(0, KW, BLOCK_W):
-            ww = w0 + offs_w
-            mask_w = ww < KW
-            if PREFETCH:  # the next tile's weights are in flight while this one is computed
-                wn = tl.load(wp + (w0 + BLOCK_W), mask=mrow & ((ww + BLOCK_W) < KW)[None, :], other=0,
-                             eviction_policy="evict_first")
-            else:
-                w = tl.load(wp + w0, mask=mrow & mask_w[None, :], other=0, eviction_policy="evict_first")
-            x0 = _xi(X, ww, mask_w, 0)
-            x1 = _xi(X, ww, mask_w, 1)
-            x2 = _xi(X, ww, mask_w, 2)
-            x3 = _xi(X, ww, mask_w, 3)
-            x4 = _xi(X, ww, mask_w, 4)
-            x5 = _xi(X, ww, mask_w, 5)
-            x6 = _xi(X, ww, mask_w, 6)
-            x7 = _xi(X, ww, mask_w, 7)
-            hi = w >> 12  # nibbles 5..7 at bits 8..19
-            if EXACT:  # nibble p at bits 4p: mantissa weight 1 under 2^(23 - 4p)
-                t = _nib(w, 0xF, MAG23, 8388608.0, True) * x0[None, :]
-                t += _nib(w, 0xF0, MAG19, 524288.0, True) * x1[None, :]
-                t += _nib(w, 0xF00, MAG15, 32768.0, True) * x2[None, :]
-                t += _nib(w, 0xF000, MAG11, 2048.0, True) * x3[None, :]
-                t += _nib(w, 0xF0000, MAG7, 128.0, True) * x4[None, :]
-                t += _nib(hi, 0xF00, MAG15, 32768.0, True) * x5[None, :]
-                t += _nib(hi, 0xF000, MAG11, 2048.0, True) * x6[None, :]
-                t += _nib(hi, 0xF0000, MAG7, 128.0, True) * x7[None, :]
-            else:  # every nibble at bits 8..19 (2^E <= 2^15); the biases leave through xb below
-                lo = w << 8
-                t = _nib(lo, 0xF00, MAG15, 32768.0, False) * x0[None, :]
-                t += _nib(lo, 0xF000, MAG11, 2048.0, False) * x1[None, :]
-                t += _nib(lo, 0xF0000, MAG7, 128.0, False) * x2[None, :]
-                t += _nib(w, 0xF000, MAG11, 2048.0, False) * x3[None, :]
-                t += _nib(w, 0xF0000, MAG7, 128.0, False) * x4[None, :]
-                t += _nib(hi, 0xF00, MAG15, 32768.0, False) * x5[None, :]
-                t += _nib(hi, 0xF000, MAG11, 2048.0, False) * x6[None, :]
-                t += _nib(hi, 0xF0000, MAG7, 128.0, False) * x7[None, :]
-            d = tl.sum(tl.reshape(t, [BLOCK_N, BC, 4]), axis=2)  # [BLOCK_N, BC]: sum over one chunk
-            if not EXACT:
-                xb = 32768.0 * (x0 + x5) + 2048.0 * (x1 + x3 + x6) + 128.0 * (x2 + x4 + x7)
-                d -= tl.sum(tl.reshape(xb, [BC, 4]), axis=1)[None, :]
-            if HAS_Z:
-                sx = tl.sum(tl.reshape(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, [BC, 4]), axis=1)  # [BC]
-            if PER_CHANNEL:
-                acc += d
-                if HAS_Z:
-                    sxa += sx
-            else:  # a 32-column chunk lies inside one group (G % 32 == 0)
-                cc = w0 // 4 + offs_c
-                g = cc * 32 // G
-                mg = mask_n[:, None] & (cc < KW // 4)[None, :]
-                s = tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
-                if HAS_Z:
-                    z = tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)
-                    d -= z * sx[None, :]
-                acc += s * d
-            if PREFETCH:
-                w = wn
-        out = tl.sum(acc, axis=1)  # [BLOCK_N]
-        if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
-            if HAS_Z:
-                out -= tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.sum(sxa, axis=0)
-            out *= tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            out += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = tl.load(QW + offs_n[:, None] * KW + offs_w[None, :], mask=(offs_n < N)[:, None] & (offs_w < KW)[None, :],
+                    other=0, eviction_policy="evict_first")
         if HAS_EC:
-            if (EC_PARTS & 4) != 0:  # wait for g * h: poll with plain loads, then one acquire
-                c = tl.load(CNT + 1, volatile=True)
-                while c == 0:
-                    c = tl.load(CNT + 1, volatile=True)
-                tl.atomic_add(CNT + 1, 0, sem="acquire")
-            if (EC_PARTS & 8) != 0:
-                gh = tl.load(GH + offs_r, volatile=True)
-                out += alpha * tl.sum(bt * gh[None, :], axis=1)
+            bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=(offs_n < N)[:, None] & mask_r[None, :],
+                         other=0.0).to(tl.float32)
+        for j in range(0, n_items):
+            kt = j % T
+            rb = pid + (j // T) * nprog
+            offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            # the next item's weights: in flight while this tile is computed
+            jn = j + 1
+            offs_nn = (pid + (jn // T) * nprog) * BLOCK_N + tl.arange(0, BLOCK_N)
+            wn_w = (jn % T) * BLOCK_W + offs_w
+            wn = tl.load(QW + offs_nn[:, None] * KW + wn_w[None, :],
+                         mask=((offs_nn < N) & (jn < n_items))[:, None] & (wn_w < KW)[None, :], other=0,
+                         eviction_policy="evict_first")
+            d, sx = _gemv1_tile(w, X, S, Z, offs_n, mask_n, kt * BLOCK_W, KW, NG, MAG7, MAG11, MAG15, MAG19, MAG23,
+                                G, BLOCK_W, EXACT, PER_CHANNEL, HAS_Z)
+            acc += d
+            if PER_CHANNEL and HAS_Z:
+                sxa += sx
+            if kt == T - 1:  # row block done: reduce, finish, store
+                out = tl.sum(acc, axis=1)  # [BLOCK_N]
+                if PER_CHANNEL:  # y = s * (sum q x - z * sum x), applied once
+                    if HAS_Z:
+                        out -= tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.sum(sxa, axis=0)
+                    out *= tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    out += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_EC:
+                    if (EC_PARTS & 4) != 0:  # wait for g * h: poll with plain loads, then one acquire
+                        c = tl.load(CNT + FLAG, volatile=True)
+                        while c == 0:
+                            c = tl.load(CNT + FLAG, volatile=True)
+                        tl.atomic_add(CNT + FLAG, 0, sem="acquire")
+                        tl.debug_barrier()
+                    if (EC_PARTS & 8) != 0:
+                        gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
+                        out += alpha * tl.sum(bt * gh[None, :], axis=1)
+                    # the next row block's B rows
+                    offs_nb = (rb + nprog) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    bt = tl.load(B + offs_nb[:, None] * R + offs_r[None, :],
+                                 mask=(offs_nb < N)[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+                tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
+                acc = tl.zeros([BLOCK_N, BC], dtype=tl.float32)
+                sxa = tl.zeros([BC], dtype=tl.float32)
+            w = wn
+        if HAS_EC:
             if (EC_PARTS & 4) != 0:
                 tl.debug_barrier()
-                done = tl.atomic_add(CNT + 2, 1, sem="acq_rel")
-                if done == tl.num_programs(0) - 1:  # the last reader resets the workspace
-                    tl.store(HBUF + offs_r, tl.zeros([R_P], tl.float32))
-                    tl.atomic_xchg(CNT + 2, 0)
-                    tl.atomic_xchg(CNT + 1, 0)
-                    tl.atomic_xchg(CNT, 0)
-        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
+                done = tl.atomic_add(CNT + DONE, 1, sem="acq_rel")
+                if done == nprog - 1:  # the last reader lowers the flag for the next launch
+                    tl.atomic_xchg(CNT + DONE, 0)
+                    tl.atomic_xchg(CNT + FLAG, 0)
 
     @triton.jit
     def _w4a16_gemv_kernel(
@@ -309,7 +344,8 @@ if HAS_TRITON:
             while c < P_H:
                 c = tl.load(CNT, volatile=True)
             tl.atomic_add(CNT, 0, sem="acquire")
-            h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], volatile=True)
+            tl.debug_barrier()  # every thread reads h after the acquire (L2, not a per-thread system-scope load)
+            h = tl.load(HBUF + offs_m[:, None] * R_P + offs_r[None, :], cache_modifier=".cg")
             zz = gate_act(tl.sum(h[:, None, :] * w1[None, :, :], axis=2) + b1[None, :], ACT)
             gg = tl.sigmoid(tl.sum(zz[:, None, :] * w2[None, :, :], axis=2) + b2[None, :])
             acc += alpha * tl.sum((gg * h)[:, None, :] * bt[None, :, :], axis=2)
@@ -385,11 +421,12 @@ if HAS_TRITON:
 
 
 # ------------------------------------------------------------------------ host side
-# M = 1 kernel: (BLOCK_N, BLOCK_W int32 words per row per tile, num_warps, prefetch 0/1)
-GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
-    (8, 512, 4, 1), (8, 512, 4, 0), (16, 512, 4, 0), (4, 1024, 8, 1), (8, 256, 2, 1), (16, 256, 4, 1),
-    (8, 1024, 8, 1), (4, 512, 4, 1),
+# M = 1 kernel: (BLOCK_N, BLOCK_W int32 words per row per tile, num_warps, programs per SM)
+GEMV1_CONFIGS = [(16, 64, 4, 2)] if INTERPRET else [
+    (8, 512, 4, 4), (8, 512, 4, 3), (8, 512, 4, 64), (8, 256, 2, 8), (8, 256, 2, 6), (4, 512, 4, 6),
+    (8, 1024, 8, 2), (16, 512, 4, 2),
 ]
+GH_COPIES = 16  # copies of the M = 1 kernel's g * h in the workspace
 # Exact nibble conversion (q exact in fp32) or biased (2^E + q with 2^E <= 2^15; the bias is
 # removed per 32-column chunk): see the kernel docstring and benchmarks/NOTES.md.
 GEMV1_EXACT = True
@@ -449,8 +486,9 @@ def _tiles(bk: int, G: int, K: int) -> tuple[int, int]:
 
 
 def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernels' workspace: h buffer [GEMV_MAX_M + 1, r_p] fp32 (row GEMV_MAX_M is
-    the M = 1 kernel's published g * h) and three counters, zeroed once.
+    """The fused kernels' workspace: fp32 [GEMV_MAX_M + GH_COPIES, r_p] (rows < GEMV_MAX_M: h
+    accumulators; the rest: the M = 1 kernel's published g * h copies) and int32 counters
+    (the M > 1 kernel uses [0], [1]; the M = 1 kernel [0], [32], [64]), zeroed once.
 
     Shared by every fused launch on the device: launches on one stream serialize, and each
     launch leaves the h rows and counters zeroed (see the kernel docstrings).
@@ -458,8 +496,8 @@ def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Te
     key = (str(device), r_p)
     ws = _WORKSPACE.get(key)
     if ws is None:
-        ws = (torch.zeros(GEMV_MAX_M + 1, r_p, dtype=torch.float32, device=device),
-              torch.zeros(4, dtype=torch.int32, device=device))
+        ws = (torch.zeros(GEMV_MAX_M + GH_COPIES, r_p, dtype=torch.float32, device=device),
+              torch.zeros(96, dtype=torch.int32, device=device))
         _WORKSPACE[key] = ws
     return ws
 
@@ -510,38 +548,47 @@ def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
     return M == 1 and K % 32 == 0 and (G >= K or G % 32 == 0) and qweight.is_contiguous()
 
 
+def _num_sms(device) -> int:
+    if INTERPRET or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, exact: Optional[bool] = None,
                 ec_parts: int = 15) -> torch.Tensor:
-    """Y[1, N] through the M = 1 kernel (``ec_parts`` < 15 leaves EC stages out, for timing only:
-    it leaves the workspace dirty)."""
+    """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, programs per SM):
+    the grid is min(row blocks, programs per SM x SMs). ``ec_parts`` < 15 leaves EC stages out,
+    for timing only (it leaves the workspace dirty)."""
     M, K = x2.shape
     N = qweight.shape[0]
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     words = gemv_words(qweight)
-    bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
+    bn, bw, warps, pps = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
+    grid = min(triton.cdiv(N, bn), pps * _num_sms(x2.device))
     dummy = scales
     if ec is not None:
         A, B, W1, b1, W2, b2, alpha = ec
         R, D = A.shape[0], W1.shape[0]
         r_p, d_p = next_pow2(R), next_pow2(D)
         hbuf, cnt = ec_workspace(x2.device, r_p)
-        gh = hbuf[GEMV_MAX_M]
+        gh = hbuf[GEMV_MAX_M:]
         # Programs run one after another in Triton's interpreter: a single producer (program 0)
         # keeps the spin-wait satisfiable there.
-        p_h = 1 if INTERPRET else max(1, min(64, triton.cdiv(K, 256), triton.cdiv(N, bn)))
+        bkh = 32 if INTERPRET else 64
+        p_h = 1 if INTERPRET else max(1, min(64, triton.cdiv(K, bkh), grid))
     else:
         A = B = W1 = b1 = W2 = b2 = alpha = hbuf = gh = cnt = dummy
-        R = D = r_p = d_p = 1
+        R = D = r_p = d_p = bkh = 1
         p_h = 0
-    _w4a16_gemv1_kernel[(triton.cdiv(N, bn),)](
+    _w4a16_gemv1_kernel[(grid,)](
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
         A, B, W1, b1, W2, b2, alpha, hbuf, gh, cnt,
         N, K, K // 8, K // G, R, D, *_MAGICS,
-        G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), EXACT=GEMV1_EXACT if exact is None else exact,
+        G=G, BLOCK_N=bn, BLOCK_W=bw, EXACT=GEMV1_EXACT if exact is None else exact,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
-        EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=32 if INTERPRET else 64, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=bkh, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
         num_warps=warps, num_stages=1,
     )
     return y
