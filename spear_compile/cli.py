@@ -1,7 +1,8 @@
 """The ``spear`` command.
 
     spear demo      SmolLM2-135M + Shakespeare: quantize W4, compile with backend="spear",
-                    check compiled == eager, print reference and W4 perplexity
+                    check compiled == eager, fit SPEAR ECs (selection + KL calibration on
+                    self-sampled text, 1% of fp16 bytes), print ref / W4 / SPEAR perplexity
     spear eval      ref / quantized / compensated perplexity at a memory budget, as JSON
     spear inspect   write the graph-inspection report (graph.json, report.html, summary.json)
 """
@@ -20,15 +21,34 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true", help="symmetric quantization (zero point 8)")
 
 
+def _compile_and_check(model, wins, label: str) -> tuple[torch.nn.Module, float, float]:
+    """torch.compile(backend="spear"), first call timed, max |compiled - eager| logits."""
+    compiled = torch.compile(model, backend="spear")
+    with torch.no_grad():
+        t = time.time()
+        c_logits = compiled(wins[:1]).logits
+        compile_s = time.time() - t
+        e_logits = model(wins[:1]).logits
+    diff = (c_logits - e_logits).abs().max().item()
+    print(f"      {label}: compiled vs eager logits max |diff| = {diff:.2e} (first call incl. compile {compile_s:.1f}s)",
+          flush=True)
+    return compiled, diff, compile_s
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    import copy
+
     from . import QuantConfig, quantize_
+    from .compensators.calibrate import CalibConfig, sample_sequences
+    from .compensators.spear import SpearConfig, fit_spear_
     from .data import perplexity, read_text, windows
+    from .evaluate import fp16_bytes
     from .models import load
 
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     t0 = time.time()
-    print(f"[1/5] loading {args.model} (offline) ...", flush=True)
+    steps = 5 if args.budget <= 0 else 8
+    print(f"[1/{steps}] loading {args.model} (offline) ...", flush=True)
     ref, tok = load(args.model)
     if tok is None:
         raise SystemExit(f"spear demo: model {args.model!r} has no tokenizer; use smollm2-135m or a hub model")
@@ -37,32 +57,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
     wins = windows(ids, args.seq_len, args.max_tokens)
     print(f"      text {args.text}: {ids.numel()} tokens -> {wins.shape[0]} windows of {args.seq_len}", flush=True)
 
-    print("[2/5] quantizing a copy to W4 (RTN, "
+    print(f"[2/{steps}] quantizing a copy to W4 (RTN, "
           f"{'per-channel' if not args.group_size else f'group {args.group_size}'}) ...", flush=True)
-    import copy
-
     qmodel = quantize_(copy.deepcopy(ref), QuantConfig(group_size=args.group_size or None, symmetric=args.symmetric))
     n_q = sum(1 for m in qmodel.modules() if type(m).__name__ == "QuantLinear")
 
-    print(f"[3/5] torch.compile(backend='spear') on {n_q} quantized linears ...", flush=True)
-    compiled = torch.compile(qmodel, backend="spear")
-    with torch.no_grad():
-        t = time.time()
-        c_logits = compiled(wins[:1]).logits
-        compile_s = time.time() - t
-        e_logits = qmodel(wins[:1]).logits
-    diff = (c_logits - e_logits).abs().max().item()
-    print(f"      compiled vs eager logits: max |diff| = {diff:.2e}  (first call incl. compile {compile_s:.1f}s)")
-
-    print("[4/5] perplexity of the full-precision reference ...", flush=True)
+    print(f"[3/{steps}] torch.compile(backend='spear') on {n_q} quantized linears ...", flush=True)
+    compiled, diff, compile_s = _compile_and_check(qmodel, wins, "W4")
+    print(f"[4/{steps}] perplexity of the full-precision reference ...", flush=True)
     ppl_ref = perplexity(ref, wins, desc="ppl ref")
-    print("[5/5] perplexity of the W4 model (compiled) ...", flush=True)
+    print(f"[5/{steps}] perplexity of the W4 model (compiled) ...", flush=True)
     ppl_q = perplexity(compiled, wins, desc="ppl w4")
     result = {"model": args.model, "text": args.text, "tokens": int(wins.numel()), "seq_len": args.seq_len,
               "group_size": args.group_size, "quantized_linears": n_q, "compiled_vs_eager_max_abs_diff": diff,
-              "ppl_ref": ppl_ref, "ppl_w4": ppl_q, "compile_seconds": compile_s, "total_seconds": time.time() - t0}
-    print(f"\n  {'model':<28}{'perplexity':>12}\n  {'full precision':<28}{ppl_ref:>12.2f}\n"
-          f"  {'W4 RTN (spear-compiled)':<28}{ppl_q:>12.2f}\n")
+              "ppl_ref": ppl_ref, "ppl_w4": ppl_q, "compile_seconds": compile_s}
+    rows = [("full precision", ppl_ref), ("W4 RTN (spear-compiled)", ppl_q)]
+    if args.budget > 0:
+        calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps)
+        print(f"[6/{steps}] sampling {calib.n_seqs} x {calib.seq_len} calibration tokens from the fp model "
+              "(no dataset) ...", flush=True)
+        t = time.time()
+        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, seed=calib.seed)
+        sampling_s = time.time() - t
+        print(f"[7/{steps}] SPEAR: CKA damage -> plan at {args.budget:.1%} of fp16 bytes -> QERA init -> "
+              f"KL calibration ({calib.steps} steps) ...", flush=True)
+        smodel = copy.deepcopy(qmodel)
+        ecs, log = fit_spear_(ref, smodel, seqs, int(args.budget * fp16_bytes(ref)), SpearConfig(calib=calib))
+        fit_s = sampling_s + log["seconds"]["total"]
+        used = sum(p.numel() * 2 for e in ecs.values() for p in e.parameters())
+        print(f"      {len(ecs)} ECs, {used / fp16_bytes(ref):.2%} of fp16 bytes, selection + calibration "
+              f"{fit_s:.0f}s (sampling {sampling_s:.0f}s, " +
+              ", ".join(f"{k} {v:.0f}s" for k, v in log["seconds"].items() if k != "total") + ")", flush=True)
+        print(f"[8/{steps}] perplexity of the SPEAR model (compiled) ...", flush=True)
+        s_compiled, s_diff, _ = _compile_and_check(smodel, wins, "SPEAR")
+        ppl_s = perplexity(s_compiled, wins, desc="ppl spear")
+        diff = max(diff, s_diff)
+        rows.append((f"W4 + SPEAR ({used / fp16_bytes(ref):.2%})", ppl_s))
+        result.update(ppl_spear=ppl_s, gap_recovered=(ppl_q - ppl_s) / (ppl_q - ppl_ref), ec_bytes=used,
+                      memory_overhead=used / fp16_bytes(ref), ec_modules=len(ecs), spear_compiled_vs_eager=s_diff,
+                      selection_calibration_seconds=fit_s, seconds={"sampling": sampling_s, **log["seconds"]})
+    result["total_seconds"] = time.time() - t0
+    print(f"\n  {'model':<30}{'perplexity':>12}")
+    for name, v in rows:
+        print(f"  {name:<30}{v:>12.2f}")
+    if "gap_recovered" in result:
+        print(f"  SPEAR recovers {result['gap_recovered']:.1%} of the W4 perplexity gap")
+    print()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -98,11 +138,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .compensators.calibrate import CalibConfig
+    from .compensators.spear import SpearConfig
     from .evaluate import run_eval
 
     calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps, seed=args.seed)
+    spear = SpearConfig(damage_seqs=args.damage_seqs, allocation=args.allocation, calib=calib)
     res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
-                   args.max_tokens, calib)
+                   args.max_tokens, spear)
     print(f"ppl ref {res['ppl_ref']:.2f} | {args.quant} g{args.group_size or 'ch'} {res['ppl_quant']:.2f} | "
           f"{args.method} {res['ppl_method']:.2f} | gap recovered {res['gap_recovered']:.1%} | "
           f"EC bytes {res['memory_overhead']:.2%} of fp16 on {len(res['modules'])} modules | "
@@ -123,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seq-len", type=int, default=512)
     d.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     d.add_argument("--tol", type=float, default=1e-4, help="max |compiled - eager| logits allowed")
+    d.add_argument("--budget", type=float, default=0.01,
+                   help="SPEAR EC bytes as a fraction of the fp16 model (0 = skip SPEAR, W4 only)")
+    d.add_argument("--steps", type=int, default=80, help="SPEAR KL calibration steps")
+    d.add_argument("--calib-seqs", type=int, default=32, help="self-sampled calibration sequences")
+    d.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
     d.add_argument("--json", default=None, help="write the results as JSON here")
     _add_quant_args(d)
     d.set_defaults(fn=cmd_demo)
@@ -142,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--calib-len", type=int, default=256)
     e.add_argument("--steps", type=int, default=80)
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--damage-seqs", type=int, default=2, help="SPEAR: sequences the CKA damage is measured on")
+    e.add_argument("--allocation", default="greedy", choices=["greedy", "shared"], help="SPEAR rank allocation")
     e.add_argument("--json", default=None)
     e.set_defaults(fn=cmd_eval)
     i = sub.add_parser("inspect", help="write the graph inspection report for a model")

@@ -10,14 +10,17 @@ Methods at a byte budget (``--budget 0.01`` = EC bytes <= 1 % of the fp16 model)
   none   the quantized model alone
   lorc / lqer / qera   static rank-r corrections on every quantized linear, the largest
          uniform r that fits (A, B stored in fp16); statistics from self-sampled text
-  spear  CKA damage -> entropy plan (``compensators/selection.py``) -> activation-scaled
-         SVD init -> KL calibration on self-sampled text (``compensators/calibrate.py``)
+  spear  CKA damage -> entropy plan with greedy ranks -> QERA-exact init -> KL calibration
+         on self-sampled text (``compensators/spear.py``)
+
+``calibration_seconds`` counts everything the method needs after quantization: sampling the
+calibration text from the fp model, and for SPEAR damage, statistics, init and training
+(``seconds`` breaks it down).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import time
 from typing import Optional, Sequence
@@ -26,13 +29,15 @@ import torch
 from torch import nn
 
 from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quantized_linears
-from .compensators.calibrate import CalibConfig, calibrate_, sample_sequences
-from .compensators.selection import ec_bytes, module_damage, plan, shapes_of
+from .compensators.calibrate import sample_sequences
+from .compensators.selection import ec_bytes
+from .compensators.spear import SpearConfig, fit_spear_
 from .compensators.static import lorc, lqer, qera_exact
 from .compensators.stats import collect_input_stats
 from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
 
 METHODS = ("none", "spear", "lorc", "lqer", "qera")
+QUANTS = ("rtn", "gptq")
 
 
 def fp16_bytes(model: nn.Module) -> int:
@@ -71,75 +76,116 @@ def _static_ecs(method: str, ref: nn.Module, q: nn.Module, stats, budget_bytes: 
     return ecs
 
 
+class EvalSession:
+    """One model and evaluation text, many (quantizer, method, budget) runs.
+
+    Caches what runs share: the reference perplexity, the self-sampled calibration text,
+    each quantized base model and its perplexity. Every run still reports the sampling time
+    in its ``calibration_seconds``: a single ``spear eval`` has to pay it.
+    """
+
+    def __init__(self, model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS,
+                 seq_len: int = 2048, max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(),
+                 progress: bool = True) -> None:
+        from .models import load
+
+        self.model_name, self.texts, self.seq_len, self.spear, self.progress = model_name, list(texts), seq_len, spear, progress
+        torch.manual_seed(spear.calib.seed)
+        self.ref, tok = load(model_name)
+        if tok is None:
+            raise ValueError(f"spear eval: model {model_name!r} has no tokenizer")
+        self.wins = torch.cat([windows(tok(read_text(t), return_tensors="pt").input_ids[0], seq_len, max_tokens)
+                               for t in texts])
+        self.ref_bytes = fp16_bytes(self.ref)
+        self._ppl_ref: Optional[float] = None
+        self._seqs: Optional[torch.Tensor] = None
+        self.sampling_seconds = 0.0
+        self._bases: dict = {}
+
+    @property
+    def ppl_ref(self) -> float:
+        if self._ppl_ref is None:
+            self._ppl_ref = perplexity(self.ref, self.wins, progress=self.progress, desc="ppl ref")
+        return self._ppl_ref
+
+    @property
+    def seqs(self) -> torch.Tensor:
+        """The only calibration data: text the full-precision model writes."""
+        if self._seqs is None:
+            c = self.spear.calib
+            t0 = time.time()
+            self._seqs = sample_sequences(self.ref, c.n_seqs, c.seq_len, self.ref.config.bos_token_id, seed=c.seed,
+                                          progress=self.progress)
+            self.sampling_seconds = time.time() - t0
+        return self._seqs
+
+    def base(self, quant: str, group_size: int) -> tuple[nn.Module, float]:
+        """(quantized copy of the reference, its perplexity), cached per (quant, group_size)."""
+        if quant not in QUANTS:
+            raise ValueError(f"spear eval: quant {quant!r}; expected one of {QUANTS}")
+        key = (quant, group_size)
+        if key not in self._bases:
+            seqs = self.seqs if quant != "rtn" else None
+            calib = None if seqs is None else [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
+            q = quantize_(copy.deepcopy(self.ref), QuantConfig(group_size=group_size or None, method=quant),
+                          progress=self.progress, calib=calib)
+            self._bases[key] = (q, perplexity(q, self.wins, progress=self.progress, desc=f"ppl {quant}"))
+        return self._bases[key]
+
+    def run(self, quant: str = "rtn", group_size: int = 0, method: str = "spear", budget: float = 0.01) -> dict:
+        if method not in METHODS:
+            raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
+        ref, spear, calib = self.ref, self.spear, self.spear.calib
+        torch.manual_seed(calib.seed)
+        budget_bytes = int(budget * self.ref_bytes)
+        ppl_ref = self.ppl_ref
+        base, ppl_quant = self.base(quant, group_size)
+        q = copy.deepcopy(base)
+        t0 = time.time()
+        ecs: dict[str, ErrorCompensator] = {}
+        log: dict = {}
+        if method != "none":
+            seqs = self.seqs
+            if method == "spear":
+                ecs, log = fit_spear_(ref, q, seqs, budget_bytes, spear, progress=self.progress)
+            else:
+                stats = collect_input_stats(ref, [seqs[i:i + 4] for i in range(0, len(seqs), 4)],
+                                            names=list(quantized_linears(q)), module_type=nn.Linear,
+                                            full=(method == "qera"))
+                ecs = _static_ecs(method, ref, q, stats, budget_bytes)
+                attach_(q, ecs)
+        calib_s = time.time() - t0 + (self.sampling_seconds if method != "none" else 0.0)
+        ppl_method = perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if ecs else ppl_quant
+        if method == "spear":
+            used = sum(ec_bytes(e.out_features, e.in_features, e.rank, spear.gate_hidden) for e in ecs.values())
+        else:
+            used = sum(2 * e.rank * (e.in_features + e.out_features) for e in ecs.values())
+        qls = quantized_linears(q).values()
+        w4_bytes = sum(m.qweight.numel() + 2 * (m.scales.numel() + m.zeros.numel()) for m in qls)
+        w4_model_bytes = self.ref_bytes - 2 * sum(m.in_features * m.out_features for m in qls) + w4_bytes
+        gap = ppl_quant - ppl_ref
+        return {
+            "model": self.model_name, "texts": self.texts, "tokens": int(self.wins.numel()), "seq_len": self.seq_len,
+            "quant": quant, "group_size": group_size, "method": method, "budget": budget,
+            "ppl_ref": ppl_ref, "ppl_quant": ppl_quant, "ppl_method": ppl_method,
+            "gap_recovered": (ppl_quant - ppl_method) / gap if gap > 0 else math.nan,
+            "ec_bytes": used, "ref_model_bytes": self.ref_bytes, "memory_overhead": used / self.ref_bytes,
+            "memory_overhead_of_w4": used / w4_model_bytes,
+            "modules": [{"name": n, "rank": e.rank} for n, e in sorted(ecs.items())],
+            "calibration_seconds": calib_s,
+            "seconds": {"sampling": self.sampling_seconds if method != "none" else 0.0, **log.get("seconds", {})},
+            "calibration": dataclasses.asdict(calib),
+            "spear": {k: v for k, v in dataclasses.asdict(spear).items() if k != "calib"},
+            "calibration_losses": log.get("losses", []), "plan": log.get("plan"),
+        }
+
+
 def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS, quant: str = "rtn",
              group_size: int = 0, method: str = "spear", budget: float = 0.01, seq_len: int = 2048,
-             max_tokens: Optional[int] = None, calib: CalibConfig = CalibConfig(), gate_hidden: int = 8,
-             progress: bool = True) -> dict:
-    from .models import load
-
+             max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(), progress: bool = True) -> dict:
+    """One ``spear eval`` run (see the module doc for the keys)."""
     if method not in METHODS:
         raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
-    if quant not in ("rtn", "gptq"):
-        raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet (rtn, gptq)")
-    torch.manual_seed(calib.seed)
-    ref, tok = load(model_name)
-    if tok is None:
-        raise ValueError(f"spear eval: model {model_name!r} has no tokenizer")
-    wins = torch.cat([windows(tok(read_text(t), return_tensors="pt").input_ids[0], seq_len, max_tokens) for t in texts])
-    ref_bytes = fp16_bytes(ref)
-    budget_bytes = int(budget * ref_bytes)
-    ppl_ref = perplexity(ref, wins, progress=progress, desc="ppl ref")
-    seqs = None
-    if quant == "gptq" or method != "none":  # the only calibration data: text the fp model writes
-        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, seed=calib.seed,
-                                progress=progress)
-    q = quantize_(copy.deepcopy(ref), QuantConfig(group_size=group_size or None, method=quant), progress=progress,
-                  calib=None if seqs is None else [seqs[i:i + 4] for i in range(0, len(seqs), 4)])
-    ppl_quant = perplexity(q, wins, progress=progress, desc="ppl quant")
-    t0 = time.time()
-    ecs: dict[str, ErrorCompensator] = {}
-    log: dict = {}
-    if method != "none":
-        if method == "spear":
-            damage = module_damage(ref, q, [seqs[i:i + 4] for i in range(0, min(8, len(seqs)), 4)],
-                                   progress=progress)
-            p = plan(damage, shapes_of(q, damage), budget_bytes, gate_hidden=gate_hidden)
-            names = [m.name for m in p.modules]
-            stats = collect_input_stats(ref, [seqs[i:i + 4] for i in range(0, len(seqs), 4)], names=names,
-                                        module_type=nn.Linear)
-            ref_mods = dict(ref.named_modules())
-            for m in p.modules:
-                ql = q.get_submodule(m.name)
-                ecs[m.name] = ErrorCompensator.from_weight_error(
-                    ref_mods[m.name].weight, ql.dequantize(torch.float32),
-                    ECConfig(rank=m.rank, gate_hidden=gate_hidden), act_scale=stats[m.name].mean_sq.sqrt())
-            attach_(q, ecs)
-            log = calibrate_(q, ref, seqs, calib, progress=progress)
-            log["plan"] = json.loads(p.to_json())
-        else:
-            stats = collect_input_stats(ref, [seqs[i:i + 4] for i in range(0, len(seqs), 4)],
-                                        names=list(quantized_linears(q)), module_type=nn.Linear,
-                                        full=(method == "qera"))
-            ecs = _static_ecs(method, ref, q, stats, budget_bytes)
-            attach_(q, ecs)
-    calib_s = time.time() - t0
-    ppl_method = perplexity(q, wins, progress=progress, desc=f"ppl {method}") if ecs else ppl_quant
-    if method == "spear":
-        used = sum(ec_bytes(e.out_features, e.in_features, e.rank, gate_hidden) for e in ecs.values())
-    else:
-        used = sum(2 * e.rank * (e.in_features + e.out_features) for e in ecs.values())
-    w4_bytes = sum(m.qweight.numel() + 2 * (m.scales.numel() + m.zeros.numel()) for m in quantized_linears(q).values())
-    gap = ppl_quant - ppl_ref
-    return {
-        "model": model_name, "texts": list(texts), "tokens": int(wins.numel()), "seq_len": seq_len,
-        "quant": quant, "group_size": group_size, "method": method, "budget": budget,
-        "ppl_ref": ppl_ref, "ppl_quant": ppl_quant, "ppl_method": ppl_method,
-        "gap_recovered": (ppl_quant - ppl_method) / gap if gap > 0 else math.nan,
-        "ec_bytes": used, "ref_model_bytes": ref_bytes, "memory_overhead": used / ref_bytes,
-        "memory_overhead_of_w4": used / (ref_bytes - 2 * sum(m.in_features * m.out_features
-                                                             for m in quantized_linears(q).values()) + w4_bytes),
-        "modules": [{"name": n, "rank": e.rank} for n, e in sorted(ecs.items())],
-        "calibration_seconds": calib_s, "calibration": dataclasses.asdict(calib),
-        "calibration_losses": log.get("losses", []), "plan": log.get("plan"),
-    }
-
+    if quant not in QUANTS:
+        raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet ({', '.join(QUANTS)})")
+    return EvalSession(model_name, texts, seq_len, max_tokens, spear, progress).run(quant, group_size, method, budget)

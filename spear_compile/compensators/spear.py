@@ -1,0 +1,99 @@
+"""The SPEAR pipeline: where ECs go, how they start, and how they are trained.
+
+``fit_spear_(ref, q, seqs, budget_bytes)`` runs, on the quantized copy ``q`` of ``ref``:
+
+1. damage   per-module ``1 - CKA`` with only that module quantized (``selection.module_damage``)
+            on the first ``damage_seqs`` self-sampled sequences;
+2. stats    E[x x^T] of every quantized linear's full-precision input, on all sequences;
+3. plan     entropy of the damage -> how many modules; ranks by greedy damage-weighted
+            output-error reduction per byte (``selection.plan`` with ``spectra``), or one
+            shared rank (``allocation="shared"``);
+4. init     QERA-exact ``B A`` (R_xx-whitened SVD of the weight error, the closed-form
+            optimum of the expected output error), gate pass-through;
+5. train    KL(p_fp || p_q+EC) on the same self-sampled sequences (``calibrate.calibrate_``).
+
+It reads no dataset: ``seqs`` are sampled from ``ref`` by ``calibrate.sample_sequences``.
+Timings of each phase are returned so the 10-minute CPU budget can be checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..config import ECConfig
+from ..quant.linear import QuantLinear
+from .calibrate import CalibConfig, calibrate_
+from .ec import ErrorCompensator
+from .registry import attach_
+from .selection import Plan, module_damage, plan, shapes_of
+from .static import output_error_spectrum
+from .stats import collect_input_stats
+
+_ALLOCATIONS = ("greedy", "shared")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpearConfig:
+    """damage_seqs: sequences (of the calibration set) the CKA damage is measured on.
+    allocation: "greedy" per-module ranks from output-error spectra, or "shared" rank.
+    gate_hidden: width of each EC's gate MLP. calib: the KL training."""
+
+    damage_seqs: int = 2
+    allocation: str = "greedy"
+    gate_hidden: int = 8
+    stats_batch: int = 4
+    calib: CalibConfig = CalibConfig()
+
+    def __post_init__(self) -> None:
+        if self.allocation not in _ALLOCATIONS:
+            raise ValueError(f"SpearConfig.allocation={self.allocation!r}: expected one of {_ALLOCATIONS}")
+        if self.damage_seqs < 1 or self.stats_batch < 1 or self.gate_hidden < 1:
+            raise ValueError(f"SpearConfig: damage_seqs, stats_batch and gate_hidden must be >= 1 (got {self})")
+
+
+def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: int,
+               cfg: SpearConfig = SpearConfig(), progress: bool = True) -> tuple[dict[str, ErrorCompensator], dict]:
+    """Select, initialise, attach and train ECs on ``q`` in place; returns (ECs, log)."""
+    if seqs.dim() != 2 or seqs.shape[0] < 1:
+        raise ValueError(f"fit_spear_: seqs must be [n, T] token ids, got shape {tuple(seqs.shape)}")
+    names = [n for n, m in q.named_modules() if isinstance(m, QuantLinear)]
+    if not names:
+        raise ValueError("fit_spear_: the model has no quantized linears (run quantize_ first)")
+    log: dict = {"seconds": {}}
+    t = time.time()
+    damage = module_damage(ref, q, [seqs[:cfg.damage_seqs]], names=names, progress=progress)
+    log["seconds"]["damage"] = time.time() - t
+
+    t = time.time()
+    batches = [seqs[i:i + cfg.stats_batch] for i in range(0, seqs.shape[0], cfg.stats_batch)]
+    stats = collect_input_stats(ref, batches, names=names, full=True, module_type=nn.Linear)
+    ref_mods, q_mods = dict(ref.named_modules()), dict(q.named_modules())
+    errs = {n: ref_mods[n].weight.detach().float() - q_mods[n].dequantize(torch.float32) for n in names}
+    spectra = None
+    if cfg.allocation == "greedy":
+        spectra = {n: output_error_spectrum(errs[n], stats[n].rxx)
+                   for n in tqdm(names, desc="error spectra", disable=not progress, leave=False)}
+    log["seconds"]["stats"] = time.time() - t
+
+    p: Plan = plan(damage, shapes_of(q, names), budget_bytes, gate_hidden=cfg.gate_hidden, spectra=spectra)
+    t = time.time()
+    ecs = {}
+    for m in p.modules:
+        ec = ErrorCompensator.from_weight_error(ref_mods[m.name].weight, q_mods[m.name].dequantize(torch.float32),
+                                                ECConfig(rank=m.rank, gate_hidden=cfg.gate_hidden),
+                                                rxx=stats[m.name].rxx)
+        ecs[m.name] = ec.to(q_mods[m.name].scales.device)
+    del stats, errs
+    attach_(q, ecs)
+    log["seconds"]["init"] = time.time() - t
+    log["plan"] = json.loads(p.to_json())
+    if ecs:
+        train = calibrate_(q, ref, seqs, cfg.calib, progress=progress)
+        log["losses"], log["seconds"]["calibrate"] = train["losses"], train["seconds"]
+    log["seconds"]["total"] = sum(log["seconds"].values())
+    return ecs, log

@@ -1,0 +1,42 @@
+"""benchmarks/quality.py: the table and plot are built from the saved run JSONs."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("quality", os.path.join(ROOT, "benchmarks", "quality.py"))
+quality = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality)
+
+
+def _run(method, budget, gap, quant="rtn", group=0):
+    return {"quant": quant, "group_size": group, "method": method, "budget": budget, "ppl_ref": 36.0,
+            "ppl_quant": 60.0, "ppl_method": 60.0 - 24.0 * gap, "gap_recovered": gap, "memory_overhead": budget * 0.9,
+            "calibration_seconds": 1.0, "texts": ["hamlet_gut"], "tokens": 2048}
+
+
+def test_aggregate_writes_table_json_and_one_plot_per_base(tmp_path):
+    runs = [_run("qera", 0.005, 0.5), _run("qera", 0.01, 0.6), _run("spear", 0.01, 0.8),
+            _run("lqer", 0.01, 0.4, quant="gptq")]
+    for r in runs:
+        with open(tmp_path / (quality.tag(r["quant"], r["group_size"], r["method"], r["budget"]) + ".json"), "w") as f:
+            json.dump(r, f)
+    res = quality.aggregate(str(tmp_path))
+    assert res["runs"] == 4
+    md = (tmp_path / "quality.md").read_text()
+    assert "| RTN per-channel (36.00 -> 60.00) | spear | - | 80.0% (0.90%, ppl 40.80) |" in md
+    assert "| RTN per-channel (36.00 -> 60.00) | qera | 50.0% (0.45%, ppl 48.00) | 60.0% (0.90%, ppl 45.60) |" in md
+    assert "GPTQ per-channel" in md and md.count("\n") == 2 + 3
+    assert len(json.load(open(tmp_path / "quality.json"))) == 4
+    svg = (tmp_path / "quality_rtn_gch.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 and svg.count("<circle") == 3
+    assert (tmp_path / "quality_gptq_gch.svg").exists()
+
+
+def test_table_skips_foreign_json(tmp_path):
+    (tmp_path / "notes.json").write_text('{"hello": 1}')
+    assert quality.load_runs(str(tmp_path)) == []
+    with pytest.raises(SystemExit):
+        quality.main(["--bogus"])
