@@ -143,7 +143,7 @@ def lab_gemv(args) -> None:
         check("old", lambda xx, o: T.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
         timeit("old", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
         for exact in (True, False):
-            for cfg in configs:  # (BLOCK_N, BLOCK_W, num_warps, programs per SM)
+            for cfg in configs:  # (BLOCK_N, BLOCK_W, num_warps, prefetch)
                 name = f"v4_{'exact' if exact else 'biased'}_{'_'.join(map(str, cfg))}"
                 check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
                                                         exact=exact, out=o))
@@ -154,8 +154,6 @@ def lab_gemv(args) -> None:
             ec = make_ec(N, K, 64)
             cfg = tuple(int(v) for v in best.split("_")[2:])
             exact = "_exact_" in best
-            if cfg[3] > 3:  # the EC kernel holds more registers: 3 programs per SM stay resident
-                cfg = cfg[:3] + (3,)
             row["ec_config"] = list(cfg)
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, exact=exact)
@@ -171,6 +169,10 @@ def lab_gemv(args) -> None:
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
             timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
+        # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
+        # same tile; kernels.py's full run searches the EC configs separately)
+        T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
+        T.tuned_table().setdefault(T.gemv1_key(N, K, G, True), [int(v) for v in best.split("_")[2:]])
         res["rows"].append(row)
         tg = row["us"]["tinygemm"]
         print(f"{N}x{K}: tinygemm {tg:.1f} us  old {row['us']['old']:.1f}  best {best} {row['us'][best]:.1f} us "
@@ -179,6 +181,10 @@ def lab_gemv(args) -> None:
         print("   " + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items() if v), flush=True)
         with open(os.path.join(args.out, f"lab_gemv_{gpu_key()}.json"), "w") as f:
             json.dump(res, f, indent=1)
+        path = save_table("configs", T.tuned_table())
+        import shutil
+
+        shutil.copy(path, args.out)
         del ws
         torch.cuda.empty_cache()
 
