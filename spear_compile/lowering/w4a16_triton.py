@@ -66,20 +66,24 @@ if HAS_TRITON:
         return tl.load(X + (ww // 4) * 32 + (ww % 4) + 4 * i, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _ec_gate(h, W1, B1, W2, B2, R, D, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr):
-        """g * h for one r-vector h [R_P]: g = sigmoid(W2 act(W1 h + b1) + b2)."""
+    def _ec_gate_operands(W1, B1, W2, B2, R, D, R_P: tl.constexpr, D_P: tl.constexpr):
         offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
         offs_d = tl.arange(0, D_P)
         mask_d = offs_d < D
         w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
                      other=0.0).to(tl.float32)
-        z = gate_act(tl.sum(w1 * h[None, :], axis=1) + tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32),
-                     ACT)
+        b1 = tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
-        g = tl.sigmoid(tl.sum(w2 * z[None, :], axis=1) + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32))
-        return g * h
+        b2 = tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        return w1, b1, w2, b2
+
+    @triton.jit
+    def _ec_gate(h, w1, b1, w2, b2, ACT: tl.constexpr):
+        """g * h for one r-vector h [R_P]: g = sigmoid(W2 act(W1 h + b1) + b2)."""
+        z = gate_act(tl.sum(w1 * h[None, :], axis=1) + b1, ACT)
+        return tl.sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2) * h
 
     @triton.jit
     def _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
@@ -156,18 +160,26 @@ if HAS_TRITON:
         G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
         EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, GH_COPIES: tl.constexpr,
+        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, GH_COPIES: tl.constexpr, P_HP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         FLAG: tl.constexpr = 32  # counters on separate 128-byte lines: CNT[0] producers, [32] ready, [64] done
         DONE: tl.constexpr = 64
+        offs_w = tl.arange(0, BLOCK_W)
+        BC: tl.constexpr = BLOCK_W // 4
+        # the first tile's weights are requested first, also by the producer programs below
+        wp = QW + offs_n[:, None] * KW + offs_w[None, :]
+        mrow = mask_n[:, None]
+        w = tl.load(wp, mask=mrow & (offs_w < KW)[None, :], other=0, eviction_policy="evict_first")
         if HAS_EC:
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
             if (EC_PARTS & 1) != 0 and pid < P_H:
-                # ---- producer (the first P_H programs, before their rows): split-K partial of h = A x
+                # ---- producer (the first P_H programs, before their rows): split-K partial of h = A x,
+                # stored to its own row of HBUF (no contended atomics)
+                w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)  # off the gate's critical path
                 chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
                 k_lo = pid * chunk
                 h = tl.zeros([R_P], dtype=tl.float32)
@@ -178,18 +190,19 @@ if HAS_TRITON:
                                 other=0.0).to(tl.float32)
                     xk = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
                     h += tl.sum(a * xk[None, :], axis=1)
-                tl.atomic_add(HBUF + offs_r, h, mask=mask_r)
+                tl.store(HBUF + pid * R_P + offs_r, h)
                 tl.debug_barrier()
                 old = tl.atomic_add(CNT, 1, sem="acq_rel")
                 if (EC_PARTS & 2) != 0 and old == P_H - 1:
-                    # the last producer gates once, publishes g * h in GH_COPIES copies (every
-                    # program reads one: no single hot L2 line), resets h, then raises the flag
+                    # the last producer sums the partials, gates once, publishes g * h in GH_COPIES
+                    # copies (every program reads one: no single hot L2 line), then raises the flag
                     tl.debug_barrier()
-                    hf = tl.load(HBUF + offs_r, cache_modifier=".cg")
-                    gh = _ec_gate(hf, W1, B1, W2, B2, R, D, R_P, D_P, ACT)
+                    offs_p = tl.arange(0, P_HP)
+                    hp = tl.load(HBUF + offs_p[:, None] * R_P + offs_r[None, :], mask=(offs_p < P_H)[:, None],
+                                 other=0.0, cache_modifier=".cg")
+                    gh = _ec_gate(tl.sum(hp, axis=0), w1, b1, w2, b2, ACT)
                     offs_g = tl.arange(0, GH_COPIES)
                     tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
-                    tl.store(HBUF + offs_r, tl.zeros([R_P], tl.float32))
                     tl.atomic_xchg(CNT, 0)
                     tl.debug_barrier()
                     tl.atomic_xchg(CNT + FLAG, 1, sem="release")
@@ -197,20 +210,15 @@ if HAS_TRITON:
             bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
                          other=0.0).to(tl.float32)
             alpha = tl.load(ALPHA).to(tl.float32)
-        offs_w = tl.arange(0, BLOCK_W)
-        BC: tl.constexpr = BLOCK_W // 4
         acc = tl.zeros([BLOCK_N, BC], dtype=tl.float32)
         sxa = tl.zeros([BC], dtype=tl.float32)  # per-channel zero point: sum_k x
-        wp = QW + offs_n[:, None] * KW + offs_w[None, :]
-        mrow = mask_n[:, None]
-        w = tl.load(wp, mask=mrow & (offs_w < KW)[None, :], other=0, eviction_policy="evict_first")
         sc, z = _gemv1_scales(S, Z, offs_n, mask_n, 0, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
         for w0 in range(0, KW, BLOCK_W):
             if PREFETCH:  # the next tile's weights, scales and zeros are in flight during this one
                 wn = tl.load(wp + (w0 + BLOCK_W), mask=mrow & ((w0 + BLOCK_W + offs_w) < KW)[None, :], other=0,
                              eviction_policy="evict_first")
                 scn, zn = _gemv1_scales(S, Z, offs_n, mask_n, w0 + BLOCK_W, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
-            else:
+            elif w0 > 0:  # tile 0 was requested before the loop
                 w = tl.load(wp + w0, mask=mrow & ((w0 + offs_w) < KW)[None, :], other=0, eviction_policy="evict_first")
                 sc, z = _gemv1_scales(S, Z, offs_n, mask_n, w0, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
             d, sx = _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
@@ -421,11 +429,12 @@ if HAS_TRITON:
 
 # ------------------------------------------------------------------------ host side
 # M = 1 kernel: (BLOCK_N, BLOCK_W int32 words per row per tile, num_warps, prefetch 0/1)
+# (the five that were fastest on some shape in benchmarks/results/raw/lab_gemv_run3_NVIDIA_H200.json)
 GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
-    (8, 512, 4, 1), (8, 512, 4, 0), (8, 256, 2, 1), (8, 256, 4, 1), (16, 512, 4, 0), (16, 256, 4, 1),
-    (4, 512, 4, 1), (8, 128, 1, 1),
+    (8, 512, 4, 0), (8, 512, 4, 1), (8, 256, 2, 1), (16, 512, 4, 0), (8, 128, 1, 1),
 ]
 GH_COPIES = 16  # copies of the M = 1 kernel's g * h in the workspace
+MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the M = 1 kernel
 # Exact nibble conversion (q exact in fp32) everywhere, or biased (2^E + q with 2^E <= 2^15; the
 # bias is removed per 32-column chunk; fp32 relative error ~3e-4) for bf16 activations, whose own
 # rounding (2^-9) is ten times larger: see the kernel docstring and benchmarks/NOTES.md.
@@ -486,8 +495,9 @@ def _tiles(bk: int, G: int, K: int) -> tuple[int, int]:
 
 
 def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernels' workspace: fp32 [GEMV_MAX_M + GH_COPIES, r_p] (rows < GEMV_MAX_M: h
-    accumulators; the rest: the M = 1 kernel's published g * h copies) and int32 counters
+    """The fused kernels' workspace: fp32 [GEMV_MAX_M + GH_COPIES + MAX_PRODUCERS, r_p] (rows <
+    GEMV_MAX_M: the M > 1 kernel's h accumulators; then the M = 1 kernel's published g * h copies
+    and its producers' h partials) and int32 counters
     (the M > 1 kernel uses [0], [1]; the M = 1 kernel [0], [32], [64]), zeroed once.
 
     Shared by every fused launch on the device: launches on one stream serialize, and each
@@ -496,7 +506,7 @@ def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Te
     key = (str(device), r_p)
     ws = _WORKSPACE.get(key)
     if ws is None:
-        ws = (torch.zeros(GEMV_MAX_M + GH_COPIES, r_p, dtype=torch.float32, device=device),
+        ws = (torch.zeros(GEMV_MAX_M + GH_COPIES + MAX_PRODUCERS, r_p, dtype=torch.float32, device=device),
               torch.zeros(96, dtype=torch.int32, device=device))
         _WORKSPACE[key] = ws
     return ws
@@ -569,12 +579,13 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         A, B, W1, b1, W2, b2, alpha = ec
         R, D = A.shape[0], W1.shape[0]
         r_p, d_p = next_pow2(R), next_pow2(D)
-        hbuf, cnt = ec_workspace(x2.device, r_p)
-        gh = hbuf[GEMV_MAX_M:]
+        ws, cnt = ec_workspace(x2.device, r_p)
+        gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
+        hbuf = ws[GEMV_MAX_M + GH_COPIES:]  # one h partial row per producer
         # Programs run one after another in Triton's interpreter: a single producer (program 0)
         # keeps the spin-wait satisfiable there. On GPUs: one 64-column slice of A x per producer.
         bkh = 32 if INTERPRET else 64
-        p_h = 1 if INTERPRET else max(1, min(64, triton.cdiv(K, bkh), grid))
+        p_h = 1 if INTERPRET else max(1, min(MAX_PRODUCERS, triton.cdiv(K, bkh), grid))
     else:
         A = B = W1 = b1 = W2 = b2 = alpha = hbuf = gh = cnt = dummy
         R = D = r_p = d_p = bkh = 1
@@ -586,7 +597,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), EXACT=exact,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
         EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=bkh, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
-        num_warps=warps, num_stages=1,
+        P_HP=next_pow2(max(p_h, 1)), num_warps=warps, num_stages=1,
     )
     return y
 

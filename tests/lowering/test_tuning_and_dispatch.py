@@ -43,6 +43,9 @@ def test_shipped_tables_are_well_formed():
             if "configs_" in f:
                 kind = key.split("|")[0]
                 assert kind in ("gemv", "gemv1", "gemm")
+                if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
+                    assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
+                    continue
                 assert val == ["dequant_cublas"] or (len(val) == (5 if kind == "gemm" else 4)
                                                      and all(isinstance(v, int) and v > 0 for v in val))
             else:
