@@ -35,8 +35,9 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return s
 
 
-# NOTE (H200, benchmarks/results/kernels_NVIDIA_H200.json): without an EC the GEMV beats the
-# small-M GEMM only at M = 1 (4096x4096: 8.4 us vs 15.1; at M = 2: 13.2 vs 16.5, M = 4: 20.5 vs 16.5).
+# NOTE (H200): without an EC the GEMVs beat the small-M GEMM only at M = 1 (the M = 1 kernel vs the
+# GEMM: benchmarks/results/kernels_NVIDIA_H200.json; M = 2 and 4, where the M > 1 GEMV loses:
+# benchmarks/results/raw/kernels_full_session1_NVIDIA_H200.json).
 W4_GEMV_MAX_M = 1
 
 
