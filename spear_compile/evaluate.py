@@ -68,7 +68,7 @@ def _static_ecs(method: str, ref: nn.Module, q: nn.Module, stats, budget_bytes: 
             A, B = lqer(err, rr, stats[n].mean_abs)
         else:
             A, B = qera_exact(err, rr, stats[n].rxx)
-        ec = ErrorCompensator(m.in_features, m.out_features, ECConfig(rank=rr))
+        ec = ErrorCompensator(m.in_features, m.out_features, ECConfig(rank=rr), device=m.qweight.device)
         with torch.no_grad():
             ec.A.copy_(A)
             ec.B.copy_(B)
@@ -86,16 +86,18 @@ class EvalSession:
 
     def __init__(self, model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS,
                  seq_len: int = 2048, max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(),
-                 progress: bool = True) -> None:
+                 progress: bool = True, device: Optional[str] = None) -> None:
         from .models import load
 
         self.model_name, self.texts, self.seq_len, self.spear, self.progress = model_name, list(texts), seq_len, spear, progress
         torch.manual_seed(spear.calib.seed)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.ref, tok = load(model_name)
         if tok is None:
             raise ValueError(f"spear eval: model {model_name!r} has no tokenizer")
+        self.ref.to(self.device)
         self.wins = torch.cat([windows(tok(read_text(t), return_tensors="pt").input_ids[0], seq_len, max_tokens)
-                               for t in texts])
+                               for t in texts]).to(self.device)
         self.ref_bytes = fp16_bytes(self.ref)
         self._ppl_ref: Optional[float] = None
         self._seqs: Optional[torch.Tensor] = None
@@ -165,7 +167,8 @@ class EvalSession:
         w4_model_bytes = self.ref_bytes - 2 * sum(m.in_features * m.out_features for m in qls) + w4_bytes
         gap = ppl_quant - ppl_ref
         return {
-            "model": self.model_name, "texts": self.texts, "tokens": int(self.wins.numel()), "seq_len": self.seq_len,
+            "model": self.model_name, "device": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda" else "cpu", "texts": self.texts, "tokens": int(self.wins.numel()), "seq_len": self.seq_len,
             "quant": quant, "group_size": group_size, "method": method, "budget": budget,
             "ppl_ref": ppl_ref, "ppl_quant": ppl_quant, "ppl_method": ppl_method,
             "gap_recovered": (ppl_quant - ppl_method) / gap if gap > 0 else math.nan,
@@ -182,10 +185,12 @@ class EvalSession:
 
 def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS, quant: str = "rtn",
              group_size: int = 0, method: str = "spear", budget: float = 0.01, seq_len: int = 2048,
-             max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(), progress: bool = True) -> dict:
+             max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(), progress: bool = True,
+             device: Optional[str] = None) -> dict:
     """One ``spear eval`` run (see the module doc for the keys)."""
     if method not in METHODS:
         raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
     if quant not in QUANTS:
         raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet ({', '.join(QUANTS)})")
-    return EvalSession(model_name, texts, seq_len, max_tokens, spear, progress).run(quant, group_size, method, budget)
+    return EvalSession(model_name, texts, seq_len, max_tokens, spear, progress, device).run(quant, group_size, method,
+                                                                                           budget)

@@ -79,7 +79,7 @@ class ErrorCompensator(nn.Module):
                 raise ValueError(f"from_weight_error: rxx has shape {tuple(rxx.shape)}, expected ({K}, {K})")
             A, B = qera_exact(err, r, rxx)
         else:
-            s = torch.ones(K, device=weight.device) if act_scale is None else act_scale.to(torch.float32).clamp_min(1e-6)
+            s = (torch.ones(K) if act_scale is None else act_scale.to(torch.float32).clamp_min(1e-6)).to(weight.device)
             if s.shape != (K,):
                 raise ValueError(f"from_weight_error: act_scale has shape {tuple(s.shape)}, expected ({K},)")
             U, S, Vh = torch.linalg.svd(err * s, full_matrices=False)

@@ -22,6 +22,8 @@ import torch
 def _factor(err: torch.Tensor, rank: int, S: Optional[torch.Tensor] = None,
             S_inv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     E = err.to(torch.float64)
+    S = None if S is None else S.to(E.device)  # statistics live on the CPU, weights maybe on a GPU
+    S_inv = None if S_inv is None else S_inv.to(E.device)
     ES = E if S is None else E @ S
     U, sig, Vh = torch.linalg.svd(ES, full_matrices=False)
     root = sig[:rank].sqrt()
@@ -40,7 +42,7 @@ def lorc(err: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def lqer(err: torch.Tensor, rank: int, mean_abs_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) with the error scaled by mean |x| per input channel."""
     s = mean_abs_x.to(torch.float64).clamp_min(1e-8)
-    return _factor(err, rank, torch.diag(s), torch.diag(1.0 / s))
+    return _factor(err, rank, torch.diag(s), torch.diag(1.0 / s))  # _factor moves them to err's device
 
 
 def _whitening(rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +56,7 @@ def _whitening(rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torc
 
 def qera_exact(err: torch.Tensor, rank: int, rxx: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) minimising E||(err - B A) x||^2 for input autocorrelation ``rxx`` = E[x x^T]."""
-    S, S_inv = _whitening(rxx, eps)
+    S, S_inv = _whitening(rxx.to(err.device), eps)
     return _factor(err, rank, S, S_inv)
 
 
@@ -62,5 +64,5 @@ def output_error_spectrum(err: torch.Tensor, rxx: torch.Tensor, eps: float = 1e-
     """Squared singular values of ``err R^1/2``, descending: their sum is the expected output
     error E||err x||^2, and the sum of all but the first r is what the best rank-r
     correction (QERA-exact) leaves. The currency rank allocation spends bytes on."""
-    S, _ = _whitening(rxx, eps)
-    return torch.linalg.svdvals(err.to(torch.float64) @ S).pow(2).float()
+    S, _ = _whitening(rxx.to(err.device), eps)
+    return torch.linalg.svdvals(err.to(torch.float64) @ S.to(err.device)).pow(2).float().cpu()

@@ -44,8 +44,10 @@ def quantize_gptq(weight: torch.Tensor, H: torch.Tensor, cfg: QuantConfig, damp:
     if H.shape != (K, K):
         raise QuantFormatError(f"{where}: Hessian has shape {tuple(H.shape)}, expected ({K}, {K})")
     out_dtype = out_dtype or weight.dtype
-    W = weight.detach().to(torch.float64).clone()
-    H = H.detach().to(torch.float64).clone()
+    # On the CPU whatever the weight's device: the column loop is thousands of tiny ops, which a
+    # GPU runs no faster, and the Hessian statistics are kept on the CPU anyway.
+    W = weight.detach().to("cpu", torch.float64).clone()
+    H = H.detach().to("cpu", torch.float64).clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -82,5 +84,6 @@ def quantize_gptq(weight: torch.Tensor, H: torch.Tensor, cfg: QuantConfig, damp:
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err[:, i] = err
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
-    return QuantizedWeight(pack_int4(Q), scales.to(out_dtype).contiguous(), zeros.to(out_dtype).contiguous(),
-                           G, K, N)
+    dev = weight.device
+    return QuantizedWeight(pack_int4(Q).to(dev), scales.to(dev, out_dtype).contiguous(),
+                           zeros.to(dev, out_dtype).contiguous(), G, K, N)

