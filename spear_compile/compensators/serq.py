@@ -15,7 +15,7 @@ small GEMM ``R x'_S``:
    (down_proj) and the rows of ``v_proj`` (o_proj; with grouped-query attention the
    o_proj channels that read the same v row get one tied scale). Folding is checked
    numerically; where no producer can absorb ``1/s`` the layer multiplies its input by a
-   stored ``[K]`` vector at run time (reported as ``extra_bytes``).
+   stored ``[K]`` vector at run time (reported as ``extra_bytes``). See ``flatten.py``.
 2. ``W'`` is quantized again (RTN with the q-model's settings, or GPTQ with the smoothed
    Hessian ``E[x' x'^T]``): error ``E = W' - Q(W')``.
 3. Saliency-aware error reconstruction with a single matrix ``R`` (N x k) on k salient
@@ -31,13 +31,15 @@ small GEMM ``R x'_S``:
         conditional gain ||E Σ_{:,j|S}||^2 / Σ_{jj|S} is largest (exact J decrease, O(N K) a step);
      "error": diagonal score Σ_kk ||E[:, k]||^2;   "act": largest max|x_k| (the released code).
 4. Offline permutation: with S moved to the front of K (weight columns and producer
-   outputs), ``x'_S`` is the contiguous slice ``x'[..., :k]``. Eagerly we keep the index
-   ``idx`` and gather ``x'[..., idx]``, which is numerically identical; a permuting
-   deployment stores no index, so none is counted.
-5. Activations (``act_bits`` 8 or 4): ``x'`` is fake-quantized per token, symmetric
-   (``quant/actquant.py``) before the 4-bit GEMM. The correction path reads the same
-   quantized ``x'`` (``correction_act="same"``, as the released code does), or the salient
-   channels at higher precision: ``"int8"`` (their own per-token int8) or ``"fp"``.
+   outputs), ``x'_S`` is the contiguous slice ``x'[..., :k]``; the other channels follow
+   by decreasing flattened magnitude. Eagerly we keep ``idx`` / ``perm`` and gather, which
+   is numerically identical; a permuting deployment stores no index, so none is counted.
+   The order only changes numbers when activations are quantized in channel groups.
+5. Activations (``act_bits`` 8 or 4): ``x'`` is fake-quantized, symmetric, per token or per
+   ``act_group_size`` channels of the permuted order (``quant/actquant.py``), before the
+   4-bit GEMM. The correction path reads the same quantized ``x'`` (``correction_act="same"``,
+   as the released code does), or the salient channels at higher precision: ``"int8"``
+   (their own per-token int8) or ``"fp"``.
 
 What the paper's released code does differently (and what we do instead):
   * flattening there is ``s = max|x|`` (weight-independent: our formula with a = 1) applied
@@ -48,7 +50,8 @@ What the paper's released code does differently (and what we do instead):
     residual ``W'[:, S] - R`` is written back into the main weight before it is quantized
     (a two-level quantization of the salient columns). ``solve="paper"`` does exactly that
     (R on a per-row int4 grid, counted as N*k/2 + 2N bytes); "lsq" is the default here.
-  * activations there are per-group(128) int or MXFP4; ours are per-token int (the brief).
+  * activations there are per-group(128) int or MXFP4 (group 32) over the permuted order;
+    ours are per-token int by default, per-group with ``act_group_size``.
   * R is stored in fp16 here (``r_dtype``), counted as 2*N*k bytes.
 The LS objective only sees the weight error: the activation-quantization error
 ``Q(W')(x' - x'_q)`` is reduced by flattening, not by R.
@@ -67,11 +70,14 @@ import torch
 from torch import nn
 
 from ..config import QuantConfig
-from ..quant.actquant import check_act_bits, fake_quant_activation
+from ..quant.actquant import check_act_bits, check_act_group, fake_quant_activation
 from ..quant.format import QuantFormatError, QuantizedWeight
 from ..quant.gptq import quantize_gptq
 from ..quant.linear import QuantLinear
 from ..quant.rtn import quantize_rtn
+from .flatten import (  # noqa: F401  (re-exported: the flattening half of SERQ)
+    SmoothGroup, SmoothPlan, _act_magnitude, fold_smoothing_, smooth_plan, smoothing_scales, transformed_weight,
+)
 from .stats import InputStats
 
 SALIENCY = ("greedy", "error", "act")
@@ -109,11 +115,6 @@ def collect_serq_stats(model: nn.Module, batches: Iterable[torch.Tensor], names:
     return stats
 
 
-def _act_magnitude(st) -> torch.Tensor:
-    m = getattr(st, "max_abs", None)
-    return (m if m is not None else st.mean_sq.sqrt()).to(torch.float64)
-
-
 # ----------------------------------------------------------------------------- the correction
 def serq_output_error(err: torch.Tensor, R: torch.Tensor, idx: torch.Tensor, rxx: torch.Tensor,
                       err_rxx: Optional[torch.Tensor] = None) -> float:
@@ -147,8 +148,11 @@ def _check_problem(err_shape, rxx: torch.Tensor, k: int, name: str) -> None:
 
 
 def select_salient(err: torch.Tensor, rxx: torch.Tensor, k: int, saliency: str = "greedy",
-                   act_mag: Optional[torch.Tensor] = None, name: str = "serq") -> torch.Tensor:
-    """Indices (LongTensor [k]) of the k salient input channels, most salient first."""
+                   act_mag: Optional[torch.Tensor] = None, name: str = "serq",
+                   err_rxx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Indices (LongTensor [k]) of the k salient input channels, most salient first.
+
+    ``err_rxx`` = err @ rxx if the caller has it (saves the O(N K^2) product)."""
     _check_problem(tuple(err.shape), rxx, k, name)
     if saliency not in SALIENCY:
         raise ValueError(f"{name}: saliency {saliency!r}; expected one of {SALIENCY}")
@@ -165,13 +169,13 @@ def select_salient(err: torch.Tensor, rxx: torch.Tensor, k: int, saliency: str =
         return torch.argsort(torch.diagonal(S) * (E * E).sum(0), descending=True)[:k]
     # greedy forward selection on J: keep the error-input covariance and the input variances
     # conditioned on the chosen channels (Gram-Schmidt in the Σ inner product).
-    cov = E @ S                                   # N x K: Cov(E x, x_j | S)
+    cov = (E @ S if err_rxx is None else err_rxx.to(torch.float64).clone())  # N x K: Cov(E x, x_j | S)
     var = torch.diagonal(S).clone()               # Var(x_j | S)
     tiny = 1e-12 * float(var.max().clamp_min(1e-300))
-    basis: list[torch.Tensor] = []                # normalised conditional covariance columns
+    basis = torch.zeros(K, k, dtype=torch.float64)  # normalised conditional covariance columns
     chosen = torch.zeros(K, dtype=torch.bool)
-    out = []
-    for _ in range(k):
+    out: list[int] = []
+    for t in range(k):
         gain = (cov * cov).sum(0) / var.clamp_min(tiny)
         gain[chosen | (var <= tiny)] = -1.0
         j = int(torch.argmax(gain))
@@ -179,14 +183,12 @@ def select_salient(err: torch.Tensor, rxx: torch.Tensor, k: int, saliency: str =
             rest = torch.nonzero(~chosen).flatten()
             out.extend(rest[torch.argsort(torch.diagonal(S)[rest], descending=True)][:k - len(out)].tolist())
             break
-        v = S[:, j].clone()
-        for b in basis:
-            v -= b * b[j]
-        b = v / v[j].clamp_min(tiny).sqrt()
-        a = cov[:, j] / v[j].clamp_min(tiny).sqrt()
-        cov -= a[:, None] * b[None, :]
+        v = S[:, j] - basis[:, :t] @ basis[j, :t]    # Cov(x, x_j | S)
+        root = v[j].clamp_min(tiny).sqrt()
+        b = v / root
+        cov -= (cov[:, j] / root)[:, None] * b[None, :]
         var -= b * b
-        basis.append(b)
+        basis[:, t] = b
         chosen[j] = True
         out.append(j)
     return torch.tensor(out, dtype=torch.long)
@@ -272,196 +274,16 @@ def serq_k_for_budget(shapes: Mapping[str, tuple[int, int]], budget_bytes: int, 
     return {n: min(lo, K) for n, (_, K) in shapes.items()}
 
 
-# ----------------------------------------------------------------------------- flattening
-@dataclasses.dataclass
-class SmoothGroup:
-    """Linears reading one tensor, their shared scale ``s`` [K], and where ``1/s`` goes.
-
-    fold: ("norm", module name) | ("rows", producer linear name) | ("runtime", "") .
-    row_map (for "rows"): producer output row of each input channel (identity, or the GQA map).
-    """
-
-    members: list[str]
-    scale: torch.Tensor
-    fold: tuple[str, str]
-    row_map: Optional[torch.Tensor] = None
-
-
-@dataclasses.dataclass
-class SmoothPlan:
-    groups: list[SmoothGroup]
-
-    def group_of(self, name: str) -> SmoothGroup:
-        for g in self.groups:
-            if name in g.members:
-                return g
-        raise KeyError(f"SmoothPlan: no smoothing group contains {name!r}")
-
-    def col_scale(self, name: str) -> torch.Tensor:
-        return self.group_of(name).scale
-
-    def row_scale(self, name: str) -> Optional[torch.Tensor]:
-        """1/s for the rows of ``name`` when it is the producer that absorbs a consumer's flattening."""
-        for g in self.groups:
-            if g.fold == ("rows", name):
-                n_rows = int(g.row_map.max()) + 1
-                inv = torch.ones(n_rows, dtype=torch.float64)
-                inv[g.row_map] = 1.0 / g.scale
-                return inv
-        return None
-
-    def norm_folds(self) -> dict[str, torch.Tensor]:
-        return {g.fold[1]: g.scale for g in self.groups if g.fold[0] == "norm"}
-
-
-_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-_NORM_OF = {"qkv": "input_layernorm", "gate_up": "post_attention_layernorm"}
-_LEAVES = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-
-
-def _input_groups(names: list[str], stats: Mapping[str, InputStats]) -> list[list[str]]:
-    """Llama naming: siblings q/k/v and gate/up read one tensor (checked on the stats)."""
-    by_key: dict[tuple[str, str], list[str]] = {}
-    for n in names:
-        parent, _, leaf = n.rpartition(".")
-        kind = _SHARED_INPUT.get(leaf)
-        by_key.setdefault((parent, kind) if kind else (n, ""), []).append(n)
-    groups = []
-    for members in by_key.values():
-        ref = stats[members[0]].mean_sq
-        if all(stats[m].mean_sq.shape == ref.shape and torch.allclose(stats[m].mean_sq, ref, rtol=1e-4, atol=1e-8)
-               for m in members[1:]):
-            groups.append(members)
-        else:  # not actually the same input: smooth separately
-            groups.extend([m] for m in members)
-    return groups
-
-
-def _norm_folds_exactly(norm: nn.Module, s: torch.Tensor) -> bool:
-    """True when ``norm`` is y = f(x) * weight (RMSNorm-like): scaling weight by 1/s scales y by 1/s."""
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(s.shape):
-        return False
-    probe = torch.randn(3, s.numel(), generator=torch.Generator().manual_seed(0)).to(w.dtype)
-    with torch.no_grad():
-        before = norm(probe).double()
-        saved = w.detach().clone()
-        w.copy_(saved / s.to(w.dtype))
-        try:
-            after = norm(probe).double()
-        finally:
-            w.copy_(saved)
-    tol = 1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5
-    return bool(torch.allclose(after, before / s.double(), rtol=tol, atol=tol * float(before.abs().max())))
-
-
-def _gqa_row_map(model: nn.Module, K_o: int, N_v: int) -> Optional[torch.Tensor]:
-    cfg = getattr(model, "config", None)
-    H = getattr(cfg, "num_attention_heads", None)
-    if not H:
-        return torch.arange(K_o) if K_o == N_v else None
-    Hkv = getattr(cfg, "num_key_value_heads", None) or H
-    hd = getattr(cfg, "head_dim", None) or K_o // H
-    if K_o != H * hd or N_v != Hkv * hd or H % Hkv:
-        return None
-    c = torch.arange(K_o)
-    return (c // hd) // (H // Hkv) * hd + c % hd
-
-
-def smoothing_scales(act_mag: torch.Tensor, weights: list[torch.Tensor], alpha: float,
-                     row_map: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s_k = max|x_k|^a / max|W_:k|^(1-a) over all ``weights`` sharing the input, float64 [K].
-
-    With ``row_map`` the channels mapped to one producer row share one scale (maxima tied).
-    """
-    a = act_mag.to(torch.float64).clamp_min(1e-5)
-    w = torch.stack([W.detach().to(torch.float64).abs().amax(0) for W in weights]).amax(0).clamp_min(1e-5)
-    if row_map is not None:
-        n = int(row_map.max()) + 1
-        a = torch.zeros(n, dtype=torch.float64).scatter_reduce(0, row_map, a, "amax", include_self=False)[row_map]
-        w = torch.zeros(n, dtype=torch.float64).scatter_reduce(0, row_map, w, "amax", include_self=False)[row_map]
-    return (a.pow(alpha) / w.pow(1.0 - alpha)).clamp_min(1e-5)
-
-
-def smooth_plan(model: nn.Module, weights: Mapping[str, torch.Tensor], stats: Mapping[str, InputStats],
-                alpha: float, fold: bool = True) -> SmoothPlan:
-    """Flattening scales for the linears in ``weights`` (fp, by name) and where each ``1/s`` goes.
-
-    ``model`` supplies the structure (norm modules, attention config); it is not changed.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"smooth_plan: smooth_alpha={alpha} must lie in [0, 1]")
-    names = list(weights)
-    mods = dict(model.named_modules())
-    groups = []
-    for members in _input_groups(names, stats):
-        act = torch.stack([_act_magnitude(stats[m]) for m in members]).amax(0)
-        parent, _, leaf = members[0].rpartition(".")
-        kind = _SHARED_INPUT.get(leaf)
-        target, row_map = ("runtime", ""), None
-        if fold and kind is not None:
-            layer = parent.rpartition(".")[0]
-            norm_name = f"{layer}.{_NORM_OF[kind]}" if layer else _NORM_OF[kind]
-            siblings = [f"{parent}.{lf}" for lf in _LEAVES[kind] if f"{parent}.{lf}" in mods]
-            if norm_name in mods and set(siblings) == set(members):
-                s = smoothing_scales(act, [weights[m] for m in members], alpha)
-                if _norm_folds_exactly(mods[norm_name], s):
-                    groups.append(SmoothGroup(members, s, ("norm", norm_name)))
-                    continue
-        elif fold and len(members) == 1 and leaf in ("down_proj", "o_proj"):
-            producer = f"{parent}.{'up_proj' if leaf == 'down_proj' else 'v_proj'}"
-            if producer in weights:
-                K, N_p = weights[members[0]].shape[1], weights[producer].shape[0]
-                row_map = torch.arange(K) if leaf == "down_proj" and K == N_p else (
-                    _gqa_row_map(model, K, N_p) if leaf == "o_proj" else None)
-                if row_map is not None:
-                    target = ("rows", producer)
-        s = smoothing_scales(act, [weights[m] for m in members], alpha, row_map)
-        groups.append(SmoothGroup(members, s, target, row_map if target[0] == "rows" else None))
-    return SmoothPlan(groups)
-
-
-def transformed_weight(plan: Optional[SmoothPlan], name: str, W: torch.Tensor,
-                       bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(diag(row) W diag(s), row * bias) in float64: the weight the layer holds after folding."""
-    W = W.detach().to(torch.float64)
-    b = None if bias is None else bias.detach().to(torch.float64)
-    if plan is None:
-        return W, b
-    W = W * plan.col_scale(name)[None, :]
-    row = plan.row_scale(name)
-    if row is not None:
-        W = W * row[:, None]
-        b = None if b is None else b * row
-    return W, b
-
-
-@torch.no_grad()
-def fold_smoothing_(model: nn.Module, plan: SmoothPlan) -> nn.Module:
-    """Apply ``plan`` to a full-precision model in place (nn.Linear weights, norms, producer
-    rows; runtime groups are not foldable and raise). The function the model computes is unchanged."""
-    for g in plan.groups:
-        if g.fold[0] == "runtime":
-            raise ValueError(f"fold_smoothing_: {g.members} have no producer to fold 1/s into (runtime scale)")
-    mods = dict(model.named_modules())
-    new = {n: transformed_weight(plan, n, mods[n].weight, mods[n].bias)
-           for g in plan.groups for n in g.members + ([g.fold[1]] if g.fold[0] == "rows" else [])}
-    for n, (W, b) in new.items():
-        mods[n].weight.copy_(W.to(mods[n].weight.dtype))
-        if b is not None:
-            mods[n].bias.copy_(b.to(mods[n].bias.dtype))
-    for norm, s in plan.norm_folds().items():
-        mods[norm].weight.copy_((mods[norm].weight.double() / s).to(mods[norm].weight.dtype))
-    return model
-
-
 # ----------------------------------------------------------------------------- the layer
 class SERQLinear(QuantLinear):
     """``y = Q(W') x'_q + R x'_S``: a QuantLinear (4-bit main path, same op) plus SERQ's state.
 
     Buffers: ``R`` [N, k], ``idx`` [k] (salient channels; a permuted deployment slices
-    ``[:k]`` instead), ``in_scale`` [K] or None (1/s when flattening could not be folded).
-    ``act_bits``: None (A16), 8 or 4 per-token fake quantization of the main-path input.
+    ``[:k]`` instead), ``in_scale`` [K] or None (1/s when flattening could not be folded),
+    ``perm`` [K] or None (the offline channel order: ``idx`` first, then the rest by
+    decreasing magnitude; it only changes numbers when activations are quantized in groups).
+    ``act_bits``: None (A16), 8 or 4: fake quantization of the main-path input, per token or
+    per ``act_group_size`` channels of the permuted order.
     Not reloadable by ``spear.load`` (the artifact format knows QuantLinear and ECs only).
     """
 
@@ -471,14 +293,19 @@ class SERQLinear(QuantLinear):
         self.register_buffer("R", torch.zeros(out_features, 0, dtype=dtype, device=device))
         self.register_buffer("idx", torch.zeros(0, dtype=torch.long, device=device))
         self.register_buffer("in_scale", None)
+        self.register_buffer("perm", None)
+        self.register_buffer("inv_perm", None)
         self.act_bits: Optional[int] = None
+        self.act_group_size: Optional[int] = None
         self.correction_act = "same"
 
     @classmethod
     def build(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor], R: torch.Tensor, idx: torch.Tensor,
               in_scale: Optional[torch.Tensor] = None, act_bits: Optional[int] = None,
-              correction_act: str = "same", name: str = "SERQLinear") -> "SERQLinear":
+              correction_act: str = "same", act_group_size: Optional[int] = None,
+              perm: Optional[torch.Tensor] = None, name: str = "SERQLinear") -> "SERQLinear":
         check_act_bits(act_bits, name)
+        check_act_group(act_group_size, qw.in_features, name)
         if correction_act not in CORRECTION_ACTS:
             raise ValueError(f"{name}: correction_act {correction_act!r}; expected one of {CORRECTION_ACTS}")
         N, K = qw.out_features, qw.in_features
@@ -489,12 +316,18 @@ class SERQLinear(QuantLinear):
             raise ValueError(f"{name}: idx must hold distinct channels in [0, {K})")
         if in_scale is not None and tuple(in_scale.shape) != (K,):
             raise ValueError(f"{name}: in_scale has shape {tuple(in_scale.shape)}, expected ({K},)")
+        if perm is not None and (tuple(perm.shape) != (K,) or not torch.equal(perm.sort().values, torch.arange(K))
+                                 or not torch.equal(perm[:idx.numel()], idx)):
+            raise ValueError(f"{name}: perm must be a permutation of range({K}) that starts with idx")
         m = cls.from_quantized(qw, bias, name=name)
         dt = m.scales.dtype
         m.R = R.detach().to(dt).contiguous()
         m.idx = idx.detach().to(torch.long).contiguous()
         m.in_scale = None if in_scale is None else in_scale.detach().to(dt)
-        m.act_bits, m.correction_act = act_bits, correction_act
+        m.act_bits, m.correction_act, m.act_group_size = act_bits, correction_act, act_group_size
+        if perm is not None:
+            m.perm = perm.detach().to(torch.long).contiguous()
+            m.inv_perm = torch.argsort(m.perm)
         return m
 
     @property
@@ -507,7 +340,11 @@ class SERQLinear(QuantLinear):
                 f"{self.name}: input has shape {tuple(x.shape)}, last dim must be in_features={self.in_features}")
         if self.in_scale is not None:
             x = x * self.in_scale.to(x.dtype)
-        xq = fake_quant_activation(x, self.act_bits)
+        if self.act_group_size is not None and self.perm is not None and self.act_bits is not None:
+            # group-wise scales over the permuted channel order (what the permuted layout sees)
+            xq = fake_quant_activation(x[..., self.perm], self.act_bits, self.act_group_size)[..., self.inv_perm]
+        else:
+            xq = fake_quant_activation(x, self.act_bits, self.act_group_size)
         y = super().forward(xq)
         if self.k:
             if self.correction_act == "same":
@@ -521,7 +358,8 @@ class SERQLinear(QuantLinear):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", serq_k={self.k}, act_bits={self.act_bits}, "
-                f"correction_act={self.correction_act}, runtime_scale={self.in_scale is not None}")
+                f"act_group_size={self.act_group_size}, correction_act={self.correction_act}, "
+                f"runtime_scale={self.in_scale is not None}")
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -544,7 +382,8 @@ def _quantize(W: torch.Tensor, cfg: QuantConfig, rxx: torch.Tensor, dtype: torch
 def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, InputStats], budget_bytes: int,
                 act_bits: Optional[int] = None, smooth_alpha: Optional[float] = 0.5, *,
                 k: Union[int, Mapping[str, int], None] = None, saliency: str = "greedy", solve: str = "lsq",
-                correction_act: str = "same", fold: bool = True, quant_cfg: Optional[QuantConfig] = None,
+                correction_act: str = "same", act_group_size: Optional[int] = None, permute: bool = True,
+                fold: bool = True, quant_cfg: Optional[QuantConfig] = None,
                 r_dtype: Optional[torch.dtype] = torch.float16, damp: float = 1e-6,
                 names: Optional[list[str]] = None) -> dict[str, dict]:
     """Turn every QuantLinear of ``q_model`` (or ``names``) into a :class:`SERQLinear`, in place.
@@ -556,7 +395,10 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
     budget_bytes: total stored bytes of all R (plus unfolded flattening vectors); every
         module gets the same k, capped at its K (:func:`serq_k_for_budget`). ``k`` (int or
         {name: k}) overrides the budget; an explicit k > K is an error naming the module.
-    act_bits: None (W4A16), 8 (W4A8), 4 (W4A4): per-token activation fake quantization.
+    act_bits: None (W4A16), 8 (W4A8), 4 (W4A4): per-token activation fake quantization, or
+        per ``act_group_size`` channels (e.g. 32/64; must divide every K) of the permuted
+        order (``permute``: salient channels first, then by decreasing flattened magnitude,
+        as the release sorts channels; permute=False keeps the original order).
     smooth_alpha: flattening strength a (0.5 SmoothQuant; 1.0 = the released code's s = max|x|);
         None = no flattening, and then the q_model's own quantized weights are kept as they are
         (RTN or GPTQ); otherwise the smoothed weights are re-quantized with ``quant_cfg``
@@ -572,6 +414,7 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
     if ref_model is q_model:
         raise ValueError("apply_serq_: ref_model and q_model are the same object; pass the fp reference separately")
     check_act_bits(act_bits, "apply_serq_")
+    check_act_group(act_group_size, where="apply_serq_")
     if saliency not in SALIENCY:
         raise ValueError(f"apply_serq_: saliency {saliency!r}; expected one of {SALIENCY}")
     if solve not in SOLVES:
@@ -628,13 +471,14 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         if s is not None:
             rxx = rxx / (s[:, None] * s[None, :])
         _check_problem(tuple(W.shape), rxx, kn, n)
+        check_act_group(act_group_size, m.in_features, n)
         dt = m.scales.dtype
         cfg = quant_cfg or _infer_quant_cfg(m)
         qw = m.quantized_weight() if plan is None else _quantize(W, cfg, rxx, dt, n)
         err = W - qw.dequantize(torch.float64)
         C = err @ rxx
         before = float((C * err).sum())
-        idx = select_salient(err, rxx, kn, saliency, _act_magnitude(stats[n]), n)
+        idx = select_salient(err, rxx, kn, saliency, _act_magnitude(stats[n]), n, C)
         if solve == "paper":  # released code: R = int4(W'[:, S]); the main weight holds the residual
             R = int4_rows(W[:, idx])
             W_main = W.clone()
@@ -648,12 +492,19 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
                 R = R.to(r_dtype).to(torch.float64)
         after = serq_output_error(err, R, idx, rxx, C)
         runtime = plan is not None and plan.group_of(n).fold[0] == "runtime"
+        perm = None
+        if permute:
+            mag = _act_magnitude(stats[n]) / (s if s is not None else 1.0)
+            rest = torch.ones(m.in_features, dtype=torch.bool)
+            rest[idx] = False
+            rest = torch.nonzero(rest).flatten()
+            perm = torch.cat([idx, rest[torch.argsort(mag[rest], descending=True)]])
         new_modules[n] = SERQLinear.build(qw, b, R, idx, (1.0 / s) if runtime else None, act_bits, correction_act,
-                                          name=n)
+                                          act_group_size, perm, name=n)
         smoothing = "none" if plan is None else ":".join(x for x in plan.group_of(n).fold if x)
-        report[n] = {"name": n, "N": m.out_features, "K": m.in_features, "k": kn, "bytes": serq_bytes(m.out_features, kn, solve, r_dtype),
-                     "extra_bytes": extra[n], "smoothing": smoothing,
-                     "out_err_quant": before, "out_err_serq": after}
+        report[n] = {"name": n, "N": m.out_features, "K": m.in_features, "k": kn,
+                     "bytes": serq_bytes(m.out_features, kn, solve, r_dtype), "extra_bytes": extra[n],
+                     "smoothing": smoothing, "out_err_quant": before, "out_err_serq": after}
     # commit: swap modules, then fold 1/s into the norms of q_model (new Parameters: never
     # write through storage the reference might share).
     for n, new in new_modules.items():

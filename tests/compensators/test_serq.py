@@ -8,12 +8,22 @@ from torch import nn
 
 import spear_compile as spear
 from spear_compile.compensators.serq import (
-    SERQLinear, apply_serq_, collect_serq_stats, fold_smoothing_, lsq_correction, select_salient, serq_bytes, serq_correction,
-    serq_k_for_budget, serq_output_error, smooth_plan,
+    SERQLinear, apply_serq_, collect_serq_stats, fold_smoothing_, lsq_correction, select_salient, serq_bytes,
+    serq_correction, serq_k_for_budget, serq_output_error, smooth_plan,
 )
 from spear_compile.compensators.stats import collect_input_stats
 from spear_compile.models.tiny import tiny_llama
+from spear_compile.quant.actquant import add_act_quant_, fake_quant_activation
 from spear_compile.quant.format import QuantFormatError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These are many tiny float64 ops: on a loaded 2-core machine OpenMP threads make them 10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _salient_inputs(n, K, seed, outliers=(3, 10, 17, 30), boost=25.0):
@@ -81,16 +91,19 @@ def test_greedy_picks_the_best_single_channel_and_never_loses_to_the_diagonal_sc
         assert J(select_salient(err, rxx, k, "greedy").tolist()) <= J(select_salient(err, rxx, k, "error").tolist())
 
 
-def _tiny_setup():
+@pytest.fixture(scope="module")
+def tiny():
+    """A 2-layer HF Llama with GQA (4 heads, 2 kv heads), its linears, inputs and full stats; built once."""
     ref = tiny_llama()
     names = [n for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     batches = [torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    return ref, names, batches
-
-
-def test_flattening_folded_offline_keeps_the_fp_function():
-    ref, names, batches = _tiny_setup()
     stats = collect_serq_stats(ref, batches, names)
+    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
+    return ref, names, batches, stats, q
+
+
+def test_flattening_folded_offline_keeps_the_fp_function(tiny):
+    ref, names, batches, stats, _ = tiny
     plan = smooth_plan(ref, {n: ref.get_submodule(n).weight for n in names}, stats, alpha=0.5)
     folds = {g.fold[0] for g in plan.groups}
     assert folds == {"norm", "rows"}  # everything folds: norms (q/k/v, gate/up), v rows (o, GQA), up rows (down)
@@ -104,10 +117,10 @@ def test_flattening_folded_offline_keeps_the_fp_function():
         assert (after_m.max() / after_m.median()) < (before_m.max() / before_m.median())
 
 
-def test_apply_serq_with_k_equal_K_reproduces_the_fp_model():
-    ref, names, batches = _tiny_setup()
-    stats = collect_input_stats(ref, batches, names=names, module_type=nn.Linear, full=True)
-    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
+def test_apply_serq_with_k_equal_K_reproduces_the_fp_model(tiny):
+    ref, names, batches, _, q = tiny
+    q = copy.deepcopy(q)
+    stats = collect_input_stats(ref, batches, names=names, module_type=nn.Linear, full=True)  # no max_abs: RMS
     x = batches[1]
     y_ref, y_q = ref(x).logits, q(x).logits
     K = {n: ref.get_submodule(n).in_features for n in names}
@@ -149,10 +162,8 @@ def test_serq_lowers_output_error_on_data_with_salient_channels(act_bits):
     assert err_of(serq) < 0.5 * err_of(plain)
 
 
-def test_w4a8_error_is_small_and_w4a4_larger():
-    ref, names, batches = _tiny_setup()
-    stats = collect_input_stats(ref, batches, names=names, module_type=nn.Linear, full=True)
-    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
+def test_w4a8_error_is_small_and_w4a4_larger(tiny):
+    ref, names, batches, stats, q = tiny
     x = batches[2]
     y = ref(x).logits
     errs = {}
@@ -206,3 +217,39 @@ def test_bad_inputs_raise_errors_naming_the_module():
         m(torch.randn(2, 63))
     with pytest.raises(ValueError, match="0 is already a SERQLinear"):
         apply_serq_(ref, m, stats, 0)
+
+
+def test_gptq_requantization_uses_the_flattened_hessian():
+    ref = _single_layer()
+    stats = collect_serq_stats(ref, [_salient_inputs(1024, 64, 0)])
+    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
+    J = {}
+    for method in ("rtn", "gptq"):
+        rep = apply_serq_(ref, copy.deepcopy(q), stats, 0, quant_cfg=spear.QuantConfig(method=method))["0"]
+        J[method] = rep["out_err_quant"]
+    assert J["gptq"] < J["rtn"]
+
+
+def test_plain_baselines_agree_and_group_quant_runs_in_the_permuted_order():
+    ref = _single_layer()
+    calib, x = _salient_inputs(1024, 64, 0), _salient_inputs(64, 64, 1)
+    stats = collect_serq_stats(ref, [calib])
+    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
+    # "no SERQ" through apply_serq_ equals the plain QuantLinear with an activation-quant hook
+    hooked = copy.deepcopy(q)
+    add_act_quant_(hooked, 4, group_size=16)
+    plain = copy.deepcopy(q)
+    apply_serq_(ref, plain, stats, 0, act_bits=4, act_group_size=16, smooth_alpha=None, permute=False)
+    torch.testing.assert_close(plain(x), hooked(x))
+    # with SERQ, groups are formed over perm (salient channels first) and R reads x'_q[:, :k]
+    m = copy.deepcopy(q)
+    apply_serq_(ref, m, stats, 10 ** 6, k=8, act_bits=4, act_group_size=16, smooth_alpha=0.5)
+    layer = m[0]
+    assert torch.equal(layer.perm[:8], layer.idx)
+    xs = x * layer.in_scale
+    xqp = fake_quant_activation(xs[:, layer.perm], 4, 16)
+    W = layer.dequantize(torch.float32)
+    expected = xqp @ W[:, layer.perm].t() + layer.bias + xqp[:, :8] @ layer.R.t()
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="0: K=64 channels are not divisible by activation group_size=24"):
+        apply_serq_(ref, copy.deepcopy(q), stats, 0, act_bits=4, act_group_size=24)
