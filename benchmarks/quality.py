@@ -105,9 +105,10 @@ def aggregate(out: str) -> dict:
     with open(os.path.join(out, "quality.md"), "w") as f:
         f.write(md)
     with open(os.path.join(out, "quality.json"), "w") as f:
-        json.dump([{k: r[k] for k in ("quant", "group_size", "method", "budget", "ppl_ref", "ppl_quant", "ppl_method",
-                                      "gap_recovered", "memory_overhead", "calibration_seconds", "texts", "tokens")}
-                   for r in runs], f, indent=1)
+        keys = ("quant", "group_size", "method", "budget", "ppl_ref", "ppl_quant", "ppl_method", "gap_recovered",
+                "memory_overhead", "calibration_seconds", "seconds", "device", "texts", "tokens")
+        json.dump([{**{k: r.get(k) for k in keys}, "n_modules": len(r.get("modules", [])),
+                    "ranks": sorted({m["rank"] for m in r.get("modules", [])})} for r in runs], f, indent=1)
     for qb in sorted({(r["quant"], r["group_size"]) for r in runs}):
         rs = [r for r in runs if (r["quant"], r["group_size"]) == qb]
         with open(os.path.join(out, f"quality_{qb[0]}_g{qb[1] or 'ch'}.svg"), "w") as f:
