@@ -16,7 +16,8 @@ folded into the op producing that tensor, at no run-time cost. Llama naming
                  attention the o channels that read one v row get one tied scale)
 A norm fold is checked numerically on a probe before it is used (Gemma-style ``1 + weight``
 norms fail the check). Anything else is "runtime": the layer multiplies its input by a
-stored [K] vector 1/s.
+stored [K] vector 1/s. Scales and transformed weights are computed in float64 on the CPU
+(statistics live there) whatever device the model is on.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .stats import InputStats
 
 def _act_magnitude(st) -> torch.Tensor:
     m = getattr(st, "max_abs", None)
-    return (m if m is not None else st.mean_sq.sqrt()).to(torch.float64)
+    return (m if m is not None else st.mean_sq.sqrt()).to("cpu", torch.float64)
 
 
 @dataclasses.dataclass
@@ -103,13 +104,13 @@ def _norm_folds_exactly(norm: nn.Module, s: torch.Tensor) -> bool:
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(s.shape):
         return False
-    probe = torch.randn(3, s.numel(), generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    probe = torch.randn(3, s.numel(), generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
     with torch.no_grad():
-        before = norm(probe).double()
+        before = norm(probe).double().cpu()
         saved = w.detach().clone()
-        w.copy_(saved / s.to(w.dtype))
+        w.copy_(saved / s.to(w.device, w.dtype))
         try:
-            after = norm(probe).double()
+            after = norm(probe).double().cpu()
         finally:
             w.copy_(saved)
     tol = 1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5
@@ -135,8 +136,8 @@ def smoothing_scales(act_mag: torch.Tensor, weights: list[torch.Tensor], alpha: 
 
     With ``row_map`` the channels mapped to one producer row share one scale (maxima tied).
     """
-    a = act_mag.to(torch.float64).clamp_min(1e-5)
-    w = torch.stack([W.detach().to(torch.float64).abs().amax(0) for W in weights]).amax(0).clamp_min(1e-5)
+    a = act_mag.to("cpu", torch.float64).clamp_min(1e-5)
+    w = torch.stack([W.detach().to("cpu", torch.float64).abs().amax(0) for W in weights]).amax(0).clamp_min(1e-5)
     if row_map is not None:
         n = int(row_map.max()) + 1
         a = torch.zeros(n, dtype=torch.float64).scatter_reduce(0, row_map, a, "amax", include_self=False)[row_map]
@@ -184,9 +185,9 @@ def smooth_plan(model: nn.Module, weights: Mapping[str, torch.Tensor], stats: Ma
 
 def transformed_weight(plan: Optional[SmoothPlan], name: str, W: torch.Tensor,
                        bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(diag(row) W diag(s), row * bias) in float64: the weight the layer holds after folding."""
-    W = W.detach().to(torch.float64)
-    b = None if bias is None else bias.detach().to(torch.float64)
+    """(diag(row) W diag(s), row * bias) in float64 on the CPU: the weight the layer holds after folding."""
+    W = W.detach().to("cpu", torch.float64)
+    b = None if bias is None else bias.detach().to("cpu", torch.float64)
     if plan is None:
         return W, b
     W = W * plan.col_scale(name)[None, :]
@@ -212,7 +213,8 @@ def fold_smoothing_(model: nn.Module, plan: SmoothPlan) -> nn.Module:
         if b is not None:
             mods[n].bias.copy_(b.to(mods[n].bias.dtype))
     for norm, s in plan.norm_folds().items():
-        mods[norm].weight.copy_((mods[norm].weight.double() / s).to(mods[norm].weight.dtype))
+        w = mods[norm].weight
+        w.copy_((w.double() / s.to(w.device)).to(w.dtype))
     return model
 
 

@@ -31,10 +31,13 @@ small GEMM ``R x'_S``:
         conditional gain ||E Σ_{:,j|S}||^2 / Σ_{jj|S} is largest (exact J decrease, O(N K) a step);
      "error": diagonal score Σ_kk ||E[:, k]||^2;   "act": largest max|x_k| (the released code).
 4. Offline permutation: with S moved to the front of K (weight columns and producer
-   outputs), ``x'_S`` is the contiguous slice ``x'[..., :k]``; the other channels follow
-   by decreasing flattened magnitude. Eagerly we keep ``idx`` / ``perm`` and gather, which
-   is numerically identical; a permuting deployment stores no index, so none is counted.
-   The order only changes numbers when activations are quantized in channel groups.
+   outputs), ``x'_S`` is the contiguous slice ``x'[..., :k]``; the other channels keep
+   their order (``permute="salient"``) or follow by decreasing flattened magnitude
+   ("sorted", like the release). Eagerly we keep ``idx`` / ``perm`` and gather, which is
+   numerically identical; a permuting deployment stores no index, so none is counted.
+   The order only changes numbers when activations are quantized in channel groups, and
+   there it cost accuracy (NOTE below), so the default (``permute=None``) keeps the
+   original order and gathers the k salient channels.
 5. Activations (``act_bits`` 8 or 4): ``x'`` is fake-quantized, symmetric, per token or per
    ``act_group_size`` channels of the permuted order (``quant/actquant.py``), before the
    4-bit GEMM. The correction path reads the same quantized ``x'`` (``correction_act="same"``,
@@ -55,6 +58,21 @@ What the paper's released code does differently (and what we do instead):
   * R is stored in fp16 here (``r_dtype``), counted as 2*N*k bytes.
 The LS objective only sees the weight error: the activation-quantization error
 ``Q(W')(x' - x'_q)`` is reduced by flattening, not by R.
+
+NOTE (SmolLM2-135M on CPU, per-channel RTN W4, 1 % budget -> k = 8 on every linear;
+statistics from 4096 tokens of The Tempest, perplexity on 4096 tokens of Hamlet in
+512-token windows; fp 42.6, W4A16 71.8). W4A16: greedy-lsq without flattening 52.4
+(QERA-exact at the same budget, r = 4: 52.7),
+"act" saliency 58.0, "columns" 60.2, with smooth_alpha=0.5 60.6, alpha=0.5 + "error"
+saliency 65.9, the release's recipe (alpha=1, "act", "paper", k=30) 84.3 (worse than
+plain). W4A8 per token: plain 74.4, alpha=0.5 61.2, no flattening 54.5. W4A4 per token:
+plain 7230, flattening alone 1312, SERQ 1060 (per-token int4 breaks this model).
+W4A4 per group of 32: plain 130.6, flattening alone 118.1, SERQ alpha=0.5 86.6 with
+permute=None vs 92.3 "salient" and 93.7 "sorted"; no flattening 87.8, alpha=1 "paper" 135.8.
+Single runs on 4096 tokens: a few points either way is within noise. So flattening helped
+only with per-token 4-bit activations (a wash at group 32, a loss at A16/A8), and permuting
+before group-wise activation quantization hurt; ``smooth_alpha=0.5`` stays the default (it
+is SERQ's stage 1), pass ``None`` for W4A16/W4A8 comparisons.
 
 Statistics: ``collect_input_stats(ref, batches, names, module_type=nn.Linear, full=True)`` gives
 Σ (as ``rxx``) on the *unsmoothed* fp inputs; smoothing maps it to ``Σ / (s s^T)``.
@@ -83,6 +101,7 @@ from .stats import InputStats
 SALIENCY = ("greedy", "error", "act")
 SOLVES = ("lsq", "columns", "paper")
 CORRECTION_ACTS = ("same", "int8", "fp")
+PERMUTES = ("salient", "sorted", None)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -372,9 +391,17 @@ def _infer_quant_cfg(m: QuantLinear) -> QuantConfig:
                          "pass quant_cfg=") from e
 
 
+def _cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    return dataclasses.replace(qw, qweight=qw.qweight.cpu(), scales=qw.scales.cpu(), zeros=qw.zeros.cpu())
+
+
 def _quantize(W: torch.Tensor, cfg: QuantConfig, rxx: torch.Tensor, dtype: torch.dtype, name: str) -> QuantizedWeight:
+    """Re-quantize a flattened weight: RTN, or GPTQ with the flattened Hessian 2 E[x' x'^T]."""
     if cfg.method == "gptq":
         return quantize_gptq(W, 2 * rxx, cfg, cfg.damp, cfg.block_size, cfg.act_order, out_dtype=dtype, where=name)
+    if cfg.method != "rtn":
+        raise ValueError(f"apply_serq_: {name}: re-quantizing a flattened weight with method={cfg.method!r} is not "
+                         "supported (rtn, gptq); use smooth_alpha=None to keep q_model's weights")
     return quantize_rtn(W, cfg, out_dtype=dtype, where=name)
 
 
@@ -382,7 +409,8 @@ def _quantize(W: torch.Tensor, cfg: QuantConfig, rxx: torch.Tensor, dtype: torch
 def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, InputStats], budget_bytes: int,
                 act_bits: Optional[int] = None, smooth_alpha: Optional[float] = 0.5, *,
                 k: Union[int, Mapping[str, int], None] = None, saliency: str = "greedy", solve: str = "lsq",
-                correction_act: str = "same", act_group_size: Optional[int] = None, permute: bool = True,
+                correction_act: str = "same", act_group_size: Optional[int] = None,
+                permute: Optional[str] = None,
                 fold: bool = True, quant_cfg: Optional[QuantConfig] = None,
                 r_dtype: Optional[torch.dtype] = torch.float16, damp: float = 1e-6,
                 names: Optional[list[str]] = None) -> dict[str, dict]:
@@ -397,13 +425,17 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         {name: k}) overrides the budget; an explicit k > K is an error naming the module.
     act_bits: None (W4A16), 8 (W4A8), 4 (W4A4): per-token activation fake quantization, or
         per ``act_group_size`` channels (e.g. 32/64; must divide every K) of the permuted
-        order (``permute``: salient channels first, then by decreasing flattened magnitude,
-        as the release sorts channels; permute=False keeps the original order).
+        order. ``permute``: None (original order; x'_S is gathered), "salient" (S first, the
+        rest in their original order: what a contiguous x'_S slice needs), "sorted" (S first,
+        the rest by decreasing flattened magnitude, like the release's full sort). Only
+        group-wise activation quantization sees the difference (see the NOTE above).
     smooth_alpha: flattening strength a (0.5 SmoothQuant; 1.0 = the released code's s = max|x|);
         None = no flattening, and then the q_model's own quantized weights are kept as they are
         (RTN or GPTQ); otherwise the smoothed weights are re-quantized with ``quant_cfg``
         (default: RTN with each layer's group size and symmetry; pass the QuantConfig used
         for q_model, e.g. method="gptq", to re-run that quantizer with the smoothed Hessian).
+    Works on any device: the offline math runs in float64 on the CPU (where the statistics
+    are), each new layer goes to its QuantLinear's device.
     Other options: see the module docstring. Norm weights of ``q_model`` are replaced when
     flattening folds into them. Returns {name: {name, N, K, k, bytes, extra_bytes, smoothing,
     out_err_quant, out_err_serq}}; ``bytes`` is R's storage (2*N*k for fp16),
@@ -421,6 +453,8 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         raise ValueError(f"apply_serq_: solve {solve!r}; expected one of {SOLVES}")
     if correction_act not in CORRECTION_ACTS:
         raise ValueError(f"apply_serq_: correction_act {correction_act!r}; expected one of {CORRECTION_ACTS}")
+    if permute not in PERMUTES:
+        raise ValueError(f"apply_serq_: permute {permute!r}; expected one of {PERMUTES}")
     qls = {n: m for n, m in q_model.named_modules() if isinstance(m, QuantLinear)}
     if names is not None:
         missing = [n for n in names if n not in qls]
@@ -465,7 +499,7 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
     new_modules: dict[str, SERQLinear] = {}
     for n, m in qls.items():
         kn = ks[n]
-        rxx = stats[n].rxx.to(torch.float64)
+        rxx = stats[n].rxx.to("cpu", torch.float64)
         W, b = transformed_weight(plan, n, weights[n], biases[n])
         s = plan.col_scale(n) if plan is not None else None
         if s is not None:
@@ -474,7 +508,7 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         check_act_group(act_group_size, m.in_features, n)
         dt = m.scales.dtype
         cfg = quant_cfg or _infer_quant_cfg(m)
-        qw = m.quantized_weight() if plan is None else _quantize(W, cfg, rxx, dt, n)
+        qw = _cpu(m.quantized_weight()) if plan is None else _quantize(W, cfg, rxx, dt, n)
         err = W - qw.dequantize(torch.float64)
         C = err @ rxx
         before = float((C * err).sum())
@@ -493,14 +527,16 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         after = serq_output_error(err, R, idx, rxx, C)
         runtime = plan is not None and plan.group_of(n).fold[0] == "runtime"
         perm = None
-        if permute:
-            mag = _act_magnitude(stats[n]) / (s if s is not None else 1.0)
+        if permute is not None:
             rest = torch.ones(m.in_features, dtype=torch.bool)
             rest[idx] = False
             rest = torch.nonzero(rest).flatten()
-            perm = torch.cat([idx, rest[torch.argsort(mag[rest], descending=True)]])
+            if permute == "sorted":
+                mag = _act_magnitude(stats[n]) / (s if s is not None else 1.0)
+                rest = rest[torch.argsort(mag[rest], descending=True, stable=True)]
+            perm = torch.cat([idx, rest])
         new_modules[n] = SERQLinear.build(qw, b, R, idx, (1.0 / s) if runtime else None, act_bits, correction_act,
-                                          act_group_size, perm, name=n)
+                                          act_group_size, perm, name=n).to(m.qweight.device)
         smoothing = "none" if plan is None else ":".join(x for x in plan.group_of(n).fold if x)
         report[n] = {"name": n, "N": m.out_features, "K": m.in_features, "k": kn,
                      "bytes": serq_bytes(m.out_features, kn, solve, r_dtype), "extra_bytes": extra[n],
@@ -514,7 +550,8 @@ def apply_serq_(ref_model: nn.Module, q_model: nn.Module, stats: Mapping[str, In
         q_mods = dict(q_model.named_modules())
         for norm, s in plan.norm_folds().items():
             w = q_mods[norm].weight
-            q_mods[norm].weight = nn.Parameter((w.detach().double() / s).to(w.dtype), requires_grad=w.requires_grad)
+            q_mods[norm].weight = nn.Parameter((w.detach().double() / s.to(w.device)).to(w.dtype),
+                                               requires_grad=w.requires_grad)
     return report
 
 

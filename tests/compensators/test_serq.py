@@ -239,13 +239,26 @@ def test_plain_baselines_agree_and_group_quant_runs_in_the_permuted_order():
     hooked = copy.deepcopy(q)
     add_act_quant_(hooked, 4, group_size=16)
     plain = copy.deepcopy(q)
-    apply_serq_(ref, plain, stats, 0, act_bits=4, act_group_size=16, smooth_alpha=None, permute=False)
+    apply_serq_(ref, plain, stats, 0, act_bits=4, act_group_size=16, smooth_alpha=None, permute=None)
     torch.testing.assert_close(plain(x), hooked(x))
     # with SERQ, groups are formed over perm (salient channels first) and R reads x'_q[:, :k]
     m = copy.deepcopy(q)
-    apply_serq_(ref, m, stats, 10 ** 6, k=8, act_bits=4, act_group_size=16, smooth_alpha=0.5)
+    apply_serq_(ref, m, stats, 10 ** 6, k=8, act_bits=4, act_group_size=16, smooth_alpha=0.5, permute="sorted")
     layer = m[0]
     assert torch.equal(layer.perm[:8], layer.idx)
+    m2 = copy.deepcopy(q)
+    apply_serq_(ref, m2, stats, 10 ** 6, k=8, act_bits=4, act_group_size=16, smooth_alpha=0.5, permute="salient")
+    rest = m2[0].perm[8:]
+    assert torch.equal(m2[0].perm[:8], layer.idx) and torch.equal(rest, rest.sort().values)
+    m3 = copy.deepcopy(q)
+    apply_serq_(ref, m3, stats, 10 ** 6, k=8, act_bits=4, act_group_size=16, smooth_alpha=0.5)  # default: no perm
+    assert m3[0].perm is None
+    xs3 = x * m3[0].in_scale
+    xq3 = fake_quant_activation(xs3, 4, 16)
+    expected3 = xq3 @ m3[0].dequantize(torch.float32).t() + m3[0].bias + xq3[:, m3[0].idx] @ m3[0].R.t()
+    torch.testing.assert_close(m3[0](x), expected3, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="permute 'random'"):
+        apply_serq_(ref, copy.deepcopy(q), stats, 0, permute="random")
     xs = x * layer.in_scale
     xqp = fake_quant_activation(xs[:, layer.perm], 4, 16)
     W = layer.dequantize(torch.float32)
