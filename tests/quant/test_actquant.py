@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-
 import spear_compile as spear
 from spear_compile.quant.actquant import add_act_quant_, fake_quant_activation
 
