@@ -144,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps, seed=args.seed)
     spear = SpearConfig(damage_seqs=args.damage_seqs, allocation=args.allocation, calib=calib)
     res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
-                   args.max_tokens, spear)
+                   args.max_tokens, spear, act_bits=args.act_bits)
     print(f"ppl ref {res['ppl_ref']:.2f} | {args.quant} g{args.group_size or 'ch'} {res['ppl_quant']:.2f} | "
           f"{args.method} {res['ppl_method']:.2f} | gap recovered {res['gap_recovered']:.1%} | "
           f"EC bytes {res['memory_overhead']:.2%} of fp16 on {len(res['modules'])} modules | "
@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", nargs="+", default=list(DEFAULT_EVAL_PLAYS), help="play names or text files")
     e.add_argument("--quant", default="rtn", choices=["rtn", "gptq", "awq"])
     e.add_argument("--group-size", type=int, default=0, help="0 = per-channel")
+    e.add_argument("--act-bits", type=int, default=None, choices=[8, 4],
+                   help="fake-quantize activations per token (W4A8 / W4A4) in the base model and every method")
     e.add_argument("--method", default="spear", choices=list(METHODS))
     e.add_argument("--budget", type=float, default=0.01, help="EC bytes as a fraction of the fp16 model")
     e.add_argument("--seq-len", type=int, default=2048)

@@ -12,6 +12,15 @@ Methods at a byte budget (``--budget 0.01`` = EC bytes <= 1 % of the fp16 model)
          uniform r that fits (A, B stored in fp16); statistics from self-sampled text
   spear  CKA damage -> entropy plan with greedy ranks -> QERA-exact init -> KL calibration
          on self-sampled text (``compensators/spear.py``)
+  serq   one least-squares correction matrix on the k most salient input channels per linear
+         (k from the budget), with SmoothQuant-style flattening folded offline when
+         activations are quantized (``compensators/serq.py``)
+
+``act_bits`` (8 or 4) fake-quantizes every quantized linear's input per token (W4A8 / W4A4,
+``quant/actquant.py``) in the base model and in every method, so ``ppl_quant`` and
+``gap_recovered`` are measured at that activation precision. SERQ quantizes its own (flattened)
+activations; flattening is on only then, since with 16-bit activations it can only move
+weight error around (measured worse on SmolLM2, see the NOTE in ``serq.py``).
 
 ``calibration_seconds`` counts everything the method needs after quantization: sampling the
 calibration text from the fp model, and for SPEAR damage, statistics, init and training
@@ -31,12 +40,14 @@ from torch import nn
 from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quantized_linears
 from .compensators.calibrate import sample_sequences
 from .compensators.selection import ec_bytes
+from .compensators.serq import apply_serq_, collect_serq_stats
 from .compensators.spear import SpearConfig, fit_spear_
 from .compensators.static import lorc, lqer, qera_exact
 from .compensators.stats import collect_input_stats
 from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
+from .quant.actquant import add_act_quant_
 
-METHODS = ("none", "spear", "lorc", "lqer", "qera")
+METHODS = ("none", "spear", "lorc", "lqer", "qera", "serq")
 QUANTS = ("rtn", "gptq")
 
 
@@ -121,11 +132,15 @@ class EvalSession:
             self.sampling_seconds = time.time() - t0
         return self._seqs
 
-    def base(self, quant: str, group_size: int) -> tuple[nn.Module, float]:
-        """(quantized copy of the reference, its perplexity), cached per (quant, group_size)."""
+    def base(self, quant: str, group_size: int, act_bits: Optional[int] = None) -> tuple[nn.Module, float]:
+        """(quantized copy of the reference, its perplexity), cached per (quant, group_size, act_bits)."""
         if quant not in QUANTS:
             raise ValueError(f"spear eval: quant {quant!r}; expected one of {QUANTS}")
-        key = (quant, group_size)
+        key = (quant, group_size, act_bits)
+        if act_bits is not None and key not in self._bases:
+            q = copy.deepcopy(self.base(quant, group_size)[0])
+            add_act_quant_(q, act_bits)
+            self._bases[key] = (q, perplexity(q, self.wins, progress=self.progress, desc=f"ppl {quant} a{act_bits}"))
         if key not in self._bases:
             seqs = self.seqs if quant != "rtn" else None
             calib = None if seqs is None else [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
@@ -134,31 +149,43 @@ class EvalSession:
             self._bases[key] = (q, perplexity(q, self.wins, progress=self.progress, desc=f"ppl {quant}"))
         return self._bases[key]
 
-    def run(self, quant: str = "rtn", group_size: int = 0, method: str = "spear", budget: float = 0.01) -> dict:
+    def run(self, quant: str = "rtn", group_size: int = 0, method: str = "spear", budget: float = 0.01,
+            act_bits: Optional[int] = None) -> dict:
         if method not in METHODS:
             raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
         ref, spear, calib = self.ref, self.spear, self.spear.calib
         torch.manual_seed(calib.seed)
         budget_bytes = int(budget * self.ref_bytes)
         ppl_ref = self.ppl_ref
-        base, ppl_quant = self.base(quant, group_size)
-        q = copy.deepcopy(base)
+        base, ppl_quant = self.base(quant, group_size, act_bits)
+        # SERQ replaces the layers and quantizes its own inputs: start it from the W4A16 base
+        q = copy.deepcopy(self.base(quant, group_size)[0] if method == "serq" else base)
         t0 = time.time()
         ecs: dict[str, ErrorCompensator] = {}
         log: dict = {}
+        serq: dict = {}
         if method != "none":
             seqs = self.seqs
-            if method == "spear":
+            batches = [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
+            if method == "serq":
+                stats = collect_serq_stats(ref, batches, names=list(quantized_linears(q)))
+                serq = apply_serq_(ref, q, stats, budget_bytes, act_bits=act_bits,
+                                   smooth_alpha=0.5 if act_bits else None,
+                                   quant_cfg=QuantConfig(group_size=group_size or None, method=quant))
+            elif method == "spear":
                 ecs, log = fit_spear_(ref, q, seqs, budget_bytes, spear, progress=self.progress)
             else:
-                stats = collect_input_stats(ref, [seqs[i:i + 4] for i in range(0, len(seqs), 4)],
+                stats = collect_input_stats(ref, batches,
                                             names=list(quantized_linears(q)), module_type=nn.Linear,
                                             full=(method == "qera"))
                 ecs = _static_ecs(method, ref, q, stats, budget_bytes)
                 attach_(q, ecs)
         calib_s = time.time() - t0 + (self.sampling_seconds if method != "none" else 0.0)
-        ppl_method = perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if ecs else ppl_quant
-        if method == "spear":
+        ppl_method = (perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if ecs or serq
+                      else ppl_quant)
+        if method == "serq":
+            used = sum(r["bytes"] + r["extra_bytes"] for r in serq.values())
+        elif method == "spear":
             used = sum(ec_bytes(e.out_features, e.in_features, e.rank, spear.gate_hidden) for e in ecs.values())
         else:
             used = sum(2 * e.rank * (e.in_features + e.out_features) for e in ecs.values())
@@ -174,7 +201,9 @@ class EvalSession:
             "gap_recovered": (ppl_quant - ppl_method) / gap if gap > 0 else math.nan,
             "ec_bytes": used, "ref_model_bytes": self.ref_bytes, "memory_overhead": used / self.ref_bytes,
             "memory_overhead_of_w4": used / w4_model_bytes,
-            "modules": [{"name": n, "rank": e.rank} for n, e in sorted(ecs.items())],
+            "act_bits": act_bits,
+            "modules": ([{"name": n, "rank": r["k"]} for n, r in sorted(serq.items())] if serq else
+                        [{"name": n, "rank": e.rank} for n, e in sorted(ecs.items())]),
             "calibration_seconds": calib_s,
             "seconds": {"sampling": self.sampling_seconds if method != "none" else 0.0, **log.get("seconds", {})},
             "calibration": dataclasses.asdict(calib),
@@ -186,11 +215,11 @@ class EvalSession:
 def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS, quant: str = "rtn",
              group_size: int = 0, method: str = "spear", budget: float = 0.01, seq_len: int = 2048,
              max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(), progress: bool = True,
-             device: Optional[str] = None) -> dict:
+             device: Optional[str] = None, act_bits: Optional[int] = None) -> dict:
     """One ``spear eval`` run (see the module doc for the keys)."""
     if method not in METHODS:
         raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
     if quant not in QUANTS:
         raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet ({', '.join(QUANTS)})")
-    return EvalSession(model_name, texts, seq_len, max_tokens, spear, progress, device).run(quant, group_size, method,
-                                                                                           budget)
+    session = EvalSession(model_name, texts, seq_len, max_tokens, spear, progress, device)
+    return session.run(quant, group_size, method, budget, act_bits)

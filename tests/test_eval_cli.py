@@ -11,7 +11,7 @@ TINY = ["--text", "hamlet_gut", "--max-tokens", "512", "--seq-len", "128", "--ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["qera", "spear"])
+@pytest.mark.parametrize("method", ["qera", "spear", "serq"])
 def test_eval_contract(method, tmp_path):
     out = tmp_path / "r.json"
     assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, "--json", str(out)]) == 0
@@ -22,9 +22,9 @@ def test_eval_contract(method, tmp_path):
     assert 0 < r["ec_bytes"] <= 0.005 * r["ref_model_bytes"]
     assert r["memory_overhead"] == pytest.approx(r["ec_bytes"] / r["ref_model_bytes"])
     assert r["modules"] and all(set(m) == {"name", "rank"} and m["rank"] >= 1 for m in r["modules"])
-    if method == "qera":
-        assert len(r["modules"]) == 210  # static methods: every quantized linear, one uniform rank
-        assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optimum helps even before any training
+    if method in ("qera", "serq"):
+        assert len(r["modules"]) == 210  # static methods: every quantized linear, one uniform rank / k
+        assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optima help even before any training
 
 
 def test_eval_rejects_unimplemented_quantizer(capsys):
