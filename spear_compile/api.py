@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from .compensators.registry import attach_, detach_  # noqa: F401  (public API)
 from .config import QuantConfig
 from .quant.linear import QuantLinear
+from .quant.rtn import quantize_rtn
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -28,17 +29,32 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
     chosen module must be an ``nn.Linear`` whose in_features is divisible by the group
     size; the error names the module otherwise. ``cfg.method == "gptq"`` needs ``calib``,
     input batches for ``model``: one pass collects every layer's Hessian 2 E[x x^T] from the
-    full-precision inputs (not re-collected layer by layer). Returns ``model``.
+    full-precision inputs (not re-collected layer by layer). ``cfg.method == "awq"`` also
+    needs ``calib`` and a Llama-style model (``model.model.layers[i]`` with input_layernorm,
+    self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj): it searches
+    per-input-channel scales and clipping (``quant/awq.py``), folds the scales into the
+    norms / v_proj / up_proj of ``model`` itself (so keep a separate copy as the
+    full-precision reference), then quantizes with RTN and the searched clipping. Selected
+    linears outside the decoder layers get plain RTN. The search result is kept as
+    ``model._spear_awq`` (``quant.awq.AWQResult``); ``quant.awq.fold_awq_(copy_of_ref,
+    model._spear_awq.scales)`` gives the fp reference in the quantized model's coordinates,
+    which weight-error based compensator initialisations need. Returns ``model``.
     """
     filter_fn = filter_fn or default_filter
     targets = [(fqn, m) for fqn, m in model.named_modules() if fqn and filter_fn(m, fqn)]
     for fqn, m in targets:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"quantize_: filter selected {fqn!r} of type {type(m).__name__}; only nn.Linear is supported")
-    hessians = {}
+    hessians, clips = {}, {}
+    if cfg.method in ("gptq", "awq") and calib is None:
+        raise ValueError(f"quantize_: method={cfg.method!r} needs calib= (input batches for the model)")
+    if cfg.method == "awq":
+        from .quant.awq import apply_awq_
+
+        awq = apply_awq_(model, calib, cfg, targets=[f for f, _ in targets], progress=progress)
+        model._spear_awq = awq  # scales and clips, e.g. for quant.awq.fold_awq_ on the reference
+        clips = awq.clips
     if cfg.method == "gptq":
-        if calib is None:
-            raise ValueError("quantize_: method='gptq' needs calib= (input batches for the model)")
         from .compensators.stats import collect_input_stats
 
         stats = collect_input_stats(model, calib, names=[f for f, _ in targets], full=True, module_type=nn.Linear)
@@ -52,6 +68,8 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
 
             qw = quantize_gptq(m.weight, hessians[fqn], cfg, cfg.damp, cfg.block_size, cfg.act_order, where=fqn)
             q = QuantLinear.from_quantized(qw, m.bias, name=fqn)
+        elif fqn in clips:  # AWQ: the weight already carries the folded scale
+            q = QuantLinear.from_quantized(quantize_rtn(m.weight, cfg, where=fqn, clip=clips[fqn]), m.bias, name=fqn)
         else:
             q = QuantLinear.from_linear(m, cfg, name=fqn)
         setattr(parent, child, q)

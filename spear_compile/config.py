@@ -13,7 +13,7 @@ import json
 from typing import Any, Optional
 
 _GROUP_SIZES = (None, 32, 64, 128, 256)
-_QUANT_METHODS = ("rtn", "gptq")  # AWQ will produce the same format
+_QUANT_METHODS = ("rtn", "gptq", "awq")  # all three produce the same packed "spear" format
 _GATE_ACTS = ("silu", "relu", "gelu")
 
 
@@ -44,9 +44,16 @@ class QuantConfig(_Serialisable):
         input channels share a scale and zero point.
     symmetric: if True the zero point is fixed at 8 (signed range [-8, 7] stored
         offset by 8); else asymmetric min/max with an integer zero point.
-    method: "rtn", or "gptq" (needs calibration inputs, see ``quantize_``).
+    method: "rtn", "gptq" or "awq"; gptq and awq need calibration inputs (see
+        ``quantize_``), and awq a Llama-style model (see ``quant/awq.py``).
     damp, act_order, block_size: GPTQ's Hessian damping (fraction of mean diag), column
         order by decreasing Hessian diagonal, and lazy-update block width.
+    awq_grid: AWQ scale search: alpha in ``{i / awq_grid : i = 0..awq_grid}`` (alpha = 0
+        is plain RTN, so the search never does worse than RTN on the calibration data).
+    awq_clip_grid: AWQ clipping search: candidate range ratios
+        ``1 - awq_max_shrink * i / awq_clip_grid`` for ``i = 0..awq_clip_grid``; 0 turns
+        clipping off.
+    awq_max_shrink: the smallest ratio tried is ``1 - awq_max_shrink``.
     """
 
     bits: int = 4
@@ -56,6 +63,9 @@ class QuantConfig(_Serialisable):
     damp: float = 0.01
     act_order: bool = False
     block_size: int = 128
+    awq_grid: int = 20
+    awq_clip_grid: int = 10
+    awq_max_shrink: float = 0.5
 
     def __post_init__(self) -> None:
         if self.group_size == 0:
@@ -72,6 +82,12 @@ class QuantConfig(_Serialisable):
             raise ValueError(f"QuantConfig.damp={self.damp}: expected 0 <= damp < 1")
         if self.block_size < 1:
             raise ValueError(f"QuantConfig.block_size={self.block_size}: must be >= 1")
+        if self.awq_grid < 1:
+            raise ValueError(f"QuantConfig.awq_grid={self.awq_grid}: must be >= 1")
+        if self.awq_clip_grid < 0:
+            raise ValueError(f"QuantConfig.awq_clip_grid={self.awq_clip_grid}: must be >= 0 (0 = no clipping)")
+        if not 0.0 < self.awq_max_shrink < 1.0:
+            raise ValueError(f"QuantConfig.awq_max_shrink={self.awq_max_shrink}: expected 0 < awq_max_shrink < 1")
 
 
 @dataclasses.dataclass(frozen=True)
