@@ -48,7 +48,7 @@ from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
 from .quant.actquant import add_act_quant_
 
 METHODS = ("none", "spear", "lorc", "lqer", "qera", "serq")
-QUANTS = ("rtn", "gptq")
+QUANTS = ("rtn", "gptq", "awq")
 
 
 def fp16_bytes(model: nn.Module) -> int:
@@ -149,14 +149,27 @@ class EvalSession:
             self._bases[key] = (q, perplexity(q, self.wins, progress=self.progress, desc=f"ppl {quant}"))
         return self._bases[key]
 
+    def reference_for(self, quant: str, group_size: int) -> nn.Module:
+        """The fp model in the quantized base's coordinates. AWQ quantized ``W diag(s)`` fed
+        ``x / s``, so weight errors and input statistics must come from the folded reference
+        (same function as ``self.ref``); other quantizers use ``self.ref`` itself."""
+        if quant != "awq":
+            return self.ref
+        key = ("folded", quant, group_size)
+        if key not in self._bases:
+            from .quant.awq import fold_awq_
+
+            self._bases[key] = fold_awq_(copy.deepcopy(self.ref), self.base(quant, group_size)[0]._spear_awq.scales)
+        return self._bases[key]
+
     def run(self, quant: str = "rtn", group_size: int = 0, method: str = "spear", budget: float = 0.01,
             act_bits: Optional[int] = None) -> dict:
         if method not in METHODS:
             raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
-        ref, spear, calib = self.ref, self.spear, self.spear.calib
+        ref, spear, calib = self.reference_for(quant, group_size), self.spear, self.spear.calib
         torch.manual_seed(calib.seed)
         budget_bytes = int(budget * self.ref_bytes)
-        ppl_ref = self.ppl_ref
+        ppl_ref = self.ppl_ref  # of the original reference (the folded one computes the same function)
         base, ppl_quant = self.base(quant, group_size, act_bits)
         # SERQ replaces the layers and quantizes its own inputs: start it from the W4A16 base
         q = copy.deepcopy(self.base(quant, group_size)[0] if method == "serq" else base)
@@ -170,7 +183,7 @@ class EvalSession:
             if method == "serq":
                 stats = collect_serq_stats(ref, batches, names=list(quantized_linears(q)))
                 serq = apply_serq_(ref, q, stats, budget_bytes, act_bits=act_bits,
-                                   smooth_alpha=0.5 if act_bits else None,
+                                   smooth_alpha=0.5 if act_bits and quant != "awq" else None,
                                    quant_cfg=QuantConfig(group_size=group_size or None, method=quant))
             elif method == "spear":
                 ecs, log = fit_spear_(ref, q, seqs, budget_bytes, spear, progress=self.progress)

@@ -27,6 +27,21 @@ def test_eval_contract(method, tmp_path):
         assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optima help even before any training
 
 
-def test_eval_rejects_unimplemented_quantizer(capsys):
-    with pytest.raises(NotImplementedError, match="--quant awq is not implemented yet"):
-        spear_main(["eval", "--quant", "awq", *TINY])
+def test_eval_rejects_unknown_quantizer_and_method():
+    from spear_compile.evaluate import run_eval
+
+    with pytest.raises(NotImplementedError, match="--quant hqq is not implemented"):
+        run_eval(quant="hqq")
+    with pytest.raises(ValueError, match="method 'svd'"):
+        run_eval(method="svd")
+
+
+@pytest.mark.slow
+def test_eval_awq_base_with_spear(tmp_path):
+    """AWQ base: sampled calibration text feeds the scale search, the methods see the folded reference."""
+    out = tmp_path / "r.json"
+    assert spear_main(["eval", "--quant", "awq", "--method", "qera", "--budget", "0.005", *TINY,
+                       "--json", str(out)]) == 0
+    r = json.load(open(out))
+    assert r["quant"] == "awq" and r["ppl_quant"] > r["ppl_ref"] > 1
+    assert r["ppl_method"] < r["ppl_quant"]  # QERA's weight errors come from the folded reference
