@@ -9,12 +9,17 @@
    ``teacher_cache_bytes`` (32 x 256 tokens x 49k vocabulary = 0.8 GB): on a CPU the
    teacher forward is a third of a step's compute, so caching makes every step ~1.5x
    cheaper. Larger sets recompute the teacher per minibatch.
+   With ``dense_weights`` the student's 4-bit weights are dequantized once for the whole run
+   (fp32 copies, 4 bytes per weight) instead of in every forward and every backward of every
+   step; the same reference math (``lowering/w4a16.py``, ``lowering/ec_linear.py``), so the
+   losses are unchanged (tested).
 
 Deterministic under a seed; a progress bar shows the running KL; ``KeyboardInterrupt``
 stops cleanly after the current step and keeps the parameters trained so far.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import torch
@@ -36,6 +41,7 @@ class CalibConfig:
     seed: int = 0
     temperature: float = 1.0
     teacher_cache_bytes: int = 2 << 30
+    dense_weights: bool = True
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size"):
@@ -86,6 +92,33 @@ def teacher_logprobs(ref: nn.Module, seqs: torch.Tensor, batch_size: int = 4, dt
     return torch.cat(out)
 
 
+@contextlib.contextmanager
+def _dense_forward(model: nn.Module, enabled: bool):
+    """Temporarily run every QuantLinear as ``x W^T (+ bias) (+ EC delta)`` with W dequantized once."""
+    from ..lowering.w4a16 import dequantize_ref
+
+    patched = []
+    try:
+        if enabled:
+            for m in model.modules():
+                if isinstance(m, QuantLinear) and type(m).forward is QuantLinear.forward:
+                    W = dequantize_ref(m.qweight, m.scales, m.zeros, m.group_size, "spear").detach()
+
+                    def fwd(x, m=m, W=W):
+                        x2 = x.reshape(-1, x.shape[-1])
+                        w = W.to(x.dtype)
+                        y = torch.addmm(m.bias, x2, w.t()) if m.bias is not None else torch.mm(x2, w.t())
+                        y = y.reshape(*x.shape[:-1], y.shape[-1])
+                        return y if m.ec is None else y + m.ec(x)
+
+                    m.forward = fwd
+                    patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
 def _logits(model, ids):
     out = model(ids)
     return getattr(out, "logits", out)
@@ -133,6 +166,8 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
     was_training = model.training
     model.eval()
+    dense = _dense_forward(model, cfg.dense_weights)
+    dense.__enter__()
     try:
         for step in bar:
             idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
@@ -151,6 +186,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
     finally:
+        dense.__exit__(None, None, None)
         for p, r in zip(frozen, req):
             p.requires_grad_(r)
         for p in gate + ab:
