@@ -29,5 +29,6 @@ def test_demo_short(tmp_path):
     assert r["ppl_w4"] > r["ppl_ref"] > 1.0  # W4 RTN hurts, as measured in DESIGN section 6
     # the SPEAR stage ran: ECs within 1 %, compiled == eager with them, and (even after 3 steps
     # on 128 tokens, from the QERA-exact init) better than W4 alone
-    assert 0 < r["memory_overhead"] <= 0.01 and r["ec_modules"] >= 1 and r["spear_compiled_vs_eager"] < 1e-4
+    assert 0 < r["memory_overhead"] <= 0.01 and r["ec_modules"] >= 1
+    assert r["spear_compiled_vs_eager"] <= 1e-5 * r["spear_max_abs_logit"]
     assert r["ppl_spear"] < r["ppl_w4"]
