@@ -166,27 +166,25 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
     was_training = model.training
     model.eval()
-    dense = _dense_forward(model, cfg.dense_weights)
-    dense.__enter__()
     try:
-        for step in bar:
-            idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
-            b = seqs[idx]
-            if cached is not None:
-                loss = kl_logp_q(cached[idx], _logits(model, b))
-            else:
-                with torch.no_grad():
-                    t = _logits(ref, b)
-                loss = kl_fp_q(t, _logits(model, b))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+        with _dense_forward(model, cfg.dense_weights):
+            for step in bar:
+                idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
+                b = seqs[idx]
+                if cached is not None:
+                    loss = kl_logp_q(cached[idx], _logits(model, b))
+                else:
+                    with torch.no_grad():
+                        t = _logits(ref, b)
+                    loss = kl_fp_q(t, _logits(model, b))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                bar.set_postfix(kl=f"{losses[-1]:.4f}")
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
     finally:
-        dense.__exit__(None, None, None)
         for p, r in zip(frozen, req):
             p.requires_grad_(r)
         for p in gate + ab:

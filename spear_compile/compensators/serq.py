@@ -96,7 +96,7 @@ from ..quant.rtn import quantize_rtn
 from .flatten import (  # noqa: F401  (re-exported: the flattening half of SERQ)
     SmoothGroup, SmoothPlan, _act_magnitude, fold_smoothing_, smooth_plan, smoothing_scales, transformed_weight,
 )
-from .stats import InputStats
+from .stats import InputStats, collect_input_stats
 
 SALIENCY = ("greedy", "error", "act")
 SOLVES = ("lsq", "columns", "paper")
@@ -121,17 +121,7 @@ class SERQStats(InputStats):
 def collect_serq_stats(model: nn.Module, batches: Iterable[torch.Tensor], names: Optional[list[str]] = None,
                        module_type: type = nn.Linear) -> dict[str, SERQStats]:
     """Like ``collect_input_stats(..., full=True)`` plus ``max_abs``; run it on the fp model."""
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, module_type) and (names is None or n in names)}
-    stats = {n: SERQStats() for n in mods}
-    handles = [m.register_forward_hook(lambda mod, args, out, n=n: stats[n].update(args[0], True))
-               for n, m in mods.items()]
-    try:
-        for b in batches:
-            model(b)
-    finally:
-        for h in handles:
-            h.remove()
-    return stats
+    return collect_input_stats(model, batches, names, full=True, module_type=module_type, stats_type=SERQStats)
 
 
 # ----------------------------------------------------------------------------- the correction

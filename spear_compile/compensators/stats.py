@@ -53,10 +53,12 @@ class InputStats:
 
 @torch.no_grad()
 def collect_input_stats(model: nn.Module, batches: Iterable[torch.Tensor], names: Optional[list[str]] = None,
-                        full: bool = False, module_type: type = QuantLinear) -> dict[str, InputStats]:
-    """Run ``batches`` through ``model`` and return input statistics of the chosen linears."""
+                        full: bool = False, module_type: type = QuantLinear,
+                        stats_type: type = InputStats) -> dict[str, InputStats]:
+    """Run ``batches`` through ``model`` and return input statistics of the chosen linears
+    (``stats_type``: an ``InputStats`` subclass that accumulates more, e.g. SERQ's max |x|)."""
     mods = {n: m for n, m in model.named_modules() if isinstance(m, module_type) and (names is None or n in names)}
-    stats = {n: InputStats() for n in mods}
+    stats = {n: stats_type() for n in mods}
     handles = [m.register_forward_hook(lambda mod, args, out, n=n: stats[n].update(args[0], full))
                for n, m in mods.items()]
     try:

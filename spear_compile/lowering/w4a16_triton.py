@@ -293,14 +293,7 @@ if HAS_TRITON:
         if HAS_EC:  # EC operands do not depend on h: load them before the weight stream
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
-            offs_d = tl.arange(0, D_P)
-            mask_d = offs_d < D
-            w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :],
-                         other=0.0).to(tl.float32)
-            b1 = tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
-                         other=0.0).to(tl.float32)
-            b2 = tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
             bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
                          other=0.0).to(tl.float32)
             alpha = tl.load(ALPHA).to(tl.float32)

@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 
 from ..config import QuantConfig
 from .format import QuantFormatError, QuantizedWeight
-from .rtn import quantize_rtn, rtn_params, rtn_round
+from .rtn import quantize_rtn, rtn_params, rtn_round, weight_groups
 
 
 class AWQModelError(ValueError):
@@ -166,12 +166,7 @@ def search_clip(weight: torch.Tensor, rxx: torch.Tensor, cfg: QuantConfig, out_d
     One exact coordinate-descent sweep over the groups (see the module docstring): the
     output error ``tr(E R E^T)`` of the returned clipping is never above that of ``r = 1``.
     """
-    if weight.dim() != 2:
-        raise QuantFormatError(f"{where}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
-    N, K = weight.shape
-    G = cfg.group_size or K
-    if K % G:
-        raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={G}")
+    N, K, G = weight_groups(weight, cfg, where)
     if tuple(rxx.shape) != (K, K):
         raise QuantFormatError(f"{where}: E[x x^T] has shape {tuple(rxx.shape)}, expected ({K}, {K})")
     ng = K // G

@@ -49,6 +49,17 @@ def rtn_round(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor
     return torch.clamp(torch.round(w / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 15)
 
 
+def weight_groups(weight: torch.Tensor, cfg: QuantConfig, where: str = "weight") -> tuple[int, int, int]:
+    """(N, K, G) of a [N, K] weight under ``cfg``'s group size; errors name ``where``."""
+    if weight.dim() != 2:
+        raise QuantFormatError(f"{where}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    G = cfg.group_size or K
+    if K % G:
+        raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={G}")
+    return N, K, G
+
+
 def quantize_rtn(
     weight: torch.Tensor, cfg: QuantConfig, out_dtype: Optional[torch.dtype] = None, where: str = "weight",
     clip: Optional[torch.Tensor] = None,
@@ -57,12 +68,7 @@ def quantize_rtn(
 
     ``clip``: optional per-group range ratios ``[N, K // G]`` in (0, 1] (see module docstring).
     """
-    if weight.dim() != 2:
-        raise QuantFormatError(f"{where}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
-    N, K = weight.shape
-    G = cfg.group_size or K
-    if K % G:
-        raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={G}")
+    N, K, G = weight_groups(weight, cfg, where)
     if K % 2:
         raise QuantFormatError(f"{where}: in_features K={K} must be even to pack two int4 values per byte")
     if clip is not None:
