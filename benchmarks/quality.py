@@ -127,14 +127,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--force", action="store_true", help="re-run runs whose JSON exists")
     ap.add_argument("--aggregate-only", action="store_true")
+    ap.add_argument("--set", default="", help="SPEAR settings key=value,... (SpearConfig / CalibConfig fields)")
+    ap.add_argument("--set-json", default=None, help="SPEAR settings from a JSON object (spear_sweep's best.json)")
+    ap.add_argument("--device", default=None, help="default: cuda when present")
+    ap.add_argument("--calib-text", default=None,
+                    help="calibrate on this real text instead of self-sampled text (a baseline; use another --out)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not args.aggregate_only:
-        sys.path.insert(0, os.path.dirname(HERE))
+        sys.path[:0] = [os.path.dirname(HERE), HERE]
         from spear_compile.data import DEFAULT_EVAL_PLAYS
+        from spear_compile.compensators.spear import SpearConfig
         from spear_compile.evaluate import EvalSession
+        from spear_sweep import parse_overrides
 
-        session = EvalSession(texts=args.text or DEFAULT_EVAL_PLAYS, max_tokens=args.max_tokens)
+        over = {}
+        if args.set_json:
+            with open(args.set_json) as f:
+                over.update(json.load(f))
+        over.update(parse_overrides(args.set))
+        session = EvalSession(texts=args.text or DEFAULT_EVAL_PLAYS, max_tokens=args.max_tokens,
+                              spear=SpearConfig().replace(**over), device=args.device, calib_text=args.calib_text)
         for b in args.bases:
             quant, group = b.split(":")
             for method in args.methods:

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     q = quantize_(copy.deepcopy(ref), QuantConfig(), progress=False)
     calib = CalibConfig()
     t0 = time.time()
-    seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, seed=calib.seed)
+    seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, batch_size=calib.sample_batch,
+                                  seed=calib.seed)
     sampling = time.time() - t0
     ecs, log = fit_spear_(ref, q, seqs, int(args.budget * fp16_bytes(ref)), SpearConfig(calib=calib))
     seconds = {"sampling": sampling, **log["seconds"]}

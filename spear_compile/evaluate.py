@@ -97,7 +97,7 @@ class EvalSession:
 
     def __init__(self, model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS,
                  seq_len: int = 2048, max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(),
-                 progress: bool = True, device: Optional[str] = None) -> None:
+                 progress: bool = True, device: Optional[str] = None, calib_text: Optional[str] = None) -> None:
         from .models import load
 
         self.model_name, self.texts, self.seq_len, self.spear, self.progress = model_name, list(texts), seq_len, spear, progress
@@ -110,6 +110,9 @@ class EvalSession:
         self.wins = torch.cat([windows(tok(read_text(t), return_tensors="pt").input_ids[0], seq_len, max_tokens)
                                for t in texts]).to(self.device)
         self.ref_bytes = fp16_bytes(self.ref)
+        self.tok, self.calib_text = tok, calib_text
+        if calib_text is not None and calib_text in self.texts:
+            raise ValueError(f"spear eval: calibration text {calib_text!r} is also an evaluation text")
         self._ppl_ref: Optional[float] = None
         self._seqs: Optional[torch.Tensor] = None
         self.sampling_seconds = 0.0
@@ -123,12 +126,20 @@ class EvalSession:
 
     @property
     def seqs(self) -> torch.Tensor:
-        """The only calibration data: text the full-precision model writes."""
+        """The calibration data: text the full-precision model writes, or with ``calib_text`` the
+        first ``n_seqs x seq_len`` tokens of that text (the real-text baseline for static methods)."""
         if self._seqs is None:
             c = self.spear.calib
             t0 = time.time()
-            self._seqs = sample_sequences(self.ref, c.n_seqs, c.seq_len, self.ref.config.bos_token_id, seed=c.seed,
-                                          progress=self.progress)
+            if self.calib_text is not None:
+                ids = self.tok(read_text(self.calib_text), return_tensors="pt").input_ids[0]
+                if ids.numel() < c.n_seqs * c.seq_len:
+                    raise ValueError(f"spear eval: calibration text {self.calib_text!r} has {ids.numel()} tokens, "
+                                     f"fewer than n_seqs x seq_len = {c.n_seqs * c.seq_len}")
+                self._seqs = ids[: c.n_seqs * c.seq_len].reshape(c.n_seqs, c.seq_len).to(self.device)
+                return self._seqs
+            self._seqs = sample_sequences(self.ref, c.n_seqs, c.seq_len, self.ref.config.bos_token_id,
+                                          batch_size=c.sample_batch, seed=c.seed, progress=self.progress)
             self.sampling_seconds = time.time() - t0
         return self._seqs
 
@@ -220,6 +231,7 @@ class EvalSession:
             "calibration_seconds": calib_s,
             "seconds": {"sampling": self.sampling_seconds if method != "none" else 0.0, **log.get("seconds", {})},
             "calibration": dataclasses.asdict(calib),
+            "calibration_data": self.calib_text or "self-sampled",
             "spear": {k: v for k, v in dataclasses.asdict(spear).items() if k != "calib"},
             "calibration_losses": log.get("losses", []), "plan": log.get("plan"),
         }

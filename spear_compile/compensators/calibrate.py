@@ -29,8 +29,20 @@ from tqdm.auto import tqdm
 from ..quant.linear import QuantLinear
 
 
+_SCHEDULES = ("constant", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class CalibConfig:
+    """The KL training and its data.
+
+    n_seqs x seq_len: self-sampled tokens (drawn ``sample_batch`` sequences at a time).
+    steps, batch_size: Adam steps, sequences per step. lr / lr_ab: gate / (A, B, alpha)
+    learning rates; ``train_ab=False`` trains the gates alone. schedule: "constant", or
+    "cosine" (decayed to zero over ``steps``). teacher_cache_bytes: cache the teacher's
+    log-probs when they fit. dense_weights: dequantize the student's weights once per run.
+    """
+
     n_seqs: int = 32
     seq_len: int = 256
     steps: int = 80
@@ -42,11 +54,15 @@ class CalibConfig:
     temperature: float = 1.0
     teacher_cache_bytes: int = 2 << 30
     dense_weights: bool = True
+    schedule: str = "constant"
+    sample_batch: int = 32
 
     def __post_init__(self) -> None:
-        for f in ("n_seqs", "seq_len", "steps", "batch_size"):
+        for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 1")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"CalibConfig.schedule={self.schedule!r}: expected one of {_SCHEDULES}")
 
 
 @torch.no_grad()
@@ -157,6 +173,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
         p.requires_grad_(True)
     groups = [{"params": gate, "lr": cfg.lr}] + ([{"params": ab, "lr": cfg.lr_ab}] if ab else [])
     opt = torch.optim.Adam(groups)
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps) if cfg.schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses, t0 = [], time.time()
     vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
@@ -180,6 +197,8 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                if sched is not None:
+                    sched.step()
                 losses.append(float(loss.detach()))
                 bar.set_postfix(kl=f"{losses[-1]:.4f}")
     except KeyboardInterrupt:  # stop cleanly: keep what was trained

@@ -74,36 +74,57 @@ def ec_bytes(N: int, K: int, rank: int, gate_hidden: int = 8, dtype_bytes: int =
 
 def _allocate(chosen: list[str], damage: dict[str, float], shapes: dict[str, tuple[int, int]],
               spectra: dict[str, torch.Tensor], budget_bytes: int, gate_hidden: int, dtype_bytes: int,
-              max_rank: int) -> dict[str, int]:
-    """Greedy water-filling of ranks: the most damage removed per byte first (see module doc)."""
+              max_rank: int, min_rank: int = 0) -> dict[str, int]:
+    """Greedy water-filling of ranks: the most damage removed per byte first (see module doc).
+    ``min_rank``: every chosen module starts at that rank (a floor the KL training can use
+    where the spectra see little error); the greedy spends what is left."""
     import heapq
 
     missing = [n for n in chosen if n not in spectra]
     if missing:
         raise KeyError(f"plan: no error spectrum for modules {missing[:5]}")
     frac = {n: (spectra[n].double() / spectra[n].double().sum().clamp_min(1e-30)).tolist() for n in chosen}
-    rank = {n: 0 for n in chosen}
-    cost = lambda n, r: ec_bytes(*shapes[n], r, gate_hidden, dtype_bytes)  # noqa: E731
-    heap = [(-damage[n] * frac[n][0] / cost(n, 1), n) for n in chosen]
+    cost = lambda n, r: ec_bytes(*shapes[n], r, gate_hidden, dtype_bytes) if r else 0  # noqa: E731
+    cap = {n: min(max_rank, len(frac[n]), *shapes[n]) for n in chosen}
+    rank = {n: min(min_rank, cap[n]) for n in chosen}
+    spent = sum(cost(n, r) for n, r in rank.items())
+    if spent > budget_bytes:
+        raise ValueError(f"plan: min_rank={min_rank} on {len(chosen)} modules needs {spent} bytes, "
+                         f"over the budget of {budget_bytes}")
+    heap = [(-damage[n] * frac[n][rank[n]] / (cost(n, rank[n] + 1) - cost(n, rank[n])), n)
+            for n in chosen if rank[n] < cap[n]]
     heapq.heapify(heap)
-    spent = 0
     while heap:
         _, n = heapq.heappop(heap)
         r = rank[n]
-        step = cost(n, r + 1) - (cost(n, r) if r else 0)
+        step = cost(n, r + 1) - cost(n, r)
         if spent + step > budget_bytes:
             continue  # this module's next direction does not fit; cheaper ones may
         rank[n], spent = r + 1, spent + step
-        if r + 1 < min(max_rank, len(frac[n]), *shapes[n]):
+        if r + 1 < cap[n]:
             heapq.heappush(heap, (-damage[n] * frac[n][r + 1] / (cost(n, r + 2) - cost(n, r + 1)), n))
     return {n: r for n, r in rank.items() if r > 0}
 
 
+_SELECT = ("entropy", "all")
+
+
 def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_bytes: int, gate_hidden: int = 8,
          dtype_bytes: int = 2, max_rank: int = 256, gamma: float = 0.5,
-         spectra: Optional[dict[str, torch.Tensor]] = None) -> Plan:
+         spectra: Optional[dict[str, torch.Tensor]] = None, select: str = "entropy", min_rank: int = 0) -> Plan:
     """Choose modules and ranks under ``budget_bytes`` from per-module damage and [N, K] shapes
-    (shared rank, or greedy per-module ranks when ``spectra`` are given)."""
+    (shared rank, or greedy per-module ranks when ``spectra`` are given).
+
+    ``select="entropy"`` takes the ``round(n_eff)`` best-scoring modules (module doc);
+    ``select="all"`` offers every damaged module to the allocation (with ``spectra`` the greedy
+    still leaves out modules whose first direction never earns its bytes). ``min_rank`` (greedy
+    only): the rank every selected module gets before the greedy spends the rest."""
+    if select not in _SELECT:
+        raise ValueError(f"plan: select={select!r}; expected one of {_SELECT}")
+    if max_rank < 1:
+        raise ValueError(f"plan: max_rank={max_rank} must be >= 1")
+    if min_rank and spectra is None:
+        raise ValueError("plan: min_rank needs spectra (it is a floor for the greedy allocation)")
     names = [n for n in damage if damage[n] > 0]
     if not names:
         return Plan([], budget_bytes, 0.0, 0.0, dict(damage))
@@ -118,7 +139,7 @@ def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_by
     mean_cost = sum(per_rank.values()) / len(per_rank)
     score = {n: damage[n] / (per_rank[n] / mean_cost) ** gamma for n in names}
     order = sorted(names, key=lambda n: -score[n])
-    k = max(1, min(len(order), round(n_eff)))
+    k = len(order) if select == "all" else max(1, min(len(order), round(n_eff)))
     while k >= 1:
         chosen = order[:k]
         rank = max_rank
@@ -130,17 +151,24 @@ def plan(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget_by
     if k < 1:
         return Plan([], budget_bytes, H, n_eff, dict(damage))
     if spectra is not None:
-        ranks = _allocate(order[:k], damage, shapes, spectra, budget_bytes, gate_hidden, dtype_bytes, max_rank)
+        ranks = _allocate(order[:k], damage, shapes, spectra, budget_bytes, gate_hidden, dtype_bytes, max_rank,
+                          min_rank)
         mods = [ModuleChoice(n, damage[n], ranks[n], ec_bytes(*shapes[n], ranks[n], gate_hidden, dtype_bytes),
-                             f"one of the top {k} of {len(names)} by damage/cost^{gamma} (n_eff = exp(H) = "
-                             f"{n_eff:.1f}); rank {ranks[n]} by greedy damage-weighted output-error "
+                             f"{_which(k, len(names), gamma, select)} (n_eff = exp(H) = {n_eff:.1f}); "
+                             f"rank {ranks[n]} by greedy damage-weighted output-error "
                              f"reduction per byte") for n in order[:k] if n in ranks]
         return Plan(mods, budget_bytes, H, n_eff, dict(damage))
     mods = [ModuleChoice(n, damage[n], rank, ec_bytes(*shapes[n], rank, gate_hidden, dtype_bytes),
-                         f"top {k} of {len(names)} by damage/cost^{gamma} (n_eff = exp(H) = {n_eff:.1f}); "
+                         f"{_which(k, len(names), gamma, select)} (n_eff = exp(H) = {n_eff:.1f}); "
                          f"rank {rank} is the largest shared rank within the budget")
             for n in order[:k]]
     return Plan(mods, budget_bytes, H, n_eff, dict(damage))
+
+
+def _which(k: int, n: int, gamma: float, select: str) -> str:
+    if select == "all" and k == n:
+        return f"one of all {n} damaged modules"
+    return f"one of the top {k} of {n} by damage/cost^{gamma}"
 
 
 class _Stop(Exception):

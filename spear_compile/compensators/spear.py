@@ -35,16 +35,22 @@ from .static import output_error_spectrum
 from .stats import collect_input_stats
 
 _ALLOCATIONS = ("greedy", "shared")
+_SELECTS = ("entropy", "all")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpearConfig:
     """damage_seqs: sequences (of the calibration set) the CKA damage is measured on.
     allocation: "greedy" per-module ranks from output-error spectra, or "shared" rank.
+    select: "entropy" (the n_eff = exp(H) best modules) or "all" (every damaged module is offered
+    to the allocation). max_rank / min_rank: cap and floor (greedy only) of a module's rank.
     gate_hidden: width of each EC's gate MLP. calib: the KL training."""
 
     damage_seqs: int = 2
     allocation: str = "greedy"
+    select: str = "entropy"
+    max_rank: int = 256
+    min_rank: int = 0
     gate_hidden: int = 8
     stats_batch: int = 4
     calib: CalibConfig = CalibConfig()
@@ -52,8 +58,24 @@ class SpearConfig:
     def __post_init__(self) -> None:
         if self.allocation not in _ALLOCATIONS:
             raise ValueError(f"SpearConfig.allocation={self.allocation!r}: expected one of {_ALLOCATIONS}")
-        if self.damage_seqs < 1 or self.stats_batch < 1 or self.gate_hidden < 1:
-            raise ValueError(f"SpearConfig: damage_seqs, stats_batch and gate_hidden must be >= 1 (got {self})")
+        if self.select not in _SELECTS:
+            raise ValueError(f"SpearConfig.select={self.select!r}: expected one of {_SELECTS}")
+        if self.damage_seqs < 1 or self.stats_batch < 1 or self.gate_hidden < 1 or self.max_rank < 1:
+            raise ValueError(f"SpearConfig: damage_seqs, stats_batch, gate_hidden and max_rank must be >= 1 (got {self})")
+        if self.min_rank < 0 or (self.min_rank and self.allocation != "greedy"):
+            raise ValueError(f"SpearConfig.min_rank={self.min_rank}: must be >= 0, and only the greedy allocation has one")
+
+    def replace(self, **overrides) -> "SpearConfig":
+        """A copy with ``overrides``; keys of ``CalibConfig`` go to ``calib`` (so a sweep or a CLI
+        can say ``steps=240`` or ``select="all"``). Unknown keys raise, naming them."""
+        own = {f.name for f in dataclasses.fields(self)} - {"calib"}
+        cal = {f.name for f in dataclasses.fields(self.calib)}
+        unknown = sorted(set(overrides) - own - cal)
+        if unknown:
+            raise ValueError(f"SpearConfig.replace: unknown field(s) {unknown}; SpearConfig has {sorted(own)}, "
+                             f"CalibConfig has {sorted(cal)}")
+        calib = dataclasses.replace(self.calib, **{k: v for k, v in overrides.items() if k in cal})
+        return dataclasses.replace(self, calib=calib, **{k: v for k, v in overrides.items() if k in own})
 
 
 def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: int,
@@ -80,7 +102,8 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
                    for n in tqdm(names, desc="error spectra", disable=not progress, leave=False)}
     log["seconds"]["stats"] = time.time() - t
 
-    p: Plan = plan(damage, shapes_of(q, names), budget_bytes, gate_hidden=cfg.gate_hidden, spectra=spectra)
+    p: Plan = plan(damage, shapes_of(q, names), budget_bytes, gate_hidden=cfg.gate_hidden, spectra=spectra,
+                   select=cfg.select, max_rank=cfg.max_rank, min_rank=cfg.min_rank)
     t = time.time()
     ecs = {}
     for m in p.modules:

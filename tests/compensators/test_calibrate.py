@@ -102,3 +102,18 @@ def test_calibrate_needs_ecs():
     q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(), progress=False)
     with pytest.raises(ValueError, match="no attached ECs"):
         calibrate_(q, ref, torch.randint(0, 256, (2, 4)), CalibConfig(steps=1), progress=False)
+
+
+def test_cosine_schedule_starts_at_full_lr_then_decays():
+    def trained(schedule, steps):
+        ref, q, seqs = _setup()
+        calibrate_(q, ref, seqs, CalibConfig(steps=steps, batch_size=4, lr=5e-3, lr_ab=1e-3, schedule=schedule),
+                   progress=False)
+        return torch.cat([p.detach().flatten() for m in q.modules() if getattr(m, "ec", None) is not None
+                          for p in m.ec.parameters()])
+
+    assert torch.equal(trained("cosine", 1), trained("constant", 1))   # step 0 uses the full rate
+    c, k = trained("cosine", 3), trained("constant", 3)
+    assert not torch.equal(c, k)
+    with pytest.raises(ValueError, match="schedule"):
+        CalibConfig(schedule="linear")

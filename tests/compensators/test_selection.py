@@ -106,3 +106,38 @@ def test_spectra_allocate_ranks_by_damage_removed_per_byte():
     removed = lambda ranks: sum(damage[n] * float(spectra[n][:k].sum() / spectra[n].sum())  # noqa: E731
                                 for n, k in ranks.items())
     assert removed(r) > removed(shared.ranks())
+
+
+def _flat_spectra(shapes, n=64):
+    return {k: 0.9 ** torch.arange(float(n)) for k in shapes}
+
+
+def test_select_all_offers_every_module_and_entropy_fewer():
+    shapes = {f"m{i}": (256, 256) for i in range(10)}
+    damage = {f"m{i}": 2.0 ** -i for i in range(10)}            # peaked: n_eff is about 3
+    budget = 10 * ec_bytes(256, 256, 2)
+    spectra = {k: 0.5 ** torch.arange(64.0) for k in shapes}    # the first directions hold most error
+    ent = plan(damage, shapes, budget, spectra=spectra)
+    every = plan(damage, shapes, budget, spectra=spectra, select="all")
+    assert {m.name for m in ent.modules} <= {f"m{i}" for i in range(round(ent.n_eff))} and round(ent.n_eff) == 4
+    assert len(every.modules) > round(ent.n_eff)
+    assert every.ec_bytes <= budget and "all 10 damaged modules" in every.modules[0].reason
+    with pytest.raises(ValueError, match="select"):
+        plan(damage, shapes, budget, select="some")
+
+
+def test_min_rank_is_a_floor_and_max_rank_a_cap():
+    shapes = {f"m{i}": (256, 256) for i in range(6)}
+    damage = {"m0": 1.0, **{f"m{i}": 1e-3 for i in range(1, 6)}}
+    spectra = _flat_spectra(shapes)
+    budget = ec_bytes(256, 256, 30)
+    free = plan(damage, shapes, budget, spectra=spectra, select="all").ranks()
+    floor = plan(damage, shapes, budget, spectra=spectra, select="all", min_rank=2).ranks()
+    capped = plan(damage, shapes, budget, spectra=spectra, select="all", max_rank=8).ranks()
+    assert free["m0"] > 8 and min(floor.values()) >= 2 and len(floor) == 6
+    assert floor["m0"] < free["m0"]                              # the floor's bytes came from m0
+    assert max(capped.values()) == 8 and sum(capped.values()) > 8
+    with pytest.raises(ValueError, match="min_rank=40"):
+        plan(damage, shapes, budget, spectra=spectra, select="all", min_rank=40)
+    with pytest.raises(ValueError, match="needs spectra"):
+        plan(damage, shapes, budget, min_rank=1)

@@ -44,3 +44,15 @@ def test_fit_spear_errors_name_the_problem():
         fit_spear_(ref, copy.deepcopy(ref), seqs, 10_000, progress=False)
     with pytest.raises(ValueError, match="allocation"):
         SpearConfig(allocation="uniform")
+
+
+def test_spear_config_replace_routes_fields_and_names_unknown_ones():
+    from spear_compile.compensators.spear import SpearConfig
+
+    c = SpearConfig().replace(select="all", steps=7, lr_ab=1e-3, min_rank=1)
+    assert (c.select, c.min_rank, c.calib.steps, c.calib.lr_ab) == ("all", 1, 7, 1e-3)
+    assert SpearConfig().calib.steps != 7                      # the default is untouched
+    with pytest.raises(ValueError, match="stepz"):
+        SpearConfig().replace(stepz=3)
+    with pytest.raises(ValueError, match="min_rank"):
+        SpearConfig(allocation="shared", min_rank=2)
