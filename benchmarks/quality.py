@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--force", action="store_true", help="re-run runs whose JSON exists")
     ap.add_argument("--aggregate-only", action="store_true")
+    ap.add_argument("--preset", default="auto", choices=["auto", "gpu", "cpu", "none"],
+                    help="SPEAR settings to start from: by device (auto), GPU_PRESET, CPU_PRESET or SpearConfig()")
     ap.add_argument("--set", default="", help="SPEAR settings key=value,... (SpearConfig / CalibConfig fields)")
     ap.add_argument("--set-json", default=None, help="SPEAR settings from a JSON object (spear_sweep's best.json)")
     ap.add_argument("--device", default=None, help="default: cuda when present")
@@ -137,17 +139,22 @@ def main(argv=None) -> int:
     if not args.aggregate_only:
         sys.path[:0] = [os.path.dirname(HERE), HERE]
         from spear_compile.data import DEFAULT_EVAL_PLAYS
-        from spear_compile.compensators.spear import SpearConfig
+        from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, SpearConfig, parse_overrides
         from spear_compile.evaluate import EvalSession
-        from spear_sweep import parse_overrides
 
         over = {}
         if args.set_json:
             with open(args.set_json) as f:
                 over.update(json.load(f))
         over.update(parse_overrides(args.set))
+        base = {"gpu": GPU_PRESET, "cpu": CPU_PRESET, "none": SpearConfig(), "auto": None}[args.preset]
+        if base is None:
+            import torch
+
+            base = GPU_PRESET if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") \
+                else CPU_PRESET
         session = EvalSession(texts=args.text or DEFAULT_EVAL_PLAYS, max_tokens=args.max_tokens,
-                              spear=SpearConfig().replace(**over), device=args.device, calib_text=args.calib_text)
+                              spear=base.replace(**over), device=args.device, calib_text=args.calib_text)
         for b in args.bases:
             quant, group = b.split(":")
             for method in args.methods:

@@ -1,11 +1,12 @@
-"""Wall time of SPEAR's selection + calibration at the demo settings (the issue's 10-minute CPU /
+"""Wall time of SPEAR's selection + calibration at the device's preset (the issue's 10-minute CPU /
 3-minute H200 budget), phase by phase.
 
-    python benchmarks/spear_fit_time.py [--budget 0.01] [--out benchmarks/results/spear_fit_time_<device>.json]
+    python benchmarks/spear_fit_time.py [--budget 0.01] [--preset auto|gpu|cpu] [--out FILE.json]
 
-Loads SmolLM2-135M, quantizes it (RTN per-channel), then times exactly what ``spear demo`` runs
-after quantization: sampling 32 x 256 tokens from the fp model, CKA damage, input statistics and
-error spectra, QERA init, 80 KL steps. Run it with nothing else on the machine.
+Loads SmolLM2-135M, quantizes it (RTN per-channel), then times exactly what ``spear demo`` (CPU)
+or ``spear eval`` (GPU) runs after quantization with ``spear.preset(device)``: sampling the
+calibration text from the fp model, CKA damage, input statistics and error spectra, QERA init,
+the KL steps. Run it with nothing else on the machine.
 """
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     from spear_compile import QuantConfig, quantize_
-    from spear_compile.compensators.calibrate import CalibConfig, sample_sequences
-    from spear_compile.compensators.spear import SpearConfig, fit_spear_
+    import dataclasses
+
+    from spear_compile.compensators.calibrate import sample_sequences
+    from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, fit_spear_, preset
     from spear_compile.evaluate import fp16_bytes
     from spear_compile.models import load
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=0.01)
+    ap.add_argument("--preset", default="auto", choices=["auto", "gpu", "cpu"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,17 +43,18 @@ def main(argv=None) -> int:
     ref, _ = load("smollm2-135m")
     ref.to(dev)
     q = quantize_(copy.deepcopy(ref), QuantConfig(), progress=False)
-    calib = CalibConfig()
+    cfg = {"gpu": GPU_PRESET, "cpu": CPU_PRESET}.get(args.preset) or preset(dev)
+    calib = cfg.calib
     t0 = time.time()
     seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, batch_size=calib.sample_batch,
-                                  seed=calib.seed)
+                            seed=calib.seed)
     sampling = time.time() - t0
-    ecs, log = fit_spear_(ref, q, seqs, int(args.budget * fp16_bytes(ref)), SpearConfig(calib=calib))
+    ecs, log = fit_spear_(ref, q, seqs, int(args.budget * fp16_bytes(ref)), cfg)
     seconds = {"sampling": sampling, **log["seconds"]}
     seconds["total"] = sampling + log["seconds"]["total"]
     res = {"device": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(), "budget": args.budget, "ec_modules": len(ecs),
-           "calibration": calib.__dict__, "seconds": seconds, "kl_first": log["losses"][0], "kl_last": log["losses"][-1],
+           "spear": dataclasses.asdict(cfg), "seconds": seconds, "kl_first": log["losses"][0], "kl_last": log["losses"][-1],
            "date": time.strftime("%Y-%m-%d")}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"spear_fit_time_{name.replace(' ', '_')}.json")

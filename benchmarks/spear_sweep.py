@@ -25,21 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEV_PLAYS = ("lear_gut", "tempest_gut", "twelfth_night_gut")
 
 
-def parse_overrides(spec: str) -> dict:
-    """``"a=1,b=all,c=1e-3"`` -> ``{"a": 1, "b": "all", "c": 0.001}``."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        if "=" not in item:
-            raise SystemExit(f"spear_sweep: override {item!r} is not key=value")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v.strip()
-    return out
-
-
 def parse_variant(spec: str) -> tuple[str, dict]:
+    from spear_compile.compensators.spear import parse_overrides
+
     name, _, rest = spec.partition(":")
     if not name or not all(c.isalnum() or c in "._-" for c in name):
         raise SystemExit(f"spear_sweep: variant name {name!r} must be letters, digits, '.', '_' or '-'")
@@ -54,7 +42,7 @@ def run_variants(variants: list[tuple[str, dict]], args) -> None:
         path = os.path.join(args.out, f"{name}.json")
         if os.path.exists(path) and not args.force:
             continue
-        cfg = SpearConfig().replace(**over)  # raises on an unknown key before the model loads
+        cfg = SpearConfig().replace(**over)  # the original defaults, not a preset; raises on an unknown key
         t0 = time.time()
         r = EvalSession(texts=args.text, max_tokens=args.max_tokens, spear=cfg, progress=False).run(
             "rtn", 0, "spear", args.budget)
@@ -107,7 +95,10 @@ def main(argv=None) -> int:
     overlap = sorted(set(args.text) & set(DEFAULT_EVAL_PLAYS))
     if overlap:
         raise SystemExit(f"spear_sweep: {overlap} are evaluation plays; choose settings on other text")
-    variants = [parse_variant(v) for v in args.variant] or [("base", {})]
+    try:
+        variants = [parse_variant(v) for v in args.variant] or [("base", {})]
+    except ValueError as e:
+        raise SystemExit(f"spear_sweep: {e}")
     if len({n for n, _ in variants}) != len(variants):
         raise SystemExit("spear_sweep: variant names must be unique")
     os.makedirs(args.out, exist_ok=True)

@@ -40,8 +40,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import copy
 
     from . import QuantConfig, quantize_
-    from .compensators.calibrate import CalibConfig, sample_sequences
-    from .compensators.spear import SpearConfig, fit_spear_
+    from .compensators.calibrate import sample_sequences
+    from .compensators.spear import fit_spear_
     from .data import perplexity, read_text, windows
     from .evaluate import fp16_bytes
     from .models import load
@@ -74,17 +74,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
               "ppl_ref": ppl_ref, "ppl_w4": ppl_q, "compile_seconds": compile_s}
     rows = [("full precision", ppl_ref), ("W4 RTN (spear-compiled)", ppl_q)]
     if args.budget > 0:
-        calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps)
+        spear_cfg = _spear_settings(args, "cpu")  # the demo runs on the CPU
+        calib = spear_cfg.calib
         print(f"[6/{steps}] sampling {calib.n_seqs} x {calib.seq_len} calibration tokens from the fp model "
               "(no dataset) ...", flush=True)
         t = time.time()
-        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, batch_size=calib.sample_batch,
-                                  seed=calib.seed)
+        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id,
+                                batch_size=calib.sample_batch, seed=calib.seed)
         sampling_s = time.time() - t
         print(f"[7/{steps}] SPEAR: CKA damage -> plan at {args.budget:.1%} of fp16 bytes -> QERA init -> "
               f"KL calibration ({calib.steps} steps) ...", flush=True)
         smodel = copy.deepcopy(qmodel)
-        ecs, log = fit_spear_(ref, smodel, seqs, int(args.budget * fp16_bytes(ref)), SpearConfig(calib=calib))
+        ecs, log = fit_spear_(ref, smodel, seqs, int(args.budget * fp16_bytes(ref)), spear_cfg)
         fit_s = sampling_s + log["seconds"]["total"]
         used = sum(p.numel() * 2 for e in ecs.values() for p in e.parameters())
         print(f"      {len(ecs)} ECs, {used / fp16_bytes(ref):.2%} of fp16 bytes, selection + calibration "
@@ -144,13 +145,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spear_settings(args: argparse.Namespace, device: str):
+    """The preset (by device unless --preset names one), then --steps/--calib-seqs/... and --set."""
+    from .compensators.spear import CPU_PRESET, GPU_PRESET, parse_overrides, preset
+
+    base = {"gpu": GPU_PRESET, "cpu": CPU_PRESET}.get(args.preset) or preset(device)
+    flags = {"steps": args.steps, "n_seqs": args.calib_seqs, "seq_len": args.calib_len,
+             "seed": getattr(args, "seed", None), "damage_seqs": getattr(args, "damage_seqs", None),
+             "allocation": getattr(args, "allocation", None)}
+    try:
+        return base.replace(**{k: v for k, v in flags.items() if v is not None}, **parse_overrides(args.set))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"spear: bad SPEAR setting: {e}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .compensators.calibrate import CalibConfig
-    from .compensators.spear import SpearConfig
     from .evaluate import run_eval
 
-    calib = CalibConfig(n_seqs=args.calib_seqs, seq_len=args.calib_len, steps=args.steps, seed=args.seed)
-    spear = SpearConfig(damage_seqs=args.damage_seqs, allocation=args.allocation, calib=calib)
+    spear = _spear_settings(args, "cuda" if torch.cuda.is_available() else "cpu")
     res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
                    args.max_tokens, spear, act_bits=args.act_bits)
     print(f"ppl ref {res['ppl_ref']:.2f} | {args.quant} g{args.group_size or 'ch'} {res['ppl_quant']:.2f} | "
@@ -162,6 +174,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             json.dump(res, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def _add_spear_args(p: argparse.ArgumentParser, default_preset: str) -> None:
+    p.add_argument("--preset", default=default_preset, choices=["auto", "gpu", "cpu"],
+                   help="SPEAR settings (compensators/spear.py: GPU_PRESET, CPU_PRESET; auto = by device)")
+    p.add_argument("--steps", type=int, default=None, help="SPEAR KL calibration steps (default: the preset's)")
+    p.add_argument("--calib-seqs", type=int, default=None, help="self-sampled calibration sequences (preset's)")
+    p.add_argument("--calib-len", type=int, default=None, help="tokens per calibration sequence (preset's)")
+    p.add_argument("--set", default="", help="more SPEAR settings, key=value,... (SpearConfig / CalibConfig fields)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,11 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SPEAR model: max |compiled - eager| logits allowed, relative to max |logit|")
     d.add_argument("--budget", type=float, default=0.01,
                    help="SPEAR EC bytes as a fraction of the fp16 model (0 = skip SPEAR, W4 only)")
-    d.add_argument("--steps", type=int, default=80, help="SPEAR KL calibration steps")
-    d.add_argument("--calib-seqs", type=int, default=32, help="self-sampled calibration sequences")
-    d.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
     d.add_argument("--json", default=None, help="write the results as JSON here")
     _add_quant_args(d)
+    _add_spear_args(d, default_preset="cpu")
     d.set_defaults(fn=cmd_demo)
     e = sub.add_parser("eval", help="perplexity of ref / quantized / compensated model (JSON contract)")
     from .data import DEFAULT_EVAL_PLAYS
@@ -197,12 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--budget", type=float, default=0.01, help="EC bytes as a fraction of the fp16 model")
     e.add_argument("--seq-len", type=int, default=2048)
     e.add_argument("--max-tokens", type=int, default=None, help="per text")
-    e.add_argument("--calib-seqs", type=int, default=32)
-    e.add_argument("--calib-len", type=int, default=256)
-    e.add_argument("--steps", type=int, default=80)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--damage-seqs", type=int, default=2, help="SPEAR: sequences the CKA damage is measured on")
-    e.add_argument("--allocation", default="greedy", choices=["greedy", "shared"], help="SPEAR rank allocation")
+    _add_spear_args(e, default_preset="auto")
+    e.add_argument("--seed", type=int, default=None, help="calibration seed (default: the preset's, 0)")
+    e.add_argument("--damage-seqs", type=int, default=None, help="SPEAR: sequences the CKA damage is measured on")
+    e.add_argument("--allocation", default=None, choices=["greedy", "shared"], help="SPEAR rank allocation")
     e.add_argument("--json", default=None)
     e.set_defaults(fn=cmd_eval)
     i = sub.add_parser("inspect", help="write the graph inspection report for a model")

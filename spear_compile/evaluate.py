@@ -11,7 +11,8 @@ Methods at a byte budget (``--budget 0.01`` = EC bytes <= 1 % of the fp16 model)
   lorc / lqer / qera   static rank-r corrections on every quantized linear, the largest
          uniform r that fits (A, B stored in fp16); statistics from self-sampled text
   spear  CKA damage -> entropy plan with greedy ranks -> QERA-exact init -> KL calibration
-         on self-sampled text (``compensators/spear.py``)
+         on self-sampled text (``compensators/spear.py``), with ``spear.preset(device)``'s
+         settings (GPU_PRESET on CUDA, CPU_PRESET otherwise) unless a SpearConfig is given
   serq   one least-squares correction matrix on the k most salient input channels per linear
          (k from the budget), with SmoothQuant-style flattening folded offline when
          activations are quantized (``compensators/serq.py``)
@@ -41,7 +42,7 @@ from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quant
 from .compensators.calibrate import sample_sequences
 from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
-from .compensators.spear import SpearConfig, fit_spear_
+from .compensators.spear import SpearConfig, fit_spear_, preset
 from .compensators.static import lorc, lqer, qera_exact
 from .compensators.stats import collect_input_stats
 from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
@@ -96,13 +97,14 @@ class EvalSession:
     """
 
     def __init__(self, model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS,
-                 seq_len: int = 2048, max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(),
+                 seq_len: int = 2048, max_tokens: Optional[int] = None, spear: Optional[SpearConfig] = None,
                  progress: bool = True, device: Optional[str] = None, calib_text: Optional[str] = None) -> None:
         from .models import load
 
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        spear = spear if spear is not None else preset(self.device)
         self.model_name, self.texts, self.seq_len, self.spear, self.progress = model_name, list(texts), seq_len, spear, progress
         torch.manual_seed(spear.calib.seed)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.ref, tok = load(model_name)
         if tok is None:
             raise ValueError(f"spear eval: model {model_name!r} has no tokenizer")
@@ -239,7 +241,7 @@ class EvalSession:
 
 def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EVAL_PLAYS, quant: str = "rtn",
              group_size: int = 0, method: str = "spear", budget: float = 0.01, seq_len: int = 2048,
-             max_tokens: Optional[int] = None, spear: SpearConfig = SpearConfig(), progress: bool = True,
+             max_tokens: Optional[int] = None, spear: Optional[SpearConfig] = None, progress: bool = True,
              device: Optional[str] = None, act_bits: Optional[int] = None) -> dict:
     """One ``spear eval`` run (see the module doc for the keys)."""
     if method not in METHODS:

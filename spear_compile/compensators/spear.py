@@ -78,6 +78,39 @@ class SpearConfig:
         return dataclasses.replace(self, calib=calib, **{k: v for k, v in overrides.items() if k in own})
 
 
+#: Settings for a GPU, chosen by ``benchmarks/spear_sweep.py`` on development plays (Lear, The Tempest,
+#: Twelfth Night; never the evaluation plays): more self-sampled text in longer sequences, every damaged
+#: module offered to the greedy allocation, 240 cosine-decayed steps with A/B at lr 1e-3. On one H200
+#: selection + calibration took 142 s (``benchmarks/results/quality_h200/``); on a 2-core CPU it would
+#: take about 45 minutes.
+GPU_PRESET = SpearConfig(select="all", calib=CalibConfig(n_seqs=64, seq_len=512, steps=240, lr_ab=1e-3,
+                                                         schedule="cosine", sample_batch=64,
+                                                         teacher_cache_bytes=8_000_000_000))
+#: Settings for a CPU: the 10-minute budget on 2 cores. The sweep's gain that costs nothing (A/B at
+#: lr 1e-3, cosine-decayed) on the original data (32 x 256 tokens), with 64 steps instead of 80.
+CPU_PRESET = SpearConfig(calib=CalibConfig(steps=64, lr_ab=1e-3, schedule="cosine"))
+
+
+def preset(device) -> SpearConfig:
+    """``GPU_PRESET`` on a CUDA device, else ``CPU_PRESET``."""
+    return GPU_PRESET if torch.device(device).type == "cuda" else CPU_PRESET
+
+
+def parse_overrides(spec: str) -> dict:
+    """``"select=all,steps=240,lr_ab=1e-3"`` -> ``{"select": "all", "steps": 240, "lr_ab": 0.001}``
+    (values parsed as JSON, else kept as strings), for ``SpearConfig.replace``."""
+    out = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        if "=" not in item:
+            raise ValueError(f"SPEAR setting {item!r} is not key=value")
+        k, v = (t.strip() for t in item.split("=", 1))
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: int,
                cfg: SpearConfig = SpearConfig(), progress: bool = True) -> tuple[dict[str, ErrorCompensator], dict]:
     """Select, initialise, attach and train ECs on ``q`` in place; returns (ECs, log)."""

@@ -56,3 +56,20 @@ def test_spear_config_replace_routes_fields_and_names_unknown_ones():
         SpearConfig().replace(stepz=3)
     with pytest.raises(ValueError, match="min_rank"):
         SpearConfig(allocation="shared", min_rank=2)
+
+
+def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
+    """GPU_PRESET must be exactly what benchmarks/spear_sweep.py chose on the development plays
+    (its best.json), so the reported H200 numbers are the library's default there."""
+    import json
+    import os
+
+    from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, SpearConfig, parse_overrides, preset
+
+    best = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "spear_sweep_h200", "best.json")
+    with open(best) as f:
+        assert GPU_PRESET == SpearConfig().replace(**json.load(f))
+    assert preset("cpu") is CPU_PRESET and preset("cuda:0") is GPU_PRESET
+    assert parse_overrides("select=all, steps=240,lr_ab=1e-3") == {"select": "all", "steps": 240, "lr_ab": 1e-3}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides("steps")
