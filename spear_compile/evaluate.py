@@ -186,12 +186,14 @@ class EvalSession:
         base, ppl_quant = self.base(quant, group_size, act_bits)
         # SERQ replaces the layers and quantizes its own inputs: start it from the W4A16 base
         q = copy.deepcopy(self.base(quant, group_size)[0] if method == "serq" else base)
+        # Sample (or reuse) the calibration text before the clock starts: its time is added once,
+        # from ``sampling_seconds``, so a session's first run does not count it twice.
+        seqs = self.seqs if method != "none" else None
         t0 = time.time()
         ecs: dict[str, ErrorCompensator] = {}
         log: dict = {}
         serq: dict = {}
-        if method != "none":
-            seqs = self.seqs
+        if seqs is not None:
             batches = [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
             if method == "serq":
                 stats = collect_serq_stats(ref, batches, names=list(quantized_linears(q)))

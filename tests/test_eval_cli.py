@@ -12,7 +12,18 @@ TINY = ["--text", "hamlet_gut", "--max-tokens", "512", "--seq-len", "128", "--ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["qera", "spear", "serq"])
-def test_eval_contract(method, tmp_path):
+def test_eval_contract(method, tmp_path, monkeypatch):
+    import time
+
+    import spear_compile.evaluate as ev
+
+    real_sample = ev.sample_sequences
+
+    def slow_sample(*a, **k):  # sampling takes >= 1.5 s, so counting it twice would show
+        time.sleep(1.5)
+        return real_sample(*a, **k)
+
+    monkeypatch.setattr(ev, "sample_sequences", slow_sample)
     out = tmp_path / "r.json"
     assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, "--json", str(out)]) == 0
     r = json.load(open(out))
@@ -22,6 +33,11 @@ def test_eval_contract(method, tmp_path):
     assert 0 < r["ec_bytes"] <= 0.005 * r["ref_model_bytes"]
     assert r["memory_overhead"] == pytest.approx(r["ec_bytes"] / r["ref_model_bytes"])
     assert r["modules"] and all(set(m) == {"name", "rank"} and m["rank"] >= 1 for m in r["modules"])
+    assert r["seconds"]["sampling"] >= 1.5
+    if method == "spear":  # sampling once + the fit's phases, nothing counted twice
+        assert r["calibration_seconds"] == pytest.approx(r["seconds"]["sampling"] + r["seconds"]["total"], abs=0.5)
+    else:
+        assert r["seconds"]["sampling"] <= r["calibration_seconds"] < 2 * r["seconds"]["sampling"] + 60
     if method in ("qera", "serq"):
         assert len(r["modules"]) == 210  # static methods: every quantized linear, one uniform rank / k
         assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optima help even before any training
