@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     calib = cfg.calib
     t0 = time.time()
     seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, batch_size=calib.sample_batch,
-                            seed=calib.seed)
+                            seed=calib.seed, temperature=calib.temperature)
     sampling = time.time() - t0
     ecs, log = fit_spear_(ref, q, seqs, int(args.budget * fp16_bytes(ref)), cfg)
     seconds = {"sampling": sampling, **log["seconds"]}

@@ -80,7 +80,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
               "(no dataset) ...", flush=True)
         t = time.time()
         seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id,
-                                batch_size=calib.sample_batch, seed=calib.seed)
+                                batch_size=calib.sample_batch, seed=calib.seed,
+                                temperature=calib.temperature)
         sampling_s = time.time() - t
         print(f"[7/{steps}] SPEAR: CKA damage -> plan at {args.budget:.1%} of fp16 bytes -> QERA init -> "
               f"KL calibration ({calib.steps} steps) ...", flush=True)

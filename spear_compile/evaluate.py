@@ -141,7 +141,8 @@ class EvalSession:
                 self._seqs = ids[: c.n_seqs * c.seq_len].reshape(c.n_seqs, c.seq_len).to(self.device)
                 return self._seqs
             self._seqs = sample_sequences(self.ref, c.n_seqs, c.seq_len, self.ref.config.bos_token_id,
-                                          batch_size=c.sample_batch, seed=c.seed, progress=self.progress)
+                                          batch_size=c.sample_batch, seed=c.seed, temperature=c.temperature,
+                                          progress=self.progress)
             self.sampling_seconds = time.time() - t0
         return self._seqs
 

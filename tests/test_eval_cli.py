@@ -17,15 +17,19 @@ def test_eval_contract(method, tmp_path, monkeypatch):
 
     import spear_compile.evaluate as ev
 
-    real_sample = ev.sample_sequences
+    real_sample, seen = ev.sample_sequences, {}
 
     def slow_sample(*a, **k):  # sampling takes >= 1.5 s, so counting it twice would show
+        seen.update(k)
         time.sleep(1.5)
         return real_sample(*a, **k)
 
     monkeypatch.setattr(ev, "sample_sequences", slow_sample)
     out = tmp_path / "r.json"
-    assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, "--json", str(out)]) == 0
+    extra = ["--set", "temperature=0.7"] if method == "spear" else []
+    assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, *extra,
+                       "--json", str(out)]) == 0
+    assert seen["temperature"] == (0.7 if method == "spear" else 1.0)  # the settings reach the sampler
     r = json.load(open(out))
     assert KEYS <= set(r)
     assert r["ppl_quant"] > r["ppl_ref"] > 1

@@ -36,7 +36,8 @@ _SCHEDULES = ("constant", "cosine")
 class CalibConfig:
     """The KL training and its data.
 
-    n_seqs x seq_len: self-sampled tokens (drawn ``sample_batch`` sequences at a time).
+    n_seqs x seq_len: self-sampled tokens (drawn ``sample_batch`` sequences at a time, at sampling
+    ``temperature``).
     steps, batch_size: Adam steps, sequences per step. lr / lr_ab: gate / (A, B, alpha)
     learning rates; ``train_ab=False`` trains the gates alone. schedule: "constant", or
     "cosine" (decayed to zero over ``steps``). teacher_cache_bytes: cache the teacher's
