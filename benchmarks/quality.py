@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     if not args.aggregate_only:
         sys.path[:0] = [os.path.dirname(HERE), HERE]
         from spear_compile.data import DEFAULT_EVAL_PLAYS
-        from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, SpearConfig, parse_overrides
+        from spear_compile.compensators.spear import SpearConfig, parse_overrides, preset
         from spear_compile.evaluate import EvalSession
 
         over = {}
@@ -147,12 +147,7 @@ def main(argv=None) -> int:
             with open(args.set_json) as f:
                 over.update(json.load(f))
         over.update(parse_overrides(args.set))
-        base = {"gpu": GPU_PRESET, "cpu": CPU_PRESET, "none": SpearConfig(), "auto": None}[args.preset]
-        if base is None:
-            import torch
-
-            base = GPU_PRESET if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") \
-                else CPU_PRESET
+        base = SpearConfig() if args.preset == "none" else preset(args.device, args.preset)
         session = EvalSession(texts=args.text or DEFAULT_EVAL_PLAYS, max_tokens=args.max_tokens,
                               spear=base.replace(**over), device=args.device, calib_text=args.calib_text)
         for b in args.bases:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -25,10 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     from spear_compile import QuantConfig, quantize_
-    import dataclasses
-
-    from spear_compile.compensators.calibrate import sample_sequences
-    from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, fit_spear_, preset
+    from spear_compile.compensators.calibrate import sample_calibration
+    from spear_compile.compensators.spear import fit_spear_, preset
     from spear_compile.evaluate import fp16_bytes
     from spear_compile.models import load
 
@@ -43,11 +42,10 @@ def main(argv=None) -> int:
     ref, _ = load("smollm2-135m")
     ref.to(dev)
     q = quantize_(copy.deepcopy(ref), QuantConfig(), progress=False)
-    cfg = {"gpu": GPU_PRESET, "cpu": CPU_PRESET}.get(args.preset) or preset(dev)
+    cfg = preset(dev, args.preset)
     calib = cfg.calib
     t0 = time.time()
-    seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id, batch_size=calib.sample_batch,
-                            seed=calib.seed, temperature=calib.temperature)
+    seqs = sample_calibration(ref, calib)
     sampling = time.time() - t0
     ecs, log = fit_spear_(ref, q, seqs, int(args.budget * fp16_bytes(ref)), cfg)
     seconds = {"sampling": sampling, **log["seconds"]}

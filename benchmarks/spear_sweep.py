@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     if args.jobs == 1:
         run_variants(variants, args)
     else:
-        argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+        argv = list(argv if argv is not None else sys.argv[1:])
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", str(w)],
                                   stdout=open(os.path.join(args.out, f"worker{w}.log"), "w"), stderr=subprocess.STDOUT)
                  for w in range(args.jobs)]

@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import copy
 
     from . import QuantConfig, quantize_
-    from .compensators.calibrate import sample_sequences
+    from .compensators.calibrate import sample_calibration
     from .compensators.spear import fit_spear_
     from .data import perplexity, read_text, windows
     from .evaluate import fp16_bytes
@@ -74,14 +74,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
               "ppl_ref": ppl_ref, "ppl_w4": ppl_q, "compile_seconds": compile_s}
     rows = [("full precision", ppl_ref), ("W4 RTN (spear-compiled)", ppl_q)]
     if args.budget > 0:
-        spear_cfg = _spear_settings(args, "cpu")  # the demo runs on the CPU
+        spear_cfg = _spear_settings(args)  # --preset defaults to cpu: the demo runs on the CPU
         calib = spear_cfg.calib
         print(f"[6/{steps}] sampling {calib.n_seqs} x {calib.seq_len} calibration tokens from the fp model "
               "(no dataset) ...", flush=True)
         t = time.time()
-        seqs = sample_sequences(ref, calib.n_seqs, calib.seq_len, ref.config.bos_token_id,
-                                batch_size=calib.sample_batch, seed=calib.seed,
-                                temperature=calib.temperature)
+        seqs = sample_calibration(ref, calib)
         sampling_s = time.time() - t
         print(f"[7/{steps}] SPEAR: CKA damage -> plan at {args.budget:.1%} of fp16 bytes -> QERA init -> "
               f"KL calibration ({calib.steps} steps) ...", flush=True)
@@ -146,11 +144,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spear_settings(args: argparse.Namespace, device: str):
-    """The preset (by device unless --preset names one), then --steps/--calib-seqs/... and --set."""
-    from .compensators.spear import CPU_PRESET, GPU_PRESET, parse_overrides, preset
+def _spear_settings(args: argparse.Namespace):
+    """The preset (--preset; auto = by device), then --steps/--calib-seqs/... and --set."""
+    from .compensators.spear import parse_overrides, preset
 
-    base = {"gpu": GPU_PRESET, "cpu": CPU_PRESET}.get(args.preset) or preset(device)
+    base = preset(name=args.preset)
     flags = {"steps": args.steps, "n_seqs": args.calib_seqs, "seq_len": args.calib_len,
              "seed": getattr(args, "seed", None), "damage_seqs": getattr(args, "damage_seqs", None),
              "allocation": getattr(args, "allocation", None)}
@@ -163,7 +161,7 @@ def _spear_settings(args: argparse.Namespace, device: str):
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import run_eval
 
-    spear = _spear_settings(args, "cuda" if torch.cuda.is_available() else "cpu")
+    spear = _spear_settings(args)
     res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
                    args.max_tokens, spear, act_bits=args.act_bits)
     print(f"ppl ref {res['ppl_ref']:.2f} | {args.quant} g{args.group_size or 'ch'} {res['ppl_quant']:.2f} | "

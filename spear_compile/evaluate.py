@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quantized_linears
-from .compensators.calibrate import sample_sequences
+from .compensators.calibrate import sample_calibration
 from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
 from .compensators.spear import SpearConfig, fit_spear_, preset
@@ -140,9 +140,7 @@ class EvalSession:
                                      f"fewer than n_seqs x seq_len = {c.n_seqs * c.seq_len}")
                 self._seqs = ids[: c.n_seqs * c.seq_len].reshape(c.n_seqs, c.seq_len).to(self.device)
                 return self._seqs
-            self._seqs = sample_sequences(self.ref, c.n_seqs, c.seq_len, self.ref.config.bos_token_id,
-                                          batch_size=c.sample_batch, seed=c.seed, temperature=c.temperature,
-                                          progress=self.progress)
+            self._seqs = sample_calibration(self.ref, c, progress=self.progress)
             self.sampling_seconds = time.time() - t0
         return self._seqs
 

@@ -15,16 +15,16 @@ TINY = ["--text", "hamlet_gut", "--max-tokens", "512", "--seq-len", "128", "--ca
 def test_eval_contract(method, tmp_path, monkeypatch):
     import time
 
-    import spear_compile.evaluate as ev
+    import spear_compile.compensators.calibrate as cal
 
-    real_sample, seen = ev.sample_sequences, {}
+    real_sample, seen = cal.sample_sequences, {}
 
     def slow_sample(*a, **k):  # sampling takes >= 1.5 s, so counting it twice would show
         seen.update(k)
         time.sleep(1.5)
         return real_sample(*a, **k)
 
-    monkeypatch.setattr(ev, "sample_sequences", slow_sample)
+    monkeypatch.setattr(cal, "sample_sequences", slow_sample)
     out = tmp_path / "r.json"
     extra = ["--set", "temperature=0.7"] if method == "spear" else []
     assert spear_main(["eval", "--method", method, "--budget", "0.005", "--steps", "2", *TINY, *extra,

@@ -87,6 +87,13 @@ def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, 
     return torch.cat(out)
 
 
+def sample_calibration(model: nn.Module, cfg: CalibConfig, progress: bool = True) -> torch.Tensor:
+    """``cfg.n_seqs x cfg.seq_len`` calibration tokens sampled from ``model`` with ``cfg``'s sampling
+    settings: the one place ``CalibConfig``'s sampling fields reach ``sample_sequences``."""
+    return sample_sequences(model, cfg.n_seqs, cfg.seq_len, model.config.bos_token_id, batch_size=cfg.sample_batch,
+                            seed=cfg.seed, temperature=cfg.temperature, progress=progress)
+
+
 def kl_fp_q(fp_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Token-mean KL(p_fp || p_q)."""
     return kl_logp_q(torch.log_softmax(fp_logits.float(), -1), q_logits)

@@ -92,9 +92,15 @@ GPU_PRESET = SpearConfig(select="all", calib=CalibConfig(n_seqs=64, seq_len=512,
 CPU_PRESET = SpearConfig(calib=CalibConfig(steps=64, lr_ab=1e-3, schedule="cosine"))
 
 
-def preset(device) -> SpearConfig:
-    """``GPU_PRESET`` on a CUDA device, else ``CPU_PRESET``."""
-    return GPU_PRESET if torch.device(device).type == "cuda" else CPU_PRESET
+def preset(device=None, name: str = "auto") -> SpearConfig:
+    """``name`` "gpu" / "cpu": that preset; "auto": ``GPU_PRESET`` on a CUDA ``device``, else
+    ``CPU_PRESET`` (``device`` None: CUDA when present)."""
+    if name not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"preset: name={name!r}; expected 'auto', 'gpu' or 'cpu'")
+    if name == "auto":
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "gpu" if dev.type == "cuda" else "cpu"
+    return GPU_PRESET if name == "gpu" else CPU_PRESET
 
 
 def parse_overrides(spec: str) -> dict:

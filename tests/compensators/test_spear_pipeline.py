@@ -70,6 +70,9 @@ def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
     with open(best) as f:
         assert GPU_PRESET == SpearConfig().replace(**json.load(f))
     assert preset("cpu") is CPU_PRESET and preset("cuda:0") is GPU_PRESET
+    assert preset("cpu", "gpu") is GPU_PRESET and preset("cuda", "cpu") is CPU_PRESET
+    with pytest.raises(ValueError, match="name='tpu'"):
+        preset(name="tpu")
     assert parse_overrides("select=all, steps=240,lr_ab=1e-3") == {"select": "all", "steps": 240, "lr_ab": 1e-3}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides("steps")
