@@ -29,6 +29,10 @@ def next_pow2(n: int) -> int:
 
 
 if HAS_TRITON:
+    try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover - older Triton: the PDL paths are never taken
+        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
     def gate_act(z, ACT: tl.constexpr):

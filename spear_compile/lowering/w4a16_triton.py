@@ -49,7 +49,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._triton import gate_act
+    from ._triton import gate_act, gdc_wait
 
     @triton.jit
     def _nib(w, MASK: tl.constexpr, MAGIC, BIAS: tl.constexpr, EXACT: tl.constexpr):
@@ -244,6 +244,8 @@ if HAS_TRITON:
                     c = tl.load(CNT + FLAG, volatile=True)
                 tl.atomic_add(CNT + FLAG, 0, sem="acquire")
                 tl.debug_barrier()
+            if (EC_PARTS & 16) != 0:  # g * h comes from a separate producer grid (ec_decode_triton.py)
+                gdc_wait()
             if (EC_PARTS & 8) != 0:
                 gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
                 out += alpha * tl.sum(bt * gh[None, :], axis=1)
@@ -405,19 +407,29 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _w4_dequant_kernel(QW, S, Z, W, N, K, G, NG, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           HAS_Z: tl.constexpr):
-        """W[N, K] = (q - z) * s in W's dtype: the prologue of the dequantize + cuBLAS path."""
+    def _w4_dequant_kernel(QW, S, Z, W, N, K, NG, G, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                           TG: tl.constexpr, HAS_Z: tl.constexpr):
+        """W[N, K] = (q - z) * s in W's dtype: the prologue of the dequantize + cuBLAS path.
+        Each thread turns 8 packed bytes into 16 contiguous outputs (``join`` of the low and
+        high nibbles keeps column order), so loads are 8-byte and stores 16-byte vectors; a
+        scale and zero point are loaded once per TG columns (TG divides G)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-        p = tl.load(QW + offs_n[:, None] * (K // 2) + offs_k[None, :] // 2, mask=mask, other=0)
-        q = tl.where(offs_k[None, :] % 2 == 0, p & 0xF, p >> 4).to(W.dtype.element_ty)
-        g = offs_k[None, :] // G
+        b0 = tl.program_id(1) * BLOCK_B
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask_n = offs_n < N
+        BK: tl.constexpr = 2 * BLOCK_B
+        NT: tl.constexpr = BK // TG
+        p = tl.load(QW + offs_n[:, None] * (K // 2) + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
+                    other=0, eviction_policy="evict_first")
+        q = tl.reshape(tl.join(p & 0xF, p >> 4), [BLOCK_N, NT, TG]).to(tl.float32)  # column 2 b0 + TG t + c
+        g = (2 * b0 + TG * tl.arange(0, NT)) // G
+        mg = mask_n[:, None] & (g < NG)[None, :]
         if HAS_Z:
-            q = q - tl.load(Z + offs_n[:, None] * NG + g, mask=mask, other=0.0).to(W.dtype.element_ty)
-        w = q * tl.load(S + offs_n[:, None] * NG + g, mask=mask, other=0.0).to(W.dtype.element_ty)
-        tl.store(W + offs_n[:, None] * K + offs_k[None, :], w, mask=mask)
+            q = q - tl.load(Z + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)[:, :, None]
+        w = q * tl.load(S + offs_n[:, None] * NG + g[None, :], mask=mg, other=0.0).to(tl.float32)[:, :, None]
+        offs_k = 2 * b0 + tl.arange(0, BK)
+        tl.store(W + offs_n[:, None] * K + offs_k[None, :], tl.reshape(w, [BLOCK_N, BK]).to(W.dtype.element_ty),
+                 mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
 # ------------------------------------------------------------------------ host side
@@ -553,7 +565,7 @@ def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, exact: Optional[bool] = None,
-                ec_parts: int = 15) -> torch.Tensor:
+                ec_parts: int = 15, producers: Optional[int] = None, launch_pdl: bool = False) -> torch.Tensor:
     """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
     ``exact`` defaults to biased nibbles for bf16 activations (their error is far below bf16
     rounding) and exact ones otherwise. ``ec_parts`` < 15 leaves EC stages out, for timing only
@@ -579,6 +591,8 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         # keeps the spin-wait satisfiable there. On GPUs: one 64-column slice of A x per producer.
         bkh = 32 if INTERPRET else 64
         p_h = 1 if INTERPRET else max(1, min(MAX_PRODUCERS, triton.cdiv(K, bkh), grid))
+        if producers is not None:  # 0: g * h is published by a separate producer launch
+            p_h = producers
     else:
         A = B = W1 = b1 = W2 = b2 = alpha = hbuf = gh = cnt = dummy
         R = D = r_p = d_p = bkh = 1
@@ -590,7 +604,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), EXACT=exact,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
         EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=bkh, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
-        P_HP=next_pow2(max(p_h, 1)), num_warps=warps, num_stages=1,
+        P_HP=next_pow2(max(p_h, 1)), num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return y
 
@@ -638,13 +652,15 @@ def w4_dequantize(qweight, scales, zeros, G: int, dtype: torch.dtype) -> torch.T
     """The whole weight as [N, K] in ``dtype`` (one pass: reads N*K/2 bytes, writes N*K*2)."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
-    bn, bk = (16, 32) if INTERPRET else (32, 256)
-    _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        qweight, scales, zeros if zeros is not None else scales, w, N, K, G, K // G,
-        BLOCK_N=bn, BLOCK_K=bk, HAS_Z=zeros is not None)
+    bn, bb = (8, 16) if INTERPRET else DEQUANT_TILE
+    tg = min(2 * bb, G & -G)  # a power of two dividing G: every TG-column sub-tile lies inside one group
+    _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K // 2, bb))](
+        qweight, scales, zeros if zeros is not None else scales, w, N, K, K // G, G,
+        BLOCK_N=bn, BLOCK_B=bb, TG=tg, HAS_Z=zeros is not None, num_warps=4)
     return w
 
 
+DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize pass
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 
 

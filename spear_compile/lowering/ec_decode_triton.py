@@ -1,0 +1,108 @@
+"""Decode (M = 1) EC as two launches joined by programmatic dependent launch (PDL).
+
+Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+
+The single-launch fused kernel (``w4a16_triton._w4a16_gemv1_kernel`` with in-kernel
+producers) pays for a cross-program wait: GEMV programs spin until the last producer has
+published ``g * h`` (benchmarks/NOTES.md, session 2: ~5 us at 4096^2, not removed by
+reordering the producers' work). Here the producers are their own small kernel:
+
+``_ec_decode_producer_kernel`` - P programs, each a K slice of ``h = A x`` stored to its
+own workspace row; the last to arrive (acq_rel counter, which it resets) sums the rows,
+runs the gate MLP once and publishes ``g * h`` in ``GH_COPIES`` copies. Its first
+instruction is ``griddepcontrol.launch_dependents``.
+
+The GEMV is then launched with the PDL attribute: its programs start while the producers
+run, stream their weights (and prefetch the EC's B rows), and execute
+``griddepcontrol.wait`` only before the epilogue reads ``g * h``; the wait returns once
+the producer grid has finished and its writes are visible. Everything the GEMV reads
+before the wait (x, weights, B) was complete before the producer kernel started.
+Without PDL (Triton's interpreter, a GPU before Hopper) the two launches simply run in
+stream order, with the same result.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._triton import HAS_TRITON, INTERPRET, next_pow2
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._triton import gdc_launch_dependents
+    from .w4a16_triton import _ec_gate, _ec_gate_operands
+
+    @triton.jit
+    def _ec_decode_producer_kernel(
+        X, A, W1, B1, W2, B2, HBUF, GH, CNT, K, R, D,
+        P_H: tl.constexpr, P_HP: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
+        ACT: tl.constexpr, GH_COPIES: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:  # the GEMV may start now: it waits for this grid only before its epilogue
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        offs_r = tl.arange(0, R_P)
+        mask_r = offs_r < R
+        chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
+        k_lo = pid * chunk
+        h = tl.zeros([R_P], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
+            offs_k = k0 + tl.arange(0, BLOCK_KH)
+            mask_k = offs_k < K
+            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)
+            h += tl.sum(a * tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :], axis=1)
+        tl.store(HBUF + pid * R_P + offs_r, h)
+        tl.debug_barrier()
+        old = tl.atomic_add(CNT, 1, sem="acq_rel")
+        if old == P_H - 1:  # last producer: every partial row is visible after the acq_rel above
+            tl.atomic_xchg(CNT, 0)  # reset for the next launch (no other program touches it now)
+            w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
+            offs_p = tl.arange(0, P_HP)
+            hp = tl.load(HBUF + offs_p[:, None] * R_P + offs_r[None, :], mask=(offs_p < P_H)[:, None], other=0.0,
+                         cache_modifier=".cg")
+            gh = _ec_gate(tl.sum(hp, axis=0), w1, b1, w2, b2, ACT)
+            offs_g = tl.arange(0, GH_COPIES)
+            tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
+
+
+PRODUCER_BLOCK_K = 32 if INTERPRET else 64  # K columns per producer step
+PDL_OK: Optional[bool] = None  # whether this GPU takes the PDL launch attribute (Hopper and newer)
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    global PDL_OK
+    if PDL_OK is None:
+        PDL_OK = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL_OK
+
+
+def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
+                       config: Optional[tuple] = None, out: Optional[torch.Tensor] = None,
+                       exact: Optional[bool] = None, producers: Optional[int] = None) -> torch.Tensor:
+    """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
+    ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch)."""
+    from ._triton import ACT_CODES
+    from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace, w4a16_gemv1
+
+    M, K = x2.shape
+    A, B, W1, b1, W2, b2, alpha = ec
+    R, D = A.shape[0], W1.shape[0]
+    r_p, d_p = next_pow2(R), next_pow2(D)
+    ws, cnt = ec_workspace(x2.device, r_p)
+    gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
+    hbuf = ws[GEMV_MAX_M + GH_COPIES:]
+    p_h = producers or max(1, min(MAX_PRODUCERS, triton.cdiv(K, PRODUCER_BLOCK_K)))
+    pdl = _pdl_ok(x2.device)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    _ec_decode_producer_kernel[(p_h,)](
+        x2, A, W1, b1, W2, b2, hbuf, gh, cnt, K, R, D,
+        P_H=p_h, P_HP=next_pow2(p_h), BLOCK_KH=PRODUCER_BLOCK_K, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
+        GH_COPIES=GH_COPIES, PDL=pdl, num_warps=4,
+    )
+    # EC_PARTS: 8 = the B (g h) epilogue, 16 = griddepcontrol.wait before it (GPU only)
+    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, exact=exact,
+                       ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl)
