@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer M (smoke run)")
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
+    ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -202,7 +203,7 @@ def main() -> None:
     shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes]
-    ms = [1, 8, 16, 256, 1024] if args.quick else MS
+    ms = args.ms or ([1, 8, 16, 256, 1024] if args.quick else MS)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
            "date": datetime.date.today().isoformat(), "group_size": G, "dtype": "bf16", "rows": [], "checks": [],
@@ -249,7 +250,7 @@ def main() -> None:
                                    T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
             cfg, t_gemm = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)),
-                                 T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS], copies)
+                                 T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE], copies)
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
             # ---- timing, all providers in this same run
             row = {"N": N, "K": K, "M": M}
@@ -271,6 +272,8 @@ def main() -> None:
             if M >= 256:
                 row["ours_dequant_cublas"] = bench_graph(
                     lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
+                row["ours_dequant_cublas_pipe"] = bench_graph(
+                    lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             _dump(res, args.out)
@@ -283,7 +286,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0
     save_table("configs", T.tuned_table())
-    if not args.quick:  # the crossover needs every M the fused path takes (quick mode skips 2 and 4)
+    if not args.quick and not args.ms:  # the crossover needs every M the fused path takes (quick mode skips 2 and 4)
         from spear_compile.lowering.tuning import load_table
 
         save_table("crossover", {**(load_table("crossover") or {}), **res["crossover"]})

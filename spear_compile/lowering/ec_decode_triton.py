@@ -70,14 +70,17 @@ if HAS_TRITON:
 
 
 PRODUCER_BLOCK_K = 32 if INTERPRET else 64  # K columns per producer step
-PDL_OK: Optional[bool] = None  # whether this GPU takes the PDL launch attribute (Hopper and newer)
+_PDL: dict = {}  # device index -> whether launches there take the PDL attribute
 
 
-def _pdl_ok(device: torch.device) -> bool:
-    global PDL_OK
-    if PDL_OK is None:
-        PDL_OK = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
-    return PDL_OK
+def pdl_ok(device: torch.device) -> bool:
+    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0)."""
+    if INTERPRET or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
 
 
 def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
@@ -96,7 +99,7 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
     gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
     hbuf = ws[GEMV_MAX_M + GH_COPIES:]
     p_h = producers or max(1, min(MAX_PRODUCERS, triton.cdiv(K, PRODUCER_BLOCK_K)))
-    pdl = _pdl_ok(x2.device)
+    pdl = pdl_ok(x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _ec_decode_producer_kernel[(p_h,)](
         x2, A, W1, b1, W2, b2, hbuf, gh, cnt, K, R, D,

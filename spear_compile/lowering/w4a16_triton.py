@@ -484,6 +484,8 @@ def gemm_key(M: int, N: int, K: int, G: int) -> str:
 def _default_gemm(M: int) -> tuple:
     if INTERPRET:
         return GEMM_CONFIGS[0]
+    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (NOTES.md, session 4)
+        return DEQUANT_CUBLAS
     return (16, 64, 128, 4, 4) if M <= 16 else (64, 128, 64, 4, 4) if M <= 128 else (128, 128, 64, 8, 3)
 
 
@@ -617,6 +619,12 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     if config is None and gemv1_ok(M, K, G, qweight):
+        if ec is not None:
+            from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
+
+            if pdl_ok(x2.device):  # producers + PDL-launched GEMV: 1.09-1.26x W4 vs 1.16-1.98x (NOTES.md, run 2)
+                cfg = tuple(tuned_table().get(gemv1_key(N, K, G, False), GEMV1_CONFIGS[0]))
+                return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out)
         return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
@@ -662,6 +670,7 @@ def w4_dequantize(qweight, scales, zeros, G: int, dtype: torch.dtype) -> torch.T
 
 DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize pass
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
+DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 
 
 def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
@@ -672,10 +681,11 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     M, K = x2.shape
     N = qweight.shape[0]
     config = config or tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
-    if tuple(config) == DEQUANT_CUBLAS:
-        w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
-        return torch.nn.functional.linear(x2, w, bias) if out is None else torch.addmm(
-            bias, x2, w.t(), out=out) if bias is not None else torch.mm(x2, w.t(), out=out)
+    if config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0]):
+        from .dequant_cublas import dequant_cublas
+
+        return dequant_cublas(x2, qweight, scales, zeros, G, bias, out=out,
+                              chunks=int(config[1]) if config[0] == DEQUANT_CUBLAS_PIPE[0] else 1)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = config
     bk, tg = _tiles(bk, G, K)

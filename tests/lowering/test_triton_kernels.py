@@ -73,7 +73,8 @@ def test_gemm_matches_reference(dtype, G, M):
 
 
 @pytest.mark.parametrize("G", [32, 64, None])
-@pytest.mark.parametrize("which", ["gemv_multi_group_tiles", "gemm_multi_group_tiles", "dequant_cublas"])
+@pytest.mark.parametrize("which", ["gemv_multi_group_tiles", "gemm_multi_group_tiles", "dequant_cublas",
+                                   "dequant_cublas_pipe"])
 def test_explicit_configs(G, which):
     """Tiles spanning several groups (NT > 1) and the dequantize + cuBLAS path."""
     from spear_compile.lowering import w4a16_triton as T
@@ -86,10 +87,15 @@ def test_explicit_configs(G, which):
         y = T.w4a16_gemv(x, qweight, scales, zeros, Gs, bias, config=(8, 256, 4, 1))
     elif which == "gemm_multi_group_tiles":
         y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=(16, 32, 128, 4, 1))
-    else:
+    elif which == "dequant_cublas":
         y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS)
         torch.testing.assert_close(T.w4_dequantize(qweight, scales, zeros, Gs, dtype),
                                    spear_dequant(qweight, scales, zeros, Gs, dtype), rtol=0, atol=0)
+    else:  # row slices (123 rows: 64 + 59) give the same numbers as one pass
+        y = torch.full((M, 123), float("nan"), dtype=dtype, device=DEV)
+        T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS_PIPE, out=y)
+        torch.testing.assert_close(y, T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS),
+                                   rtol=0, atol=0)
     _close(y, w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
 
 

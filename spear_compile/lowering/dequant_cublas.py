@@ -1,0 +1,60 @@
+"""Large-M W4A16 through cuBLAS: dequantize to a scratch bf16/fp16 weight, then one GEMM.
+
+At M >= 256 the tensor-core GEMM is compute bound and cuBLAS runs it at ~800 TFLOP/s on
+an H200, which the in-loop-dequant Triton GEMM does not reach (2.3-2.8x slower,
+benchmarks/NOTES.md). One vectorised dequantize pass (``w4a16_triton.w4_dequantize``:
+N*K/2 bytes read, N*K*2 written; 48 us for 8192^2 on the H200) plus cuBLAS is 1.05-1.25x
+cuBLAS bf16 from M = 1024 on.
+
+``chunks > 1`` pipelines the two: the weight's rows are dequantized in ``chunks`` slices
+on a side stream while the main stream multiplies the slices already done, writing each
+into its columns of Y (cuBLAS takes the column slice with ldc = N, no copy). The fork and
+join are stream waits, so the sequence is capturable in a CUDA graph. Results are
+identical to ``chunks = 1`` (every output column comes from one GEMM over all of K).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _mm(x2, w, bias, out):
+    if out is None:
+        return torch.nn.functional.linear(x2, w, bias)
+    if bias is not None:
+        return torch.addmm(bias, x2, w.t(), out=out)
+    return torch.mm(x2, w.t(), out=out)
+
+
+def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: Optional[torch.Tensor] = None,
+                   chunks: int = 1, side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+    """Y[M, N] = x2 @ dequant(W)^T (+ bias), dequantizing in ``chunks`` row slices (see module docstring)."""
+    from .w4a16_triton import w4_dequantize
+
+    N = qweight.shape[0]
+    if chunks <= 1:
+        return _mm(x2, w4_dequantize(qweight, scales, zeros, G, x2.dtype), bias, out)
+    y = out if out is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    step = -(-N // chunks)
+    step = -(-step // 64) * 64  # slices on 64-row boundaries keep cuBLAS on its aligned kernels
+    bounds = [(a, min(N, a + step)) for a in range(0, N, step)]
+    if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the same slices, one after another
+        for a, b in bounds:
+            w = w4_dequantize(qweight[a:b], scales[a:b], zeros[a:b] if zeros is not None else None, G, x2.dtype)
+            _mm(x2, w, bias[a:b] if bias is not None else None, y[:, a:b])
+        return y
+    from .dispatch import _side_stream
+
+    main = torch.cuda.current_stream(x2.device)
+    side = side or _side_stream(x2.device)
+    side.wait_stream(main)  # the weight and x2 are ready on main
+    for a, b in bounds:
+        with torch.cuda.stream(side):
+            w = w4_dequantize(qweight[a:b], scales[a:b], zeros[a:b] if zeros is not None else None, G, x2.dtype)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
+        _mm(x2, w, bias[a:b] if bias is not None else None, y[:, a:b])
+        w.record_stream(main)  # the slice's memory is not reused before main's GEMM has read it
+    return y
