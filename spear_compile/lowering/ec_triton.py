@@ -2,9 +2,12 @@
 
 Reference: ``lowering/ec_linear.py:ec_delta_ref``.
 
-``_ec_shrink_gate_kernel``: ``hg = g * h`` with ``h = x A^T`` ([M, r], fp32) and the gate
-MLP on the r-vector, one program per BLOCK_M rows. It reads x once (M*K*2 bytes) and
-does M*K*r MACs: it runs on a side stream while the W4 GEMM (M*N*K MACs) runs.
+``ec_shrink_gate``: ``hg = g * h`` with ``h = x A^T`` ([M, r]) and the gate MLP on the
+r-vector. It reads x once (M*K*2 bytes) and does M*K*r MACs, on a side stream while the
+W4 GEMM (M*N*K MACs) runs. ``h`` comes from cuBLAS (an [M, K] x [K, r] GEMM spread over
+every SM); ``_ec_gate_kernel`` then gates BLOCK_M rows per program. (The first version
+did the K loop in one Triton program per 64 rows: 16 programs at M = 1024, ~70 us at
+8192^2, which showed once the W4 GEMM got faster: benchmarks/NOTES.md, session 4.)
 ``_ec_expand_add_kernel``: ``y += alpha * hg B^T`` in place, after the join.
 """
 from __future__ import annotations
@@ -20,29 +23,19 @@ if HAS_TRITON:
     from ._triton import gate_act
 
     @triton.jit
-    def _ec_shrink_gate_kernel(
-        X, A, W1, B1, W2, B2, HG, M, K, R, D, stride_xm,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
+    def _ec_gate_kernel(
+        H, W1, B1, W2, B2, HG, M, R, D, stride_hm,
+        BLOCK_M: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        """HG[rows] = g * h for BLOCK_M rows of H ([M, R], any float dtype), in fp32."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
         offs_d = tl.arange(0, D_P)
         mask_d = offs_d < D
-        h = tl.zeros([BLOCK_M, R_P], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                        other=0.0)
-            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-            if UPCAST_DOT:  # Triton's interpreter computes bf16 dots wrongly; fp32 there only
-                h = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), h)
-            else:
-                h = tl.dot(x, tl.trans(a.to(x.dtype)), h)
+        h = tl.load(H + offs_m[:, None] * stride_hm + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0).to(tl.float32)
         w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :], other=0.0)
         z = tl.dot(h, tl.trans(w1.to(tl.float32)))
         z = gate_act(z + tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :], ACT)
@@ -73,21 +66,22 @@ if HAS_TRITON:
         tl.store(ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
 
 
-SHRINK_CONFIG = (16, 32, 4) if INTERPRET else (64, 64, 4)  # BLOCK_M, BLOCK_K, num_warps
+GATE_CONFIG = (16, 4) if INTERPRET else (64, 4)  # BLOCK_M, num_warps
 EXPAND_CONFIG = (16, 32, 4) if INTERPRET else (64, 128, 4)  # BLOCK_M, BLOCK_N, num_warps
 
 
 def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu") -> torch.Tensor:
-    """``g * h`` as fp32 [M, R_P] (columns >= r are zero-padded, never read)."""
+    """``g * h`` as fp32 [M, R_P] (columns >= r are zero-padded, never read). ``h`` is rounded
+    to x's dtype by cuBLAS: a relative 2^-9 of the correction, far below the output's own rounding."""
     M, K = x2.shape
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16
+    h = torch.mm(x2, A.t() if A.dtype == x2.dtype else A.to(x2.dtype).t())  # [M, R] in x's dtype (cuBLAS)
     hg = torch.empty(M, r_p, dtype=torch.float32, device=x2.device)
-    bm, bk, warps = SHRINK_CONFIG
-    _ec_shrink_gate_kernel[(triton.cdiv(M, bm),)](
-        x2, A, W1, b1, W2, b2, hg, M, K, R, D, x2.stride(0),
-        BLOCK_M=bm, BLOCK_K=bk, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
-        UPCAST_DOT=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps,
+    bm, warps = GATE_CONFIG
+    _ec_gate_kernel[(triton.cdiv(M, bm),)](
+        h, W1, b1, W2, b2, hg, M, R, D, h.stride(0),
+        BLOCK_M=bm, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], num_warps=warps,
     )
     return hg
 
