@@ -63,8 +63,12 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool) ->
     if not (x_val.device.type == "cuda" and HAS_TRITON and layout == "spear"
             and x_val.dtype in (torch.float16, torch.bfloat16)):
         return "pytorch reference"
-    fused = "triton GEMV + fused EC epilogue" if has_ec else "triton GEMV (M = 1) / GEMM"
-    over = "triton GEMM + EC on side stream" if has_ec else "triton GEMM"
+    from ..lowering.ec_decode_triton import pdl_ok
+
+    gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
+    producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
+    fused = f"{producers} triton GEMV with EC epilogue" if has_ec else f"triton GEMV (M = 1) / {gemm}"
+    over = f"{gemm} + EC shrink (cuBLAS) and gate on a side stream" if has_ec else gemm
     return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
 
 

@@ -77,8 +77,12 @@ def test_kernel_for_cuda_nodes():
         x = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
         x32 = torch.empty(1, 64, dtype=torch.float32, device="cuda")
     if HAS_TRITON:
-        assert kernel_for(x, "spear", "fused", True) == "triton GEMV + fused EC epilogue"
-        assert kernel_for(x, "spear", "overlapped", True) == "triton GEMM + EC on side stream"
+        pdl = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        assert kernel_for(x, "spear", "fused", True) == (
+            "EC producer launch + PDL-launched" if pdl else "in-kernel EC producers +") + " triton GEMV with EC epilogue"
+        assert kernel_for(x, "spear", "overlapped", True) == (
+            "triton GEMM (M < 256) / dequant + cuBLAS + EC shrink (cuBLAS) and gate on a side stream")
+        assert kernel_for(x, "spear", "fused", False).startswith("triton GEMV (M = 1)")
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
     assert kernel_for(x, "tinygemm_cuda", "fused", False) == "pytorch reference"
