@@ -46,7 +46,11 @@ def test_shipped_tables_are_well_formed():
                 if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
                     continue
-                assert val == ["dequant_cublas"] or (len(val) == (5 if kind == "gemm" else 4)
+                if kind == "gemm" and isinstance(val[0], str):  # dequantize + cuBLAS, one pass or row slices
+                    assert val == ["dequant_cublas"] or (val[0] == "dequant_cublas_pipe" and len(val) == 2
+                                                         and isinstance(val[1], int) and val[1] >= 2)
+                    continue
+                assert (len(val) == (5 if kind == "gemm" else 4)
                                                      and all(isinstance(v, int) and v > 0 for v in val))
             else:
                 assert "x" in key and isinstance(val, int) and val >= 1

@@ -1,20 +1,18 @@
 """Variant studies of session 4 (benchmarks/NOTES.md), each against what ships, same run.
 
-``--what tma``: the TMA-fed kernels (``lowering/w4a16_tma_triton.py``).
-
-For each weight shape: at M = 1 tinygemm, the shipped M = 1 GEMV (its tuned config) and the
-TMA GEMV in each config; at M > 1 cuBLAS bf16, the shipped GEMM path (its tuned config,
-which may be dequantize + cuBLAS) and the transposed tensor-core GEMM in each config.
-Every variant is checked against the reference before it is timed (CUDA graphs, inputs
-rotating through > 3x L2, as in kernels.py). Writes ``lab_tma_<gpu>.json``.
+``--what tma`` (run 1) measured TMA-fed kernels that lost everywhere and were removed; they are
+at commit 99d8f2d (``spear_compile/lowering/w4a16_tma_triton.py``) with their results in
+``results/raw/lab_tma_run1_NVIDIA_H200.json``.
 
 ``--what ec_pdl``: at M = 1, the W4 GEMV, the single-launch fused EC and the two-launch PDL EC
 (``lowering/ec_decode_triton.py``) in several producer counts and GEMV tiles, plus the
 producer launch alone and the pair without PDL (attribution).
 ``--what dequant``: at M >= 256, cuBLAS against dequantize (vectorised pass) + cuBLAS and the
 dequantize pass alone.
+Every variant is checked against the reference before it is timed (CUDA graphs, inputs
+rotating through > 3x L2, as in kernels.py). Writes ``lab_<what>_<gpu>.json``.
 
-    python benchmarks/lab_tma.py --what tma --out $OUT [--shapes 8192x8192 ...] [--ms 1 1024]
+    python benchmarks/lab_session4.py --what ec_pdl --out $OUT [--shapes 8192x8192 ...] [--ms 1]
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from spear_compile.lowering import ec_decode_triton as ED
-from spear_compile.lowering import w4a16_tma_triton as TT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key
 from spear_compile.lowering.ec_linear import ec_linear_ref
@@ -35,7 +32,7 @@ from spear_compile.lowering.w4a16 import w4a16_linear_ref
 
 from kernels import DT, G, SHAPES, bandwidth, make_ec, make_weights, rel_err  # noqa: E402  (benchmarks/ on sys.path)
 
-MS = [1, 16, 64, 256, 1024, 4096]
+MS = [1, 256, 1024, 4096]
 
 
 def _producer_only(x2, ec):
@@ -114,22 +111,8 @@ def run_shape(N: int, K: int, ms: list[int], res: dict, out_dir: str, what: str)
             variant("dequant_cublas", lambda xx, i: T.w4a16_gemm(xx, *wargs(i), G, None, config=T.DEQUANT_CUBLAS))
             variant("dequant_only", lambda xx, i: T.w4_dequantize(*wargs(i), G, DT), check=False)
             base = "cublas"
-        elif M == 1:
-            variant("tinygemm", lambda xx, i: torch.ops.aten._weight_int4pack_mm(xx, ws[i]["packed"], G, ws[i]["sz"]))
-            variant("shipped", lambda xx, i: T.w4a16_gemv(xx, *wargs(i), G, None))
-            for cfg in TT.GEMV1_TMA_CONFIGS:
-                variant("tma_" + "_".join(map(str, cfg)),
-                        lambda xx, i, c=cfg: TT.w4a16_gemv1_tma(xx, *wargs(i), G, None, config=c), quick=True)
-            base = "tinygemm"
-        else:
-            variant("cublas", lambda xx, i: F.linear(xx, bf[i % len(bf)]))
-            variant("shipped", lambda xx, i: T.w4a16_gemm(xx, *wargs(i), G, None))
-            for cfg in TT.GEMM_T_CONFIGS:
-                variant("gemmT_" + "_".join(map(str, cfg)),
-                        lambda xx, i, c=cfg: TT.w4a16_gemm_t(xx, *wargs(i), G, None, config=c), quick=True)
-            base = "cublas"
         new = {k: v for k, v in row["us"].items()
-               if v and k.split("_")[0] in ("tma", "gemmT", "pdl", "dequant") and k != "dequant_only"}
+               if v and k.split("_")[0] in ("pdl", "dequant") and k != "dequant_only"}
         if new:
             best = min(new, key=new.get)
             row["best"] = best
@@ -151,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=MS)
-    ap.add_argument("--what", choices=["tma", "ec_pdl", "dequant"], default="tma")
+    ap.add_argument("--what", choices=["ec_pdl", "dequant"], default="ec_pdl")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
