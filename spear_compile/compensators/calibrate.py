@@ -42,6 +42,8 @@ class CalibConfig:
     learning rates; ``train_ab=False`` trains the gates alone. schedule: "constant", or
     "cosine" (decayed to zero over ``steps``). teacher_cache_bytes: cache the teacher's
     log-probs when they fit. dense_weights: dequantize the student's weights once per run.
+    cuda_graph: on CUDA with the teacher cached, run each step as one CUDA graph replay
+    (``graphed_step.py``; the same minibatches and learning rates as the eager loop).
     """
 
     n_seqs: int = 32
@@ -57,6 +59,7 @@ class CalibConfig:
     dense_weights: bool = True
     schedule: str = "constant"
     sample_batch: int = 32
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -179,15 +182,24 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
         p.requires_grad_(False)
     for p in gate + ab:
         p.requires_grad_(True)
-    groups = [{"params": gate, "lr": cfg.lr}] + ([{"params": ab, "lr": cfg.lr_ab}] if ab else [])
-    opt = torch.optim.Adam(groups)
-    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps) if cfg.schedule == "cosine" else None)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    losses, t0 = [], time.time()
+    t0 = time.time()
     vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
     cached = None
     if vocab is not None and seqs.numel() * vocab * 2 <= cfg.teacher_cache_bytes:
         cached = teacher_logprobs(ref, seqs, cfg.batch_size, progress=progress)
+    graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda
+    # a captured Adam update reads its learning rates from device tensors the schedule fills
+    lr = (lambda v: torch.tensor(v, device=seqs.device)) if graphed else (lambda v: v)  # noqa: E731
+    groups = [{"params": gate, "lr": lr(cfg.lr)}] + ([{"params": ab, "lr": lr(cfg.lr_ab)}] if ab else [])
+    opt = torch.optim.Adam(groups, capturable=True) if graphed else torch.optim.Adam(groups)
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps) if cfg.schedule == "cosine" else None)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    step_fn = None
+    if graphed:
+        from .graphed_step import GraphedKLStep
+
+        step_fn = GraphedKLStep(lambda t, ids: kl_logp_q(t, _logits(model, ids)), opt, seqs, cached, cfg.batch_size)
     bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
     was_training = model.training
     model.eval()
@@ -195,6 +207,13 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
         with _dense_forward(model, cfg.dense_weights):
             for step in bar:
                 idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
+                if step_fn is not None:  # one CUDA graph replay: forward, backward, Adam
+                    loss = step_fn(idx)
+                    if sched is not None:
+                        sched.step()
+                    losses.append(float(loss))
+                    bar.set_postfix(kl=f"{losses[-1]:.4f}")
+                    continue
                 b = seqs[idx]
                 if cached is not None:
                     loss = kl_logp_q(cached[idx], _logits(model, b))
