@@ -29,13 +29,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from spear_compile.config import default_device
+
     from spear_compile import QuantConfig, quantize_
     from spear_compile.compensators.calibrate import CalibConfig, calibrate_
     from spear_compile.compensators.spear import SpearConfig, fit_spear_
     from spear_compile.evaluate import fp16_bytes
     from spear_compile.models import tiny_llama
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = default_device()
     ref = tiny_llama(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152).to(dev)
     seqs = torch.randint(0, 49152, (args.seqs, args.seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
     q = quantize_(copy.deepcopy(ref), QuantConfig(group_size=None), progress=False)

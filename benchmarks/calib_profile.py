@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     import copy
 
     import torch
+
+    from spear_compile.config import default_device
     from torch.profiler import ProfilerActivity, profile
 
     from spear_compile.compensators.calibrate import CalibConfig, calibrate_, sample_sequences
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     from spear_compile.models import load
     from spear_compile import QuantConfig, quantize_
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = default_device()
     ref, _ = load("smollm2-135m")
     ref.to(dev)
     seqs = sample_sequences(ref, 8, 256, ref.config.bos_token_id, progress=False)

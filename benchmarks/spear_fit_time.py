@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     from spear_compile import QuantConfig, quantize_
+    from spear_compile.config import default_device
     from spear_compile.compensators.calibrate import sample_calibration
     from spear_compile.compensators.spear import fit_spear_, preset
     from spear_compile.evaluate import fp16_bytes
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="auto", choices=["auto", "gpu", "cpu"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = str(default_device())
     name = torch.cuda.get_device_name() if dev == "cuda" else f"cpu_{os.cpu_count()}cores"
     torch.manual_seed(0)
     ref, _ = load("smollm2-135m")

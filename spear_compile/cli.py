@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from .config import default_device
+
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=0, help="0 = per-channel (default), else 32/64/128/256")
@@ -228,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tokens", type=int, default=16, help="sequence length of the example input")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--out", required=True)
-    i.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    i.add_argument("--device", default=str(default_device()))
     i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     _add_quant_args(i)
     i.set_defaults(fn=cmd_inspect)

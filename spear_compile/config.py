@@ -131,3 +131,13 @@ class CompileConfig(_Serialisable):
             v = getattr(self, name)
             if v is not None and v < 2:
                 raise ValueError(f"CompileConfig.{name}={v}: must be >= 2 (M == 1 is always decode)")
+
+
+def default_device(device: Any = None) -> Any:
+    """``device`` as a ``torch.device``, or CUDA when present, else the CPU: the one rule every
+    entry point (eval, presets, the CLI, the benchmarks) uses to pick where work runs."""
+    import torch
+
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,6 +44,7 @@ from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
 from .compensators.spear import SpearConfig, fit_spear_, preset
 from .compensators.static import lorc, lqer, qera_exact
+from .config import default_device
 from .compensators.stats import collect_input_stats
 from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
 from .quant.actquant import add_act_quant_
@@ -101,7 +102,7 @@ class EvalSession:
                  progress: bool = True, device: Optional[str] = None, calib_text: Optional[str] = None) -> None:
         from .models import load
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = default_device(device)
         spear = spear if spear is not None else preset(self.device)
         self.model_name, self.texts, self.seq_len, self.spear, self.progress = model_name, list(texts), seq_len, spear, progress
         torch.manual_seed(spear.calib.seed)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ECConfig
+from ..config import ECConfig, default_device
 from ..quant.linear import QuantLinear
 from .calibrate import CalibConfig, calibrate_
 from .ec import ErrorCompensator
@@ -98,7 +98,7 @@ def preset(device=None, name: str = "auto") -> SpearConfig:
     if name not in ("auto", "gpu", "cpu"):
         raise ValueError(f"preset: name={name!r}; expected 'auto', 'gpu' or 'cpu'")
     if name == "auto":
-        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = default_device(device)
         name = "gpu" if dev.type == "cuda" else "cpu"
     return GPU_PRESET if name == "gpu" else CPU_PRESET
 

@@ -71,6 +71,11 @@ def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
         assert GPU_PRESET == SpearConfig().replace(**json.load(f))
     assert preset("cpu") is CPU_PRESET and preset("cuda:0") is GPU_PRESET
     assert preset("cpu", "gpu") is GPU_PRESET and preset("cuda", "cpu") is CPU_PRESET
+    from spear_compile.config import default_device
+
+    assert default_device("cuda:1") == torch.device("cuda", 1)
+    assert default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert preset() is (GPU_PRESET if torch.cuda.is_available() else CPU_PRESET)
     with pytest.raises(ValueError, match="name='tpu'"):
         preset(name="tpu")
     assert parse_overrides("select=all, steps=240,lr_ab=1e-3") == {"select": "all", "steps": 240, "lr_ab": 1e-3}
