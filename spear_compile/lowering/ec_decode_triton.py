@@ -75,8 +75,10 @@ _PDL: dict = {}  # device index -> whether launches there take the PDL attribute
 
 def pdl_ok(device: torch.device) -> bool:
     """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0)."""
-    if INTERPRET or device.type != "cuda" or not torch.cuda.is_available():
-        return False
+    from ._triton import gdc_wait
+
+    if INTERPRET or gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False  # (gdc_wait is None: a Triton without grid dependency control)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
         _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
