@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quantized_linears
-from .compensators.calibrate import sample_calibration
+from .compensators.calibrate import sample_calibration, short_context
 from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
 from .compensators.spear import SpearConfig, fit_spear_, preset
@@ -156,6 +156,8 @@ class EvalSession:
             self._bases[key] = (q, perplexity(q, self.wins, progress=self.progress, desc=f"ppl {quant} a{act_bits}"))
         if key not in self._bases:
             seqs = self.seqs if quant != "rtn" else None
+            if seqs is not None and quant == "gptq" and self.calib_text is None:
+                seqs = short_context(seqs, self.ref.config.bos_token_id)  # self-sampled: <= 256 tokens of context
             calib = None if seqs is None else [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
             q = quantize_(copy.deepcopy(self.ref), QuantConfig(group_size=group_size or None, method=quant),
                           progress=self.progress, calib=calib)

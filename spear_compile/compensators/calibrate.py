@@ -97,6 +97,29 @@ def sample_calibration(model: nn.Module, cfg: CalibConfig, progress: bool = True
                             seed=cfg.seed, temperature=cfg.temperature, progress=progress)
 
 
+def short_context(seqs: torch.Tensor, bos_token_id: int, max_len: int = 256) -> torch.Tensor:
+    """Self-sampled ``[n, T]`` sequences as ``[n * (T // max_len), max_len]`` pieces, each piece
+    after a sequence's first restarting from BOS (its first token is replaced by BOS); a tail
+    shorter than ``max_len`` is dropped. Sequences of at most ``max_len`` tokens are returned as
+    they are.
+
+    Why: GPTQ's Hessian from 512-token self-sampled sequences made SmolLM2-135M *worse* than
+    RTN on a development play (Lear, ppl fp 37.16, RTN 63.23: GPTQ 66.48), while the same
+    tokens seen with at most 256 tokens of context gave 59.79 (first halves) and 56.60
+    (second halves, BOS-restarted), and 512-token real text 53.24 (``benchmarks/NOTES.md``,
+    session 4). A small model's own text drifts over long contexts; its late activations
+    are not what real text produces.
+    """
+    n, T = seqs.shape
+    if T <= max_len:
+        return seqs
+    pieces = [seqs[:, :max_len]]
+    for start in range(max_len, T - max_len + 1, max_len):
+        bos = torch.full((n, 1), bos_token_id, dtype=seqs.dtype, device=seqs.device)
+        pieces.append(torch.cat([bos, seqs[:, start + 1:start + max_len]], 1))
+    return torch.cat(pieces).contiguous()
+
+
 def kl_fp_q(fp_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Token-mean KL(p_fp || p_q)."""
     return kl_logp_q(torch.log_softmax(fp_logits.float(), -1), q_logits)

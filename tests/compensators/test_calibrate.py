@@ -141,3 +141,14 @@ def test_cuda_graph_step_trains_like_the_eager_loop():
     else:  # capturable Adam computes its bias corrections on the device: equal up to rounding
         torch.testing.assert_close(l_graph, l_eager, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(p_graph, p_eager, rtol=1e-3, atol=1e-5)
+
+
+def test_short_context_pieces_restart_from_bos():
+    from spear_compile.compensators.calibrate import short_context
+
+    seqs = torch.arange(2 * 10).reshape(2, 10) + 100
+    out = short_context(seqs, bos_token_id=1, max_len=4)  # pieces [0:4], [BOS]+[5:8]; tail [8:10] dropped
+    assert out.shape == (4, 4)
+    assert torch.equal(out[:2], seqs[:, :4])
+    assert torch.equal(out[2:, 0], torch.tensor([1, 1])) and torch.equal(out[2:, 1:], seqs[:, 5:8])
+    assert short_context(seqs, 1, max_len=10) is seqs
