@@ -33,7 +33,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ._triton import gdc_launch_dependents
-    from .w4a16_triton import _ec_gate, _ec_gate_operands
+    from .w4a16_triton import _ec_gate_operands, _ec_gate_publish, _ec_h_partial
 
     @triton.jit
     def _ec_decode_producer_kernel(
@@ -45,29 +45,13 @@ if HAS_TRITON:
             gdc_launch_dependents()
         pid = tl.program_id(0)
         offs_r = tl.arange(0, R_P)
-        mask_r = offs_r < R
-        chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
-        k_lo = pid * chunk
-        h = tl.zeros([R_P], dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
-            offs_k = k0 + tl.arange(0, BLOCK_KH)
-            mask_k = offs_k < K
-            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
-            h += tl.sum(a * tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :], axis=1)
-        tl.store(HBUF + pid * R_P + offs_r, h)
+        tl.store(HBUF + pid * R_P + offs_r, _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P))
         tl.debug_barrier()
         old = tl.atomic_add(CNT, 1, sem="acq_rel")
         if old == P_H - 1:  # last producer: every partial row is visible after the acq_rel above
             tl.atomic_xchg(CNT, 0)  # reset for the next launch (no other program touches it now)
             w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
-            offs_p = tl.arange(0, P_HP)
-            hp = tl.load(HBUF + offs_p[:, None] * R_P + offs_r[None, :], mask=(offs_p < P_H)[:, None], other=0.0,
-                         cache_modifier=".cg")
-            gh = _ec_gate(tl.sum(hp, axis=0), w1, b1, w2, b2, ACT)
-            offs_g = tl.arange(0, GH_COPIES)
-            tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
-
+            _ec_gate_publish(HBUF, GH, w1, b1, w2, b2, P_H, P_HP, R_P, ACT, GH_COPIES)
 
 PRODUCER_BLOCK_K = 32 if INTERPRET else 64  # K columns per producer step
 _PDL: dict = {}  # device index -> whether launches there take the PDL attribute

@@ -86,6 +86,35 @@ if HAS_TRITON:
         return tl.sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2) * h
 
     @triton.jit
+    def _ec_h_partial(X, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr):
+        """Producer ``pid``'s split-K slice of ``h = A x`` ([R_P], fp32; rows >= R are zero)."""
+        offs_r = tl.arange(0, R_P)
+        mask_r = offs_r < R
+        chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
+        k_lo = pid * chunk
+        h = tl.zeros([R_P], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
+            offs_k = k0 + tl.arange(0, BLOCK_KH)
+            mask_k = offs_k < K
+            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)
+            h += tl.sum(a * tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :], axis=1)
+        return h
+
+    @triton.jit
+    def _ec_gate_publish(HBUF, GH, w1, b1, w2, b2, P_H: tl.constexpr, P_HP: tl.constexpr, R_P: tl.constexpr,
+                         ACT: tl.constexpr, GH_COPIES: tl.constexpr):
+        """The last producer: sum the P_H partial rows of h, gate once, store g * h in GH_COPIES
+        copies (every consumer reads one: no single hot L2 line)."""
+        offs_r = tl.arange(0, R_P)
+        offs_p = tl.arange(0, P_HP)
+        hp = tl.load(HBUF + offs_p[:, None] * R_P + offs_r[None, :], mask=(offs_p < P_H)[:, None], other=0.0,
+                     cache_modifier=".cg")
+        gh = _ec_gate(tl.sum(hp, axis=0), w1, b1, w2, b2, ACT)
+        offs_g = tl.arange(0, GH_COPIES)
+        tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
+
+    @triton.jit
     def _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
                     BLOCK_W: tl.constexpr, EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr):
         """One K tile of one row block: words w [BLOCK_N, BLOCK_W] -> per-chunk partials
@@ -180,29 +209,14 @@ if HAS_TRITON:
                 # ---- producer (the first P_H programs, before their rows): split-K partial of h = A x,
                 # stored to its own row of HBUF (no contended atomics)
                 w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)  # off the gate's critical path
-                chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
-                k_lo = pid * chunk
-                h = tl.zeros([R_P], dtype=tl.float32)
-                for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
-                    offs_k = k0 + tl.arange(0, BLOCK_KH)
-                    mask_k = offs_k < K
-                    a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
-                                other=0.0).to(tl.float32)
-                    xk = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    h += tl.sum(a * xk[None, :], axis=1)
-                tl.store(HBUF + pid * R_P + offs_r, h)
+                tl.store(HBUF + pid * R_P + offs_r, _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P))
                 tl.debug_barrier()
                 old = tl.atomic_add(CNT, 1, sem="acq_rel")
                 if (EC_PARTS & 2) != 0 and old == P_H - 1:
                     # the last producer sums the partials, gates once, publishes g * h in GH_COPIES
                     # copies (every program reads one: no single hot L2 line), then raises the flag
                     tl.debug_barrier()
-                    offs_p = tl.arange(0, P_HP)
-                    hp = tl.load(HBUF + offs_p[:, None] * R_P + offs_r[None, :], mask=(offs_p < P_H)[:, None],
-                                 other=0.0, cache_modifier=".cg")
-                    gh = _ec_gate(tl.sum(hp, axis=0), w1, b1, w2, b2, ACT)
-                    offs_g = tl.arange(0, GH_COPIES)
-                    tl.store(GH + offs_g[:, None] * R_P + offs_r[None, :], tl.broadcast_to(gh[None, :], [GH_COPIES, R_P]))
+                    _ec_gate_publish(HBUF, GH, w1, b1, w2, b2, P_H, P_HP, R_P, ACT, GH_COPIES)
                     tl.atomic_xchg(CNT, 0)
                     tl.debug_barrier()
                     tl.atomic_xchg(CNT + FLAG, 1, sem="release")
