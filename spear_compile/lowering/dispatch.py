@@ -2,11 +2,13 @@
 
 ``lowering`` (set by the phase-dispatch pass) decides how the EC runs:
 
-* "fused" (decode): the EC inside the W4 GEMV launch (``w4a16_triton.w4a16_gemv``), for
-  M <= GEMV_MAX_M; beyond that the GEMM with the EC on a side stream.
-* "overlapped" (prefill): W4 GEMM on the current stream while the EC's shrink+gate
-  kernel runs on a side stream; after the join, ``y += alpha * hg B^T`` in place. The
-  fork/join uses ``wait_stream`` so the whole step is capturable in a CUDA graph.
+* "fused" (decode): the EC in the W4 GEMV's epilogue (``w4a16_triton.w4a16_gemv``), for
+  M <= GEMV_MAX_M: on Hopper a producer grid + the PDL-launched GEMV (``ec_decode_triton.py``),
+  elsewhere producers inside the GEMV launch; beyond GEMV_MAX_M the GEMM with the EC on a side stream.
+* "overlapped" (prefill): W4 GEMM (Triton, or from M = 256 dequantize + cuBLAS, per the tuned
+  table) on the current stream while the EC's shrink (cuBLAS) + gate runs on a side stream; after
+  the join, ``y += alpha * hg B^T`` in place. The fork/join uses ``wait_stream`` so the whole
+  step is capturable in a CUDA graph.
 * "dispatch": branch on M at run time against ``crossover``; "auto": like dispatch.
 
 Anything the Triton kernels do not cover (fp32 activations, the tinygemm / unpacked

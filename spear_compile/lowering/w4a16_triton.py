@@ -13,7 +13,10 @@ FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x
 per 32-column chunk. With ``HAS_EC`` the first ``P_H`` programs also compute split-K
 partials of ``h = A x``; the last of them (by an acq_rel counter) runs the gate MLP once
 and publishes ``g * h`` with a ready flag; every program adds ``alpha * B[rows] (g * h)``
-after its weight loop.
+after its weight loop. With ``P_H = 0`` and EC_PARTS bit 16 the producers are a separate grid
+(``ec_decode_triton.py``, launched before this one, which then runs under programmatic dependent
+launch and waits with ``griddepcontrol.wait`` only before the epilogue): the dispatch's choice on
+Hopper, where it costs 1.06-1.26x W4 against 1.16-1.98x for the in-kernel producers.
 
 ``_w4a16_gemv_kernel`` - small M > 1 (and shapes the M = 1 kernel does not take: K or G
 not a multiple of 32). One program per BLOCK_N output rows loops
@@ -31,7 +34,8 @@ NOTE (forward progress): GEMV programs spin on the counter only after their main
 the producers are the lowest program ids, which the hardware dispatches first, the
 same assumption CUB's decoupled look-back scan makes.
 
-``_w4a16_gemm_kernel`` - large M (prefill). Tiled GEMM; each K-tile of packed weights
+``_w4a16_gemm_kernel`` - 1 < M < 256 (from M = 256 dequantize + cuBLAS wins on the H200:
+``dequant_cublas.py``, ``_w4_dequant_kernel``). Tiled GEMM; each K-tile of packed weights
 is unpacked (``join`` of low/high nibbles), dequantized in the activation dtype in the
 same order as the reference, ``(q - z) * s``, and fed to ``tl.dot``.
 """
