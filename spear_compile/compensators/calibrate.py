@@ -232,21 +232,17 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                 idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
                 if step_fn is not None:  # one CUDA graph replay: forward, backward, Adam
                     loss = step_fn(idx)
-                    if sched is not None:
-                        sched.step()
-                    losses.append(float(loss))
-                    bar.set_postfix(kl=f"{losses[-1]:.4f}")
-                    continue
-                b = seqs[idx]
-                if cached is not None:
-                    loss = kl_logp_q(cached[idx], _logits(model, b))
                 else:
-                    with torch.no_grad():
-                        t = _logits(ref, b)
-                    loss = kl_fp_q(t, _logits(model, b))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                    b = seqs[idx]
+                    if cached is not None:
+                        loss = kl_logp_q(cached[idx], _logits(model, b))
+                    else:
+                        with torch.no_grad():
+                            t = _logits(ref, b)
+                        loss = kl_fp_q(t, _logits(model, b))
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
                 if sched is not None:
                     sched.step()
                 losses.append(float(loss.detach()))

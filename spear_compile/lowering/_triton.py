@@ -33,6 +33,11 @@ if HAS_TRITON:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     except ImportError:  # pragma: no cover - older Triton: the PDL paths are never taken
         gdc_launch_dependents = gdc_wait = None
+else:  # pragma: no cover - no Triton: pdl_ok() is False
+    gdc_launch_dependents = gdc_wait = None
+
+
+if HAS_TRITON:
 
     @triton.jit
     def gate_act(z, ACT: tl.constexpr):

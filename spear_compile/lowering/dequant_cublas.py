@@ -39,10 +39,16 @@ def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: 
     step = -(-N // chunks)
     step = -(-step // 64) * 64  # slices on 64-row boundaries keep cuBLAS on its aligned kernels
     bounds = [(a, min(N, a + step)) for a in range(0, N, step)]
+
+    def rows(a: int, b: int) -> torch.Tensor:  # rows a:b of the weight, dequantized
+        return w4_dequantize(qweight[a:b], scales[a:b], zeros[a:b] if zeros is not None else None, G, x2.dtype)
+
+    def gemm(w: torch.Tensor, a: int, b: int) -> None:  # Y[:, a:b] = x2 @ w^T (+ bias[a:b])
+        _mm(x2, w, bias[a:b] if bias is not None else None, y[:, a:b])
+
     if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the same slices, one after another
         for a, b in bounds:
-            w = w4_dequantize(qweight[a:b], scales[a:b], zeros[a:b] if zeros is not None else None, G, x2.dtype)
-            _mm(x2, w, bias[a:b] if bias is not None else None, y[:, a:b])
+            gemm(rows(a, b), a, b)
         return y
     from .dispatch import _side_stream
 
@@ -51,10 +57,10 @@ def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: 
     side.wait_stream(main)  # the weight and x2 are ready on main
     for a, b in bounds:
         with torch.cuda.stream(side):
-            w = w4_dequantize(qweight[a:b], scales[a:b], zeros[a:b] if zeros is not None else None, G, x2.dtype)
+            w = rows(a, b)
             ready = torch.cuda.Event()
             ready.record(side)
         main.wait_event(ready)
-        _mm(x2, w, bias[a:b] if bias is not None else None, y[:, a:b])
+        gemm(w, a, b)
         w.record_stream(main)  # the slice's memory is not reused before main's GEMM has read it
     return y

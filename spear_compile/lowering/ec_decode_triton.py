@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import HAS_TRITON, INTERPRET, next_pow2
+from ._triton import HAS_TRITON, INTERPRET, gdc_wait, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -59,8 +59,6 @@ _PDL: dict = {}  # device index -> whether launches there take the PDL attribute
 
 def pdl_ok(device: torch.device) -> bool:
     """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0)."""
-    from ._triton import gdc_wait
-
     if INTERPRET or gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
         return False  # (gdc_wait is None: a Triton without grid dependency control)
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -77,7 +75,7 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
     from ._triton import ACT_CODES
     from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace, w4a16_gemv1
 
-    M, K = x2.shape
+    K = x2.shape[1]
     A, B, W1, b1, W2, b2, alpha = ec
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = next_pow2(R), next_pow2(D)
