@@ -142,30 +142,30 @@ def lab_gemv(args) -> None:
         old = tuple(T.tuned_table().get(T.gemv_key(N, K, G, False), T.GEMV_CONFIGS[0]))
         check("old", lambda xx, o: T.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
         timeit("old", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
-        for exact in (True, False):
+        for nib in args.nibs:
             for cfg in configs:  # (BLOCK_N, BLOCK_W, num_warps, prefetch)
-                name = f"v4_{'exact' if exact else 'biased'}_{'_'.join(map(str, cfg))}"
+                name = f"v4_{nib}_{'_'.join(map(str, cfg))}"
                 check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
-                                                        exact=exact, out=o))
-                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, exact=exact))
+                                                        nib=nib, out=o))
+                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, nib=nib))
         best = min((k for k in row["us"] if k.startswith("v4_") and row["us"][k]), key=lambda k: row["us"][k])
         row["best_v4"] = best
         if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
             ec = make_ec(N, K, 64)
             cfg = tuple(int(v) for v in best.split("_")[2:])
-            exact = "_exact_" in best
+            nib = best.split("_")[1]
             row["ec_config"] = list(cfg)
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
-            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, exact=exact)
+            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full"] = rel_err(out, ref_ec)
             # EC_PARTS bits: 1 producers (A x), 2 gate + flag, 4 wait + reset, 8 B (g h) epilogue
             for parts, name in ((15, "ec_full"), (0, "ec_operands_only"), (1, "ec_producer_only"),
                                 (8, "ec_epilogue_only")):
-                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, exact=exact,
+                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, nib=nib,
                                                      ec_parts=parts))
                 hbuf, cnt = T.ec_workspace(x.device, 64)
                 hbuf.zero_(), cnt.zero_()
-            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, exact=exact)
+            out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
             timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
+    ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
+                    help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.lab == "gemv":

@@ -69,7 +69,7 @@ def pdl_ok(device: torch.device) -> bool:
 
 def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
                        config: Optional[tuple] = None, out: Optional[torch.Tensor] = None,
-                       exact: Optional[bool] = None, producers: Optional[int] = None) -> torch.Tensor:
+                       nib: Optional[str] = None, producers: Optional[int] = None) -> torch.Tensor:
     """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
     ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch)."""
     from ._triton import ACT_CODES
@@ -91,5 +91,5 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
         GH_COPIES=GH_COPIES, PDL=pdl, num_warps=4,
     )
     # EC_PARTS: 8 = the B (g h) epilogue, 16 = griddepcontrol.wait before it (GPU only)
-    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, exact=exact,
+    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, nib=nib,
                        ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl)

@@ -70,6 +70,76 @@ if HAS_TRITON:
         return tl.load(X + (ww // 4) * 32 + (ww % 4) + 4 * i, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _xpair(X, ww, mask, i: tl.constexpr):
+        """bf16 bits of the activations multiplying nibbles i (low half) and i + 4 (high half)
+        of words ``ww``, packed as one bf16x2 int32 per word column."""
+        base = X + (ww // 4) * 32 + (ww % 4) + 4 * i
+        lo = tl.load(base, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = tl.load(base + 16, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+        return lo | (hi << 16)
+
+    @triton.jit
+    def _bf16x2_lo(p):
+        return (p << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bf16x2_hi(p):
+        return ((p >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot8_bf16x2(w, xp0, xp1, xp2, xp3, ASM: tl.constexpr):
+        """sum_i q_i x_i over the 8 nibbles of each word, as fp32.
+
+        On the GPU (ASM) in packed bf16x2 arithmetic: nibbles i and i + 4 sit at bits 4i and
+        16 + 4i, so one shift and one LOP3 put both into the low mantissa bits of 128.0 (bf16
+        0x4300) - exactly 128 + q - one FMA removes the 128 and one FMA multiplies by the
+        (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight against ~4 for the
+        fp32 modes. The four products per half are summed in bf16 (4 roundings of 2^-9) and
+        the two halves in fp32. Triton's interpreter cannot run PTX: there (not ASM) the same
+        nibble pairing and x packing is evaluated in fp32, which is what CPU tests check.
+        """
+        if ASM:
+            s = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 q0, q1, q2, q3, t, m, one, a, lo, hi;
+                .reg .f32 fl, fh, fs;
+                mov.b32 m, 0xC300C300;
+                mov.b32 one, 0x3F803F80;
+                lop3.b32 q0, $1, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $1, 4;
+                lop3.b32 q1, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $1, 8;
+                lop3.b32 q2, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $1, 12;
+                lop3.b32 q3, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 q0, q0, one, m;
+                fma.rn.bf16x2 q1, q1, one, m;
+                fma.rn.bf16x2 q2, q2, one, m;
+                fma.rn.bf16x2 q3, q3, one, m;
+                mov.b32 a, 0x80008000;
+                fma.rn.bf16x2 a, q0, $2, a;
+                fma.rn.bf16x2 a, q1, $3, a;
+                fma.rn.bf16x2 a, q2, $4, a;
+                fma.rn.bf16x2 a, q3, $5, a;
+                shl.b32 lo, a, 16;
+                and.b32 hi, a, 0xFFFF0000;
+                mov.b32 fl, lo;
+                mov.b32 fh, hi;
+                add.f32 fs, fl, fh;
+                mov.b32 $0, fs;
+                }""",
+                "=r,r,r,r,r,r", [w, xp0, xp1, xp2, xp3], dtype=tl.int32, is_pure=True, pack=1)
+            return s.to(tl.float32, bitcast=True)
+        else:
+            return _pair_fp32(w, xp0, 0) + _pair_fp32(w, xp1, 1) + _pair_fp32(w, xp2, 2) + _pair_fp32(w, xp3, 3)
+
+    @triton.jit
+    def _pair_fp32(w, xp, i: tl.constexpr):
+        """q_i x_i + q_(i+4) x_(i+4) in fp32 (the interpreter's stand-in for one bf16x2 FMA)."""
+        pr = (w >> (4 * i)) & 0x000F000F
+        return (pr & 0xF).to(tl.float32) * _bf16x2_lo(xp) + (pr >> 16).to(tl.float32) * _bf16x2_hi(xp)
+
+    @triton.jit
     def _ec_gate_operands(W1, B1, W2, B2, R, D, R_P: tl.constexpr, D_P: tl.constexpr):
         offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
@@ -120,14 +190,34 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
-                    BLOCK_W: tl.constexpr, EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr):
+                    BLOCK_W: tl.constexpr, NIB: tl.constexpr, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    HAS_Z: tl.constexpr):
         """One K tile of one row block: words w [BLOCK_N, BLOCK_W] -> per-chunk partials
         [BLOCK_N, BLOCK_W // 4] (group-wise: times the chunk's scale sc, zero point z removed;
-        per-channel: raw) and sum_k x per chunk [BLOCK_W // 4]."""
+        per-channel: raw) and sum_k x per chunk [BLOCK_W // 4].
+        NIB: 0 exact fp32 nibbles, 1 biased fp32 nibbles, 2 packed bf16x2 (``_dot8_bf16x2``)."""
         offs_w = tl.arange(0, BLOCK_W)
         BC: tl.constexpr = BLOCK_W // 4  # 32-column chunks per tile (4 words, one thread's 16 bytes)
         ww = w0 + offs_w
         mask_w = ww < KW
+        if NIB == 2:
+            xp0 = _xpair(X, ww, mask_w, 0)
+            xp1 = _xpair(X, ww, mask_w, 1)
+            xp2 = _xpair(X, ww, mask_w, 2)
+            xp3 = _xpair(X, ww, mask_w, 3)
+            t = _dot8_bf16x2(w, xp0[None, :], xp1[None, :], xp2[None, :], xp3[None, :], ASM)
+            d = tl.sum(tl.reshape(t, [t.shape[0], BC, 4]), axis=2)
+            sx = tl.zeros([BC], dtype=tl.float32)
+            if HAS_Z:
+                xs = (_bf16x2_lo(xp0) + _bf16x2_hi(xp0) + _bf16x2_lo(xp1) + _bf16x2_hi(xp1)
+                      + _bf16x2_lo(xp2) + _bf16x2_hi(xp2) + _bf16x2_lo(xp3) + _bf16x2_hi(xp3))
+                sx = tl.sum(tl.reshape(xs, [BC, 4]), axis=1)
+            if not PER_CHANNEL:
+                if HAS_Z:
+                    d -= z * sx[None, :]
+                d = sc * d
+            return d, sx
+        EXACT: tl.constexpr = NIB == 0
         x0 = _xi(X, ww, mask_w, 0)
         x1 = _xi(X, ww, mask_w, 1)
         x2 = _xi(X, ww, mask_w, 2)
@@ -191,7 +281,8 @@ if HAS_TRITON:
         A, B, W1, B1, W2, B2, ALPHA, HBUF, GH, CNT,
         N, K, KW, NG, R, D, MAG7, MAG11, MAG15, MAG19, MAG23,
         G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
-        EXACT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NIB: tl.constexpr, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr,
         R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, GH_COPIES: tl.constexpr, P_HP: tl.constexpr,
     ):
@@ -240,7 +331,7 @@ if HAS_TRITON:
                 w = tl.load(wp + w0, mask=mrow & ((w0 + offs_w) < KW)[None, :], other=0, eviction_policy="evict_first")
                 sc, z = _gemv1_scales(S, Z, offs_n, mask_n, w0, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
             d, sx = _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
-                                BLOCK_W, EXACT, PER_CHANNEL, HAS_Z)
+                                BLOCK_W, NIB, ASM, PER_CHANNEL, HAS_Z)
             acc += d
             if PER_CHANNEL and HAS_Z:
                 sxa += sx
@@ -458,10 +549,13 @@ GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
 ]
 GH_COPIES = 16  # copies of the M = 1 kernel's g * h in the workspace
 MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the M = 1 kernel
-# Exact nibble conversion (q exact in fp32) everywhere, or biased (2^E + q with 2^E <= 2^15; the
-# bias is removed per 32-column chunk; fp32 relative error ~3e-4) for bf16 activations, whose own
-# rounding (2^-9) is ten times larger: see the kernel docstring and benchmarks/NOTES.md.
-GEMV1_EXACT = False
+# Nibble arithmetic of the M = 1 kernel: "exact" (q exact in fp32), "biased" (2^E + q with
+# 2^E <= 2^15, the bias removed per 32-column chunk; fp32 relative error ~3e-4) or "bf16x2"
+# (packed bf16 pairs, bf16 activations only; products summed 4 at a time in bf16). The default
+# for bf16 activations is GEMV1_BF16_NIB; other dtypes always run "exact". See the kernel
+# docstrings and benchmarks/NOTES.md.
+GEMV1_NIBS = {"exact": 0, "biased": 1, "bf16x2": 2}
+GEMV1_BF16_NIB = "biased"
 _MAGICS = (0x43000000, 0x45000000, 0x47000000, 0x49000000, 0x4B000000)  # 2^7, 2^11, 2^15, 2^19, 2^23
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the M > 1 GEMV; BLOCK_K is clipped to the group size.
 GEMV_CONFIGS = [(16, 128, 4, 1)] if INTERPRET else [
@@ -584,11 +678,11 @@ def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
 
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
-                config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, exact: Optional[bool] = None,
+                config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, nib: Optional[str] = None,
                 ec_parts: int = 15, producers: Optional[int] = None, launch_pdl: bool = False) -> torch.Tensor:
     """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
-    ``exact`` defaults to biased nibbles for bf16 activations (their error is far below bf16
-    rounding) and exact ones otherwise. ``ec_parts`` < 15 leaves EC stages out, for timing only
+    ``nib`` (a GEMV1_NIBS key) defaults to GEMV1_BF16_NIB for bf16 activations (its error is at
+    most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations. ``ec_parts`` < 15 leaves EC stages out, for timing only
     (it leaves the workspace dirty)."""
     M, K = x2.shape
     N = qweight.shape[0]
@@ -597,8 +691,12 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     words = gemv_words(qweight)
     bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
     grid = triton.cdiv(N, bn)
-    if exact is None:
-        exact = GEMV1_EXACT or x2.dtype != torch.bfloat16
+    if nib is None:
+        nib = GEMV1_BF16_NIB if x2.dtype == torch.bfloat16 else "exact"
+    if nib not in GEMV1_NIBS:
+        raise ValueError(f"w4a16_gemv1: nib={nib!r}; expected one of {sorted(GEMV1_NIBS)}")
+    if nib == "bf16x2" and x2.dtype != torch.bfloat16:
+        raise ValueError(f"w4a16_gemv1: nib='bf16x2' needs bf16 activations, got {x2.dtype}")
     dummy = scales
     if ec is not None:
         A, B, W1, b1, W2, b2, alpha = ec
@@ -621,7 +719,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
         A, B, W1, b1, W2, b2, alpha, hbuf, gh, cnt,
         N, K, K // 8, K // G, R, D, *_MAGICS,
-        G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), EXACT=exact,
+        G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), NIB=GEMV1_NIBS[nib], ASM=not INTERPRET,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
         EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=bkh, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
         P_HP=next_pow2(max(p_h, 1)), num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
