@@ -61,9 +61,14 @@ class GraphedKLStep:
         if self.graph is None:
             self.opt.zero_grad(set_to_none=True)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.loss = self.loss_fn(self.t, self.ids)
-                self.loss.backward()
-                self.opt.step()
+            try:
+                with torch.cuda.graph(self.graph):
+                    self.loss = self.loss_fn(self.t, self.ids)
+                    self.loss.backward()
+                    self.opt.step()
+            except RuntimeError as e:  # e.g. an op that syncs with the host inside the step
+                raise RuntimeError(f"KL calibration: capturing the step as a CUDA graph failed ({e}); "
+                                   "run with CalibConfig(cuda_graph=False) (CLI: --set cuda_graph=false), "
+                                   "which GPU_PRESET turns on") from e
         self.graph.replay()
         return self.loss.detach()
