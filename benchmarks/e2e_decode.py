@@ -11,6 +11,8 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
   ours_w4           QuantLinear (group 128) through backend="spear"
   spear_ec{10,25,100}  + ECs (r=64, d=16, gated) on 10 / 25 / 100 % of linears, backend="spear"
   unfused_ec{25}    tinygemm + the same ECs as plain PyTorch ops, Inductor
+  ours_w4_fused, spear_ec25_fused   ours_w4 / spear_ec25 with CompileConfig(fuse_shared_input=True):
+                    at M = 1, q/k/v and gate/up (those without an EC) as one GEMV each
 
     python benchmarks/e2e_decode.py --out $OUT [--batch 1 16] [--variants ...]
 """
@@ -126,12 +128,13 @@ def build(variant, batch, base_state):
     if variant == "bf16":
         return m, "inductor"
     spear.quantize_(m, QuantConfig(group_size=G), progress=False)
-    frac = {"spear_ec10": 0.1, "spear_ec25": 0.25, "spear_ec100": 1.0, "unfused_ec25": 0.25}.get(variant, 0.0)
+    frac = {"spear_ec10": 0.1, "spear_ec25": 0.25, "spear_ec100": 1.0, "unfused_ec25": 0.25,
+            "spear_ec25_fused": 0.25}.get(variant, 0.0)
     ecs = {}
     if frac:
         all_ecs = random_ecs(m, ECConfig(rank=64, gate_hidden=16), seed=1)
         ecs = {k: all_ecs[k].to("cuda", DT) for k in ec_names(m, frac)}
-    if variant.startswith("spear") or variant == "ours_w4":
+    if variant.startswith("spear") or variant.startswith("ours_w4"):
         spear.attach_(m, ecs)
         return m, "spear"
     for fqn, q in list(spear.quantized_linears(m).items()):  # tinygemm variants
@@ -143,8 +146,9 @@ def build(variant, batch, base_state):
 def time_variant(variant, batch, base_state, reps=50):
     model, backend = build(variant, batch, base_state)
     n_ec = sum(1 for mod in model.modules() if getattr(mod, "ec", None) is not None)
+    opts = {"options": {"fuse_shared_input": True}} if variant.endswith("_fused") else {}
     for layer in model.layers:  # one compiled graph per layer structure, shared by the 32 layers
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False, **opts)
     ids = torch.randint(0, V, (batch, 1), device="cuda")
     pos = torch.tensor([POS], device="cuda")
     with torch.no_grad():
@@ -168,7 +172,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--variants", nargs="+", default=["bf16", "int4_tinygemm", "ours_w4", "spear_ec10", "spear_ec25",
-                                                      "spear_ec100", "unfused_ec25"])
+                                                      "spear_ec100", "unfused_ec25", "ours_w4_fused",
+                                                      "spear_ec25_fused"])
     args = ap.parse_args()
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -118,6 +118,9 @@ class CompileConfig(_Serialisable):
         ``benchmarks/kernels.py``; shapes or devices without a measurement use
         ``default_crossover_m``.
     enable_dequant_match / enable_int4pack_match: turn source-form matchers off.
+    fuse_shared_input: at decode (M == 1), run linears without an EC that read the same
+        activation (q/k/v, gate/up) as one GEMV over their concatenated weights
+        (``passes/fuse_shared_input.py``). Off by default until measured end to end.
     """
 
     crossover_m: Optional[int] = None
@@ -125,6 +128,7 @@ class CompileConfig(_Serialisable):
     enable_dequant_match: bool = True
     enable_int4pack_match: bool = True
     enable_phase_dispatch: bool = True
+    fuse_shared_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("crossover_m", "default_crossover_m"):

@@ -679,16 +679,19 @@ def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, nib: Optional[str] = None,
-                ec_parts: int = 15, producers: Optional[int] = None, launch_pdl: bool = False) -> torch.Tensor:
+                ec_parts: int = 15, producers: Optional[int] = None, launch_pdl: bool = False,
+                words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
     ``nib`` (a GEMV1_NIBS key) defaults to GEMV1_BF16_NIB for bf16 activations (its error is at
-    most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations. ``ec_parts`` < 15 leaves EC stages out, for timing only
-    (it leaves the workspace dirty)."""
+    most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations.
+    ``ec_parts`` < 15 leaves EC stages out, for timing only (it leaves the workspace dirty).
+    ``words``: the GEMV layout itself (``qweight`` is then unused): the concatenated weights of
+    ``w4a16_cat.py``."""
     M, K = x2.shape
-    N = qweight.shape[0]
+    words = gemv_words(qweight) if words is None else words
+    N = words.shape[0]
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    words = gemv_words(qweight)
     bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
     grid = triton.cdiv(N, bn)
     if nib is None:

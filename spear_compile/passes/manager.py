@@ -1,7 +1,8 @@
 """The pass manager Inductor runs as its post-grad custom pass.
 
 Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
-foreign source forms, then phase dispatch over everything that became a spear linear.
+foreign source forms, then phase dispatch over everything that became a spear linear, then
+(opt-in) the fusion of decode linears that share an input.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source and the
@@ -17,12 +18,14 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import SpearPass
 from .context import PassContext
+from .fuse_shared_input import FuseSharedInput
 from .match_dequant_linear import MatchDequantLinear
 from .match_int4pack_mm import MatchInt4PackMM
 from .match_spear_op import MatchSpearOp
 from .phase_dispatch import PhaseDispatch
 
-PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch)
+PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch,
+                                       FuseSharedInput)
 
 
 class SpearPassManager(CustomGraphPass):

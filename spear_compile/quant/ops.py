@@ -136,6 +136,40 @@ def _(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, 
     return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
 
 
+@torch.library.custom_op("spear::w4a16_linear_cat", mutates_args=())
+def w4a16_linear_cat(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    biases: list[Optional[Tensor]],
+    layout: str = "spear",
+) -> Tensor:
+    """Several 4-bit linears that read the same ``x``, outputs concatenated along the last dim:
+    ``cat([w4a16_linear(x, qweights[i], ...) for i], -1)``. Made by the ``fuse_shared_input``
+    pass (q/k/v, gate/up at decode) so that a GPU runs one GEMV over all of them."""
+    _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
+    return torch.cat([w4a16_linear_ref(x, q, s, z, group_size, b, layout)
+                      for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
+
+
+def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
+    n = len(qweights)
+    if n == 0 or not (len(scales) == len(zeros) == len(biases) == n):
+        raise QuantFormatError(f"spear::w4a16_linear_cat: qweights, scales, zeros and biases must be non-empty lists "
+                               f"of one length, got {n}, {len(scales)}, {len(zeros)}, {len(biases)}")
+    for i, (q, s, z, b) in enumerate(zip(qweights, scales, zeros, biases)):
+        check_w4a16_args(x, q, s, z, group_size, b, layout, "auto", f"spear::w4a16_linear_cat (part {i})")
+
+
+@w4a16_linear_cat.register_fake
+def _(x, qweights, scales, zeros, group_size, biases, layout="spear"):
+    _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
+    n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
+    return x.new_empty((*x.shape[:-1], n))
+
+
 # ---------------------------------------------------------------------------- autograd
 # Differentiable inputs by position; qweight/scales/zeros are frozen quantized state.
 _W4A16_DIFF = (0, 5)  # x, bias

@@ -231,3 +231,26 @@ def test_gemv_falls_back_for_unchunkable_shapes():
     assert not gemv1_ok(1, 48, Gs, qweight)
     x = torch.randn(1, 48, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
     _close(w4a16_gemv(x, qweight, scales, zeros, Gs, bias), w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
+
+
+@pytest.mark.parametrize("G,dtype", [(64, torch.bfloat16), (None, torch.float16)])
+def test_cat_gemv1_equals_its_parts_and_caches_the_concatenation(G, dtype):
+    """w4a16_linear_cat's M = 1 path: one GEMV over concatenated words/scales/zeros/biases (a part
+    without a bias contributes zeros) equals the parts' references; the concatenation is reused
+    while the weights are unchanged and rebuilt after an in-place update."""
+    from spear_compile.lowering import w4a16_cat as C
+
+    w = [_weight(n, 320, G, dtype, seed=n) for n in (40, 24, 59)]
+    qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [w[0][3], None, w[2][3]]
+    Gs = w[0][4]
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    assert C.gemv1_cat_ok(x, qs, zs, Gs) and not C.gemv1_cat_ok(x, qs, [zs[0], None, zs[2]], Gs)
+    ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)
+    y = torch.full((1, 123), float("nan"), dtype=dtype, device=DEV)
+    C.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs, out=y)
+    _close(y, ref, dtype)
+    first = C.concatenated(qs, ss, zs, bs)
+    assert C.concatenated(qs, ss, zs, bs) is first  # cached
+    qs[1][0, 0] ^= 0x11  # in place: the cache must not serve the old weight
+    again = C.concatenated(qs, ss, zs, bs)
+    assert again is not first and not torch.equal(again[0], first[0])

@@ -1,0 +1,84 @@
+"""CUDA implementation of ``spear::w4a16_linear_cat``: linears sharing one input as one GEMV.
+
+At decode (M = 1) a Llama layer's q/k/v and gate/up projections are separate GEMVs over the same
+activation. Small GEMVs waste the GPU: a 4096 x 4096 W4 GEMV on the H200 moves 8.4 MB in 6 us
+(1.4 TB/s, one wave of programs: load, then compute, nothing to overlap), an 11008 x 4096 one 23 MB
+in 12.5 us (1.9 TB/s). One GEMV over the concatenated weights runs more programs per launch and
+pays one launch instead of three.
+
+The concatenation (GEMV words, scales, zero points, biases) is made on first use and cached while
+every part's storage lives and its version is unchanged, like ``w4a16_triton.gemv_words``; the
+parts' own GEMV layouts are then never built. Anything else (M > 1, shapes the M = 1 kernel does not
+take, other layouts or dtypes) runs each part through ``w4a16_linear``'s CUDA path and
+concatenates, so the op is never slower than its parts by more than that copy.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_CAT: dict = {}  # key of the parts -> (storage weakrefs, versions, (words, scales, zeros, bias))
+
+
+def _key(parts: list[Optional[torch.Tensor]]) -> tuple:
+    return tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                                         t.dtype, str(t.device)) for t in parts)
+
+
+def concatenated(qweights, scales, zeros, biases) -> tuple:
+    """(words [sum N, K/8], scales [sum N, NG], zeros or None, bias or None) of the parts, cached.
+
+    Biases: a part without one contributes zeros when another part has one. Zero points: all
+    parts have them or none does (``gemv1_cat_ok`` checks).
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from .w4a16_triton import _version, repack_gemv
+
+    parts = [*qweights, *scales, *zeros, *biases]
+    key = _key(parts)
+    versions = tuple(None if t is None else _version(t) for t in parts)
+    hit = _CAT.get(key)
+    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
+        return hit[2]
+    for k in [k for k, v in _CAT.items() if any(r.expired() for r in v[0])]:  # weights freed since
+        del _CAT[k]
+    words = torch.cat([repack_gemv(q) for q in qweights])
+    s = torch.cat(list(scales))
+    z = torch.cat(list(zeros)) if zeros[0] is not None else None
+    b = None
+    if any(x is not None for x in biases):
+        ref = next(x for x in biases if x is not None)
+        b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
+    out = (words, s, z, b)
+    _CAT[key] = ([StorageWeakRef(t.untyped_storage()) for t in parts if t is not None], versions, out)
+    return out
+
+
+def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
+    """Whether the M = 1 kernel takes every part (and the zero points concatenate)."""
+    from .w4a16_triton import gemv1_ok
+
+    K = x2.shape[1]
+    return (all(gemv1_ok(x2.shape[0], K, group_size, q) for q in qweights)
+            and len({z is None for z in zeros}) == 1)
+
+
+def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=None) -> torch.Tensor:
+    """Y[1, sum N] through one M = 1 GEMV over the concatenated parts."""
+    from .w4a16_triton import w4a16_gemv1
+
+    words, s, z, b = concatenated(qweights, scales, zeros, biases)
+    return w4a16_gemv1(x2, None, s, z, group_size, b, words=words, out=out)
+
+
+def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout="spear"):
+    from .dispatch import _triton_ok, w4a16_linear_cuda
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
+        y = w4a16_cat_gemv1(x2.contiguous(), qweights, scales, zeros, group_size, biases)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return torch.cat([w4a16_linear_cuda(x, q, s, z, group_size, b, layout)
+                      for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)

@@ -1,0 +1,88 @@
+"""Pass: decode linears that read the same activation become one concatenated GEMV.
+
+Matches:     two or more ``spear::w4a16_linear`` nodes (no EC) with the same input node ``x``, the
+             same group size and the "spear" layout, where M is statically 1 (decode): a Llama
+             layer's q/k/v and gate/up projections.
+Rewrites to: one ``spear::w4a16_linear_cat`` over their weights, inserted before the first of
+             them, and one ``aten.slice`` of its output per original node.
+
+Example graph:
+    before: %q = spear.w4a16_linear(%h[1, 1, 64], %wq, %sq, %zq, 64, None, 'spear', 'fused')
+            %k = spear.w4a16_linear(%h, %wk, ...)  %v = spear.w4a16_linear(%h, %wv, ...)
+    after:  %cat = spear.w4a16_linear_cat(%h, [%wq, %wk, %wv], [%sq, %sk, %sv], [%zq, %zk, %zv], 64,
+                                          [None, None, None], 'spear')
+            %q = aten.slice(%cat, 2, 0, 64)  %k = aten.slice(%cat, 2, 64, 128)  %v = aten.slice(%cat, 2, 128, 192)
+
+Why only M == 1: there the GPU runs one GEMV over the concatenation (``lowering/w4a16_cat.py``);
+at M > 1 the GEMMs are already large and the concatenation would only add a copy. Linears with an
+EC keep their own fused kernel. Off unless ``CompileConfig.fuse_shared_input``: the end-to-end
+gain is predicted (benchmarks/NOTES.md, session 5), not yet measured.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.fx as fx
+
+from .base import SpearPass
+from .common import META_KEY, W4A16, bind, call, call_op, copy_meta, record
+from .phase_dispatch import m_range
+
+W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
+SLICE = torch.ops.aten.slice.Tensor
+
+
+class FuseSharedInput(SpearPass):
+    name = "fuse_shared_input"
+
+    def run(self, graph: fx.Graph) -> int:
+        if not self.ctx.config.fuse_shared_input:
+            return 0
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        groups: dict[tuple, list[tuple[fx.Node, dict]]] = collections.defaultdict(list)
+        for n in graph.nodes:
+            if n.op != "call_function" or n.target is not W4A16:
+                continue
+            kw = bind(n)
+            x = kw["x"]
+            xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if xv is None or kw["layout"] != "spear":
+                continue
+            _, lo, hi = m_range(xv)
+            if lo == hi == 1:
+                groups[(x, kw["group_size"], tuple(xv.shape))].append((n, kw))
+        count = 0
+        for (x, G, _), members in groups.items():
+            if len(members) < 2:
+                continue
+            first = members[0][0]  # graph order
+            # every weight tensor must exist before the first member, where the new node goes
+            if any(order[a] >= order[first] for n, _ in members for a in n.all_input_nodes if a is not x):
+                continue
+            count += self._fuse(graph, x, G, members)
+        return count
+
+    def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
+        first = members[0][0]
+        with graph.inserting_before(first):
+            cat = call_op(graph, W4A16_CAT, {
+                "x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
+                "zeros": [kw["zeros"] for _, kw in members], "group_size": G,
+                "biases": [kw["bias"] for _, kw in members], "layout": "spear"})
+        copy_meta(first, cat)
+        dim = cat.meta["val"].dim() - 1
+        off, sizes, weights = 0, [], []
+        for n, _ in members:
+            N = int(n.meta["val"].shape[-1])
+            with graph.inserting_after(cat):
+                sl = call(graph, SLICE, (cat, dim, off, off + N))
+            copy_meta(n, sl)
+            weights.append(n.meta.get(META_KEY, {}).get("weight", n.name))
+            n.replace_all_uses_with(sl)
+            graph.erase_node(n)
+            off += N
+            sizes.append(N)
+        record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=int(x.meta["val"].shape[-1]),
+               group_size=G, kernel="one triton GEMV (M = 1) over the concatenated weights")
+        return len(members)

@@ -1,0 +1,67 @@
+"""fuse_shared_input: decode linears sharing an activation -> one w4a16_linear_cat + slices."""
+import pytest
+import torch
+
+import spear_compile as spear
+from spear_compile import CompileConfig
+from tests.helpers import capture, quantized_llama, spear_ops_after
+
+FUSE = CompileConfig(fuse_shared_input=True)
+
+
+def test_decode_qkv_and_gate_up_become_two_concatenated_linears():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    rep = capture(m, (torch.randn(1, 1, 64),), config=FUSE)
+    ops = spear_ops_after(rep)
+    # q, k, v -> one; gate, up -> one; o and down stay (quantize_ leaves lm_head in full precision)
+    assert ops["spear.w4a16_linear_cat.default"] == 2, ops
+    assert ops["spear.w4a16_linear.default"] == 2, ops
+    snap = rep.graphs[0].snapshots[-1]
+    assert snap.pass_name == "fuse_shared_input" and snap.matched_count == 5
+    assert "aten.slice.Tensor" in snap.after and "w4a16_linear_cat" not in snap.before
+
+
+def test_off_by_default_and_not_at_prefill():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),)))
+    assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
+    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE))  # M = 8: not decode
+    assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
+
+
+def test_linears_with_an_ec_keep_their_own_kernel():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    spear.attach_(m, {"layers.0.k_proj": spear.ErrorCompensator(64, 64, spear.ECConfig(rank=4, gate_hidden=4))})
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=FUSE))
+    # q, v fuse (k has an EC); gate, up fuse
+    assert ops["spear.w4a16_linear_cat.default"] == 2 and ops["spear.ec_linear.default"] == 1, ops
+    assert ops["spear.w4a16_linear.default"] == 2, ops  # o, down
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_fused_decode_step_equals_eager(group_size):
+    m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=group_size)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad(), spear.compile_config(FUSE):
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cat_op_checks_its_lists_and_matches_its_parts():
+    from spear_compile import QuantConfig
+    from spear_compile.quant import quantize_rtn
+
+    parts = [quantize_rtn(torch.randn(n, 64) * 0.05, QuantConfig(group_size=32)) for n in (16, 8)]
+    x = torch.randn(3, 64)
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    b = torch.randn(8)
+    y = torch.ops.spear.w4a16_linear_cat(x, qs, ss, zs, 32, [None, b])
+    parts_y = [torch.ops.spear.w4a16_linear(x, qs[0], ss[0], zs[0], 32, None),
+               torch.ops.spear.w4a16_linear(x, qs[1], ss[1], zs[1], 32, b)]
+    torch.testing.assert_close(y, torch.cat(parts_y, -1), rtol=0, atol=0)
+    with pytest.raises(spear.QuantFormatError, match="one length"):
+        torch.ops.spear.w4a16_linear_cat(x, qs, ss[:1], zs, 32, [None, None])
+    with pytest.raises(spear.QuantFormatError, match=r"part 1"):
+        torch.ops.spear.w4a16_linear_cat(x, qs, [ss[0], ss[0]], zs, 32, [None, None])
