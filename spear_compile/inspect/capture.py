@@ -19,6 +19,9 @@ import torch.fx as fx
 from ..config import CompileConfig
 from ..passes import backend as _backend
 from ..passes.common import META_KEY, SPEAR_OPS
+from ..passes.manager import PASSES
+
+_LAST_PASS = PASSES[-1].name  # the linears are read from the graph this pass leaves
 
 
 @dataclasses.dataclass
@@ -70,7 +73,7 @@ class _Observer:
         cap = self.graphs[-1]
         cap.snapshots.append(PassSnapshot(pass_name, pass_obj.matched_count, before, str(graph), ops_before,
                                           _op_counts(graph)))
-        if pass_name == "phase_dispatch":
+        if pass_name == _LAST_PASS:
             self._finish(cap, graph)
 
     @staticmethod
@@ -85,6 +88,9 @@ class _Observer:
                 rec = {"node": n.name, "op": str(n.target), "graph": cap.index, **_jsonable(info)}
                 cap.linears.append(rec)
                 attrs["spear"] = _jsonable(info)
+            elif n.op == "call_function" and info and "members" in info:  # fuse_shared_input's concatenation
+                cap.linears.extend({"graph": cap.index, **_jsonable(m)} for m in info["members"])
+                attrs["spear"] = _jsonable({k: v for k, v in info.items() if k != "members"})
             cap.nodes.append({"id": f"g{cap.index}:{n.name}", **attrs})
             cap.edges.extend((f"g{cap.index}:{a.name}", f"g{cap.index}:{n.name}") for a in n.all_input_nodes)
 

@@ -31,6 +31,7 @@ from .phase_dispatch import m_range
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 SLICE = torch.ops.aten.slice.Tensor
+KERNEL = "one triton GEMV (M = 1) over the weights concatenated with the other linears of this input"
 
 
 class FuseSharedInput(SpearPass):
@@ -72,17 +73,20 @@ class FuseSharedInput(SpearPass):
                 "biases": [kw["bias"] for _, kw in members], "layout": "spear"})
         copy_meta(first, cat)
         dim = cat.meta["val"].dim() - 1
-        off, sizes, weights = 0, [], []
+        off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])
             with graph.inserting_after(cat):
                 sl = call(graph, SLICE, (cat, dim, off, off + N))
             copy_meta(n, sl)
-            weights.append(n.meta.get(META_KEY, {}).get("weight", n.name))
+            info = dict(n.meta.get(META_KEY, {}))
+            weights.append(info.get("weight", n.name))
+            members_info.append({**info, "node": n.name, "op": str(n.target), "fused_into": cat.name, "kernel": KERNEL})
             n.replace_all_uses_with(sl)
             graph.erase_node(n)
             off += N
             sizes.append(N)
+        # the inspection report lists each member linear from here (the nodes themselves are gone)
         record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=int(x.meta["val"].shape[-1]),
-               group_size=G, kernel="one triton GEMV (M = 1) over the concatenated weights")
+               group_size=G, kernel=KERNEL, members=members_info)
         return len(members)

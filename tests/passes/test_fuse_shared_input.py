@@ -19,6 +19,11 @@ def test_decode_qkv_and_gate_up_become_two_concatenated_linears():
     snap = rep.graphs[0].snapshots[-1]
     assert snap.pass_name == "fuse_shared_input" and snap.matched_count == 5
     assert "aten.slice.Tensor" in snap.after and "w4a16_linear_cat" not in snap.before
+    # the report still lists all 7 linears; the fused ones say where they went
+    fused = {r["weight"].split(".")[2]: r for r in rep.linears if r.get("fused_into")}
+    assert len(rep.linears) == 7 and set(fused) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert fused["q_proj"]["fused_into"] == fused["v_proj"]["fused_into"] != fused["up_proj"]["fused_into"]
+    assert all(r["lowering"] == "fused" and "concatenated" in r["kernel"] for r in fused.values())
 
 
 def test_off_by_default_and_not_at_prefill():
