@@ -93,9 +93,10 @@ if HAS_TRITON:
         On the GPU (ASM) in packed bf16x2 arithmetic: nibbles i and i + 4 sit at bits 4i and
         16 + 4i, so one shift and one LOP3 put both into the low mantissa bits of 128.0 (bf16
         0x4300) - exactly 128 + q - one FMA removes the 128 and one FMA multiplies by the
-        (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight against ~4 for the
-        fp32 modes. The four products per half are summed in bf16 (4 roundings of 2^-9) and
-        the two halves in fp32. Triton's interpreter cannot run PTX: there (not ASM) the same
+        (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight, about what the biased
+        fp32 mode needs (LOP3 + FFMA), so it is only 5-6 % faster on the H200 while its error is
+        3.4x larger (benchmarks/NOTES.md, session 5): opt-in. The four products per half are
+        summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter cannot run PTX: there (not ASM) the same
         nibble pairing and x packing is evaluated in fp32, which is what CPU tests check.
         """
         if ASM:
