@@ -25,7 +25,7 @@ def test_demo_short(tmp_path):
                      "--steps", "3", "--json", str(out)])
     assert rc == 0
     r = json.load(open(out))
-    assert r["quantized_linears"] == 210 and r["compiled_vs_eager_max_abs_diff"] < 1e-4
+    assert r["quantized_linears"] == 210 and r["compiled_vs_eager_max_abs_diff"] <= 1e-5 * r["max_abs_logit"]
     assert r["ppl_w4"] > r["ppl_ref"] > 1.0  # W4 RTN hurts, as measured in DESIGN section 6
     # the SPEAR stage ran: ECs within 1 %, compiled == eager with them, and (even after 3 steps
     # on 128 tokens, from the QERA-exact init) better than W4 alone

@@ -23,7 +23,10 @@ def test_smollm2_compiled_logits_match_eager_and_all_linears_matched(smollm2_w4)
     with torch.no_grad():
         eager = model(ids).logits
         compiled = torch.compile(model, backend="spear")(ids).logits
-    assert (compiled - eager).abs().max().item() < 1e-4
+    # fp32 logits of magnitude ~15: Inductor's fusions reassociate sums, so the bound is relative
+    # (a wrong kernel is off by 1e-2 and more). An absolute 1e-4 held on one CPU and not on another
+    # (1.01e-4 here, at this commit and the previous one).
+    assert (compiled - eager).abs().max().item() < 2e-5 * eager.abs().max().item()
     torch._dynamo.reset()
     rep = capture(model, (ids[:, :1],), model_name="smollm2-135m")  # decode-shaped input
     s = rep.summary()
