@@ -14,16 +14,9 @@ concatenates, so the op is never slower than its parts by more than that copy.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-_CAT: dict = {}  # key of the parts -> (storage weakrefs, versions, (words, scales, zeros, bias))
-
-
-def _key(parts: list[Optional[torch.Tensor]]) -> tuple:
-    return tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                                         t.dtype, str(t.device)) for t in parts)
+_CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
 
 
 def concatenated(qweights, scales, zeros, biases) -> tuple:
@@ -32,28 +25,17 @@ def concatenated(qweights, scales, zeros, biases) -> tuple:
     Biases: a part without one contributes zeros when another part has one. Zero points: all
     parts have them or none does (``gemv1_cat_ok`` checks).
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from .w4a16_triton import derived_cached, repack_gemv
 
-    from .w4a16_triton import _version, repack_gemv
+    def make() -> tuple:
+        z = torch.cat(list(zeros)) if zeros[0] is not None else None
+        b = None
+        if any(x is not None for x in biases):
+            ref = next(x for x in biases if x is not None)
+            b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
+        return torch.cat([repack_gemv(q) for q in qweights]), torch.cat(list(scales)), z, b
 
-    parts = [*qweights, *scales, *zeros, *biases]
-    key = _key(parts)
-    versions = tuple(None if t is None else _version(t) for t in parts)
-    hit = _CAT.get(key)
-    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
-        return hit[2]
-    for k in [k for k, v in _CAT.items() if any(r.expired() for r in v[0])]:  # weights freed since
-        del _CAT[k]
-    words = torch.cat([repack_gemv(q) for q in qweights])
-    s = torch.cat(list(scales))
-    z = torch.cat(list(zeros)) if zeros[0] is not None else None
-    b = None
-    if any(x is not None for x in biases):
-        ref = next(x for x in biases if x is not None)
-        b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
-    out = (words, s, z, b)
-    _CAT[key] = ([StorageWeakRef(t.untyped_storage()) for t in parts if t is not None], versions, out)
-    return out
+    return derived_cached(_CAT, [*qweights, *scales, *zeros, *biases], make)
 
 
 def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:

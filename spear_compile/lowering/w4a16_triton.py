@@ -96,8 +96,9 @@ if HAS_TRITON:
         (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight, about what the biased
         fp32 mode needs (LOP3 + FFMA), so it is only 5-6 % faster on the H200 while its error is
         3.4x larger (benchmarks/NOTES.md, session 5): opt-in. The four products per half are
-        summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter cannot run PTX: there (not ASM) the same
-        nibble pairing and x packing is evaluated in fp32, which is what CPU tests check.
+        summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter
+        cannot run PTX: there (not ASM) the same nibble pairing and x packing is evaluated in
+        fp32, which is what CPU tests check.
         """
         if ASM:
             s = tl.inline_asm_elementwise(
@@ -207,18 +208,25 @@ if HAS_TRITON:
             xp2 = _xpair(X, ww, mask_w, 2)
             xp3 = _xpair(X, ww, mask_w, 3)
             t = _dot8_bf16x2(w, xp0[None, :], xp1[None, :], xp2[None, :], xp3[None, :], ASM)
-            d = tl.sum(tl.reshape(t, [t.shape[0], BC, 4]), axis=2)
-            sx = tl.zeros([BC], dtype=tl.float32)
+            d = tl.sum(tl.reshape(t, [t.shape[0], BC, 4]), axis=2)  # [BLOCK_N, BC]: sum over one chunk
+            xs = (_bf16x2_lo(xp0) + _bf16x2_hi(xp0) + _bf16x2_lo(xp1) + _bf16x2_hi(xp1)
+                  + _bf16x2_lo(xp2) + _bf16x2_hi(xp2) + _bf16x2_lo(xp3) + _bf16x2_hi(xp3))  # used if HAS_Z
+        else:
+            d, xs = _gemv1_tile_fp32(w, X, ww, mask_w, MAG7, MAG11, MAG15, MAG19, MAG23, BC, NIB == 0)
+        sx = tl.zeros([BC], dtype=tl.float32)
+        if HAS_Z:
+            sx = tl.sum(tl.reshape(xs, [BC, 4]), axis=1)  # [BC]
+        if not PER_CHANNEL:  # a 32-column chunk lies inside one group (G % 32 == 0)
             if HAS_Z:
-                xs = (_bf16x2_lo(xp0) + _bf16x2_hi(xp0) + _bf16x2_lo(xp1) + _bf16x2_hi(xp1)
-                      + _bf16x2_lo(xp2) + _bf16x2_hi(xp2) + _bf16x2_lo(xp3) + _bf16x2_hi(xp3))
-                sx = tl.sum(tl.reshape(xs, [BC, 4]), axis=1)
-            if not PER_CHANNEL:
-                if HAS_Z:
-                    d -= z * sx[None, :]
-                d = sc * d
-            return d, sx
-        EXACT: tl.constexpr = NIB == 0
+                d -= z * sx[None, :]
+            d = sc * d
+        return d, sx
+
+    @triton.jit
+    def _gemv1_tile_fp32(w, X, ww, mask_w, MAG7, MAG11, MAG15, MAG19, MAG23, BC: tl.constexpr,
+                         EXACT: tl.constexpr):
+        """The fp32 nibble modes of ``_gemv1_tile``: per-chunk partials [BLOCK_N, BC] and the sum of
+        the 8 activations of each word column [BLOCK_W]."""
         x0 = _xi(X, ww, mask_w, 0)
         x1 = _xi(X, ww, mask_w, 1)
         x2 = _xi(X, ww, mask_w, 2)
@@ -251,14 +259,7 @@ if HAS_TRITON:
         if not EXACT:
             xb = 32768.0 * (x0 + x5) + 2048.0 * (x1 + x3 + x6) + 128.0 * (x2 + x4 + x7)
             d -= tl.sum(tl.reshape(xb, [BC, 4]), axis=1)[None, :]
-        sx = tl.zeros([BC], dtype=tl.float32)
-        if HAS_Z:
-            sx = tl.sum(tl.reshape(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, [BC, 4]), axis=1)  # [BC]
-        if not PER_CHANNEL:  # a 32-column chunk lies inside one group (G % 32 == 0)
-            if HAS_Z:
-                d -= z * sx[None, :]
-            d = sc * d
-        return d, sx
+        return d, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
 
     @triton.jit
     def _gemv1_scales(S, Z, offs_n, mask_n, w0, KW, NG, G: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -646,7 +647,7 @@ def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32).view(N, K // 8)
 
 
-_PACKED: dict = {}  # (storage ptr, offset, shape, device) -> (storage weakref, version, words)
+_PACKED: dict = {}  # gemv_words' cache (see derived_cached)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -656,21 +657,29 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def derived_cached(cache: dict, sources: list, make):
+    """``make()``, cached in ``cache`` under the identity of ``sources`` (tensors or None) while every
+    source's storage lives and its version is unchanged: an in-place update remakes it, and entries
+    whose sources were freed are dropped when a new one is made."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key = tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                                        t.dtype, str(t.device)) for t in sources)
+    versions = tuple(None if t is None else _version(t) for t in sources)
+    hit = cache.get(key)
+    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
+        return hit[2]
+    for k in [k for k, v in cache.items() if any(r.expired() for r in v[0])]:  # sources freed since
+        del cache[k]
+    out = make()
+    cache[key] = ([StorageWeakRef(t.untyped_storage()) for t in sources if t is not None], versions, out)
+    return out
+
+
 def gemv_words(qweight: torch.Tensor) -> torch.Tensor:
     """``repack_gemv(qweight)``, made on first use and cached while the weight's storage lives
     and its version is unchanged (an in-place update of the weight repacks it)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    st = qweight.untyped_storage()
-    key = (st.data_ptr(), qweight.storage_offset(), tuple(qweight.shape), str(qweight.device))
-    hit = _PACKED.get(key)
-    if hit is not None and not hit[0].expired() and hit[1] == _version(qweight):
-        return hit[2]
-    for k in [k for k, v in _PACKED.items() if v[0].expired()]:  # weights freed since
-        del _PACKED[k]
-    words = repack_gemv(qweight)
-    _PACKED[key] = (StorageWeakRef(st), _version(qweight), words)
-    return words
+    return derived_cached(_PACKED, [qweight], lambda: repack_gemv(qweight))
 
 
 def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
