@@ -113,7 +113,7 @@ class SERQStats(InputStats):
 
     def update(self, x: torch.Tensor, full: bool = True) -> None:
         super().update(x, full)
-        m = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).to(torch.float32).cpu()
+        m = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).to(torch.float32)
         self.max_abs = m if self.max_abs is None else torch.maximum(self.max_abs, m)
 
 

@@ -1,6 +1,8 @@
 """Input statistics of every QuantLinear, collected with forward hooks.
 
-Per module (inputs flattened to rows x K, accumulated in float64):
+Per module (inputs flattened to rows x K, accumulated in float64 on the activations' device, moved to
+the CPU once at the end: a copy and a CPU add per batch and module cost 50 s of a 135 s SPEAR fit on
+an H200, 96 x 1024 tokens):
   mean_sq  E[x_k^2]        -> SPEAR / QERA-approx diagonal scaling sqrt(E[x^2])
   mean_abs E[|x_k|]        -> LQER scaling
   rxx      E[x x^T] (K x K) -> QERA-exact whitening (only when ``full=True``; K^2 doubles)
@@ -26,15 +28,23 @@ class InputStats:
     def update(self, x: torch.Tensor, full: bool) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
         if self.sum_sq is None:
-            self.sum_sq = torch.zeros(x.shape[1], dtype=torch.float64)
-            self.sum_abs = torch.zeros(x.shape[1], dtype=torch.float64)
+            self.sum_sq = x.new_zeros(x.shape[1])
+            self.sum_abs = x.new_zeros(x.shape[1])
             if full:
-                self.xtx = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+                self.xtx = x.new_zeros(x.shape[1], x.shape[1])
         self.n += x.shape[0]
-        self.sum_sq += (x * x).sum(0).cpu()
-        self.sum_abs += x.abs().sum(0).cpu()
+        self.sum_sq += (x * x).sum(0)
+        self.sum_abs += x.abs().sum(0)
         if full:
-            self.xtx += (x.t() @ x).cpu()
+            self.xtx.addmm_(x.t(), x)
+
+    def to_cpu(self) -> "InputStats":
+        """Every tensor field on the CPU (after collection; consumers expect CPU statistics)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(self, f.name, v.cpu())
+        return self
 
     @property
     def mean_sq(self) -> torch.Tensor:
@@ -67,4 +77,4 @@ def collect_input_stats(model: nn.Module, batches: Iterable[torch.Tensor], names
     finally:
         for h in handles:
             h.remove()
-    return stats
+    return {n: st.to_cpu() for n, st in stats.items()}

@@ -66,7 +66,7 @@ def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
 
     from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, SpearConfig, parse_overrides, preset
 
-    best = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "spear_sweep_h200_graph", "best.json")
+    best = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "spear_sweep_h200_x2", "best.json")
     with open(best) as f:
         assert GPU_PRESET == SpearConfig().replace(**json.load(f))
     assert preset("cpu") is CPU_PRESET and preset("cuda:0") is GPU_PRESET
