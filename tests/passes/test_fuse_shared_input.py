@@ -26,9 +26,12 @@ def test_decode_qkv_and_gate_up_become_two_concatenated_linears():
     assert all(r["lowering"] == "fused" and "concatenated" in r["kernel"] for r in fused.values())
 
 
-def test_off_by_default_and_not_at_prefill():
+def test_on_by_default_can_be_turned_off_and_not_at_prefill():
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    assert CompileConfig().fuse_shared_input
     ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),)))
+    assert ops["spear.w4a16_linear_cat.default"] == 2 and ops["spear.w4a16_linear.default"] == 2, ops
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_shared_input=False)))
     assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
     ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE))  # M = 8: not decode
     assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
