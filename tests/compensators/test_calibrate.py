@@ -43,11 +43,16 @@ def test_input_stats_match_manual():
         seen.setdefault("x", args[0])  # returns None: a hook's return value would replace the output
 
     h = q.model.layers[0].mlp.down_proj.register_forward_hook(grab)
-    st = collect_input_stats(q, [ids], full=True)["model.layers.0.mlp.down_proj"]
+    q(ids)
     h.remove()
+    # two batches: the accumulators (kept on the activations' device while collecting) add up
+    st = collect_input_stats(q, [ids[:1], ids[1:]], full=True)["model.layers.0.mlp.down_proj"]
     x = seen["x"].reshape(-1, seen["x"].shape[-1]).double()
+    assert st.n == x.shape[0] == 10
     torch.testing.assert_close(st.mean_sq.double(), (x * x).mean(0), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(st.mean_abs.double(), x.abs().mean(0), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(st.rxx, x.t() @ x / x.shape[0], rtol=1e-6, atol=1e-9)
+    assert all(t.device.type == "cpu" for t in (st.sum_sq, st.sum_abs, st.xtx))  # handed over on the CPU
 
 
 def test_calibration_lowers_kl_on_held_out_self_samples_and_is_deterministic():
