@@ -27,9 +27,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..quant.linear import QuantLinear
+from .sampling import sample_static
 
 
 _SCHEDULES = ("constant", "cosine")
+SAMPLERS = ("hf", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,9 @@ class CalibConfig:
     log-probs when they fit. dense_weights: dequantize the student's weights once per run.
     cuda_graph: on CUDA with the teacher cached, run each step as one CUDA graph replay
     (``graphed_step.py``; the same minibatches and learning rates as the eager loop).
+    sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop, its
+    decode step a CUDA graph on CUDA; the same tokens as "hf" under a seed, tested on CPU, not yet
+    timed on a GPU).
     """
 
     n_seqs: int = 32
@@ -60,6 +65,7 @@ class CalibConfig:
     schedule: str = "constant"
     sample_batch: int = 32
     cuda_graph: bool = False
+    sampler: str = "hf"
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -67,15 +73,21 @@ class CalibConfig:
                 raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 1")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"CalibConfig.schedule={self.schedule!r}: expected one of {_SCHEDULES}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"CalibConfig.sampler={self.sampler!r}: expected one of {SAMPLERS}")
 
 
 @torch.no_grad()
 def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, batch_size: int = 32,
-                     seed: int = 0, temperature: float = 1.0, progress: bool = True) -> torch.Tensor:
+                     seed: int = 0, temperature: float = 1.0, progress: bool = True,
+                     sampler: str = "hf") -> torch.Tensor:
     """[n, seq_len] token ids sampled (pure ancestral sampling, no top-k/top-p) from ``model``
     (a Hugging Face causal LM) starting at BOS; EOS is suppressed so every row is full length.
     Large batches: a CPU decode step of a 135M model is mostly per-op overhead, so one batch of 32
-    costs little more than one of 8."""
+    costs little more than one of 8. ``sampler="static"``: the same draws through ``sampling.py``'s
+    static-cache loop instead of ``generate``."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sample_sequences: sampler={sampler!r}; expected one of {SAMPLERS}")
     device = next(model.parameters()).device
     out = []
     for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
@@ -83,6 +95,9 @@ def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, 
         ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + i)
+            if sampler == "static":
+                out.append(sample_static(model, b, seq_len, bos_token_id, temperature=temperature))
+                continue
             gen = model.generate(ids, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
                                  temperature=temperature, top_k=0, top_p=1.0,
                                  pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids))
@@ -94,7 +109,7 @@ def sample_calibration(model: nn.Module, cfg: CalibConfig, progress: bool = True
     """``cfg.n_seqs x cfg.seq_len`` calibration tokens sampled from ``model`` with ``cfg``'s sampling
     settings: the one place ``CalibConfig``'s sampling fields reach ``sample_sequences``."""
     return sample_sequences(model, cfg.n_seqs, cfg.seq_len, model.config.bos_token_id, batch_size=cfg.sample_batch,
-                            seed=cfg.seed, temperature=cfg.temperature, progress=progress)
+                            seed=cfg.seed, temperature=cfg.temperature, progress=progress, sampler=cfg.sampler)
 
 
 def short_context(seqs: torch.Tensor, bos_token_id: int, max_len: int = 256) -> torch.Tensor:
