@@ -72,9 +72,18 @@ class _Step:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = self._eager()
+            # A forward that turned the position into a Python value would replay a stale one
+            # silently: check graph against eager at another position (1; the loop rewrites it).
+            self.pos.fill_(1)
+            want = self._eager().clone()
+            g.replay()
+            self.pos.fill_(0)
+            if not torch.allclose(out, want, rtol=1e-3, atol=1e-3):
+                raise RuntimeError(f"graphed step differs from eager at position 1 "
+                                   f"(max |diff| {(out - want).abs().max().item():.3g})")
             self._graph, self._out = g, out
         except Exception as e:  # noqa: BLE001 - any capture failure: fall back, say why
-            warnings.warn(f"sample_sequences(sampler='static'): CUDA graph capture of the decode step failed "
+            warnings.warn(f"sample_sequences(sampler='static'): CUDA graph of the decode step unusable "
                           f"({type(e).__name__}: {str(e)[:200]}); sampling with the eager step instead")
             self._graph = None
 
