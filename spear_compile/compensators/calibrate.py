@@ -49,6 +49,9 @@ class CalibConfig:
     sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop, its
     decode step a CUDA graph on CUDA; the same tokens as "hf" under a seed, tested on CPU, not yet
     timed on a GPU).
+    train_norms: also train the model's RMSNorm weights (at ``lr_norm``): no extra bytes (the
+    quantized model keeps its norms in 16 bits anyway), but it changes weights outside the ECs,
+    so results with it are reported apart from SPEAR's. Off by default.
     """
 
     n_seqs: int = 32
@@ -66,6 +69,8 @@ class CalibConfig:
     sample_batch: int = 32
     cuda_graph: bool = False
     sampler: str = "hf"
+    train_norms: bool = False
+    lr_norm: float = 1e-4
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -189,6 +194,12 @@ def _logits(model, ids):
     return getattr(out, "logits", out)
 
 
+def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of the model's RMSNorm modules (any class named ``*RMSNorm``)."""
+    return [m.weight for m in model.modules()
+            if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)]
+
+
 def ec_parameters(model: nn.Module, train_ab: bool) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     gate, ab = [], []
     for m in model.modules():
@@ -214,11 +225,14 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     gate, ab = ec_parameters(model, cfg.train_ab)
     if not gate:
         raise ValueError("calibrate_: the model has no attached ECs (use attach_ first)")
-    frozen = [p for p in model.parameters() if all(p is not q for q in gate + ab)]
+    norms = norm_parameters(model) if cfg.train_norms else []
+    trained = gate + ab + norms
+    frozen = [p for p in model.parameters() if all(p is not q for q in trained)]
     req = [p.requires_grad for p in frozen]
+    norms_req = [p.requires_grad for p in norms]
     for p in frozen:
         p.requires_grad_(False)
-    for p in gate + ab:
+    for p in trained:
         p.requires_grad_(True)
     t0 = time.time()
     vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
@@ -228,7 +242,8 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda
     # a captured Adam update reads its learning rates from device tensors the schedule fills
     lr = (lambda v: torch.tensor(v, device=seqs.device)) if graphed else (lambda v: v)  # noqa: E731
-    groups = [{"params": gate, "lr": lr(cfg.lr)}] + ([{"params": ab, "lr": lr(cfg.lr_ab)}] if ab else [])
+    groups = [{"params": gate, "lr": lr(cfg.lr)}] + ([{"params": ab, "lr": lr(cfg.lr_ab)}] if ab else []) \
+        + ([{"params": norms, "lr": lr(cfg.lr_norm)}] if norms else [])
     opt = torch.optim.Adam(groups, capturable=True) if graphed else torch.optim.Adam(groups)
     sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps) if cfg.schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -269,5 +284,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
             p.requires_grad_(r)
         for p in gate + ab:
             p.requires_grad_(False)
+        for p, r in zip(norms, norms_req):
+            p.requires_grad_(r)
         model.train(was_training)
     return {"losses": losses, "seconds": time.time() - t0, "steps": len(losses)}

@@ -179,3 +179,19 @@ def test_static_sampler_draws_the_same_tokens_as_generate():
         CalibConfig(sampler="beam")
     with pytest.raises(ValueError, match="sampler='beam'"):
         sample_sequences(ref, 1, 4, bos_token_id=1, sampler="beam", progress=False)
+
+
+def test_train_norms_moves_only_when_asked_and_restores_grad_flags():
+    from spear_compile.compensators.calibrate import norm_parameters
+
+    cfg = CalibConfig(steps=6, batch_size=4, lr=5e-3, lr_ab=1e-3, seed=0)
+    ref, q, seqs = _setup()
+    norms = norm_parameters(q)
+    assert len(norms) == 2 * 2 + 1  # two per decoder layer + the final norm
+    before = [p.detach().clone() for p in norms]
+    flags = [p.requires_grad for p in norms]
+    calibrate_(q, ref, seqs, cfg, progress=False)
+    assert all(torch.equal(a, p) for a, p in zip(before, norms))  # default: norms untouched
+    log = calibrate_(q, ref, seqs, dataclasses.replace(cfg, train_norms=True, lr_norm=1e-2), progress=False)
+    assert any(not torch.equal(a, p) for a, p in zip(before, norms)) and len(log["losses"]) == 6
+    assert [p.requires_grad for p in norms] == flags
