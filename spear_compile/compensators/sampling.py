@@ -54,7 +54,11 @@ class _Step:
         dev = next(model.parameters()).device
         self.tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        cache = StaticCache(config=model.config, max_cache_len=seq_len)
+        try:  # transformers 5.x: layers allocate lazily at the first update
+            cache = StaticCache(config=model.config, max_cache_len=seq_len)
+        except TypeError:  # releases that want the batch, device and dtype up front
+            cache = StaticCache(config=model.config, max_batch_size=b, max_cache_len=seq_len, device=dev,
+                                dtype=next(model.parameters()).dtype)
         kw = {_cache_kwarg(model): cache, "use_cache": True}
         self._eager = lambda: model(input_ids=self.tok, cache_position=self.pos, **kw).logits[:, -1].float()
         self._graph = None
