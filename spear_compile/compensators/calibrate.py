@@ -97,15 +97,15 @@ def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, 
     out = []
     for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
         b = min(batch_size, n - i)
-        ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + i)
             if sampler == "static":
-                out.append(sample_static(model, b, seq_len, bos_token_id, temperature=temperature))
-                continue
-            gen = model.generate(ids, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
-                                 temperature=temperature, top_k=0, top_p=1.0,
-                                 pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids))
+                gen = sample_static(model, b, seq_len, bos_token_id, temperature=temperature)
+            else:
+                ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
+                gen = model.generate(ids, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
+                                     temperature=temperature, top_k=0, top_p=1.0,
+                                     pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids))
         out.append(gen[:, :seq_len])
     return torch.cat(out)
 
@@ -226,13 +226,12 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     if not gate:
         raise ValueError("calibrate_: the model has no attached ECs (use attach_ first)")
     norms = norm_parameters(model) if cfg.train_norms else []
-    trained = gate + ab + norms
-    frozen = [p for p in model.parameters() if all(p is not q for q in trained)]
-    req = [p.requires_grad for p in frozen]
-    norms_req = [p.requires_grad for p in norms]
-    for p in frozen:
+    # every non-EC parameter (norms included) gets its own flag back afterwards; EC ones end frozen
+    others = [p for p in model.parameters() if all(p is not q for q in gate + ab)]
+    req = [p.requires_grad for p in others]
+    for p in others:
         p.requires_grad_(False)
-    for p in trained:
+    for p in gate + ab + norms:
         p.requires_grad_(True)
     t0 = time.time()
     vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
@@ -280,11 +279,9 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
     finally:
-        for p, r in zip(frozen, req):
+        for p, r in zip(others, req):
             p.requires_grad_(r)
         for p in gate + ab:
             p.requires_grad_(False)
-        for p, r in zip(norms, norms_req):
-            p.requires_grad_(r)
         model.train(was_training)
     return {"losses": losses, "seconds": time.time() - t0, "steps": len(losses)}

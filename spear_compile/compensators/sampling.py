@@ -106,12 +106,10 @@ def sample_static(model: nn.Module, b: int, seq_len: int, bos_token_id: int, tem
         raise ValueError(f"sample_static: temperature={temperature} must be > 0")
     step = _Step(model, b, seq_len, bos_token_id, graph)
     ids = torch.full((b, seq_len), bos_token_id, dtype=torch.long, device=step.tok.device)
-    eos = _eos_ids(model)
+    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=ids.device)
     for t in range(seq_len - 1):
         step.pos.fill_(t)
-        logits = step().clone() if eos else step()
-        if eos:
-            logits[:, eos] = float("-inf")
+        logits = step().index_fill(1, eos, float("-inf"))  # out of place: a graph's output stays intact
         if temperature != 1.0:
             logits = logits / temperature
         nxt = torch.multinomial(torch.softmax(logits, -1), 1)
