@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
+from spear_compile.lowering import w4a16_mma_triton as MMA
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.dispatch import ec_overlapped
 from spear_compile.lowering.ec_linear import ec_linear_ref
@@ -148,6 +149,18 @@ def lab_gemv(args) -> None:
                 check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
                                                         nib=nib, out=o))
                 timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, nib=nib))
+        if args.mma:  # the tensor-core GEMV (w4a16_mma_triton.py) in each config
+            for cfg in MMA.MMA_CONFIGS:
+                name = f"mma_{'_'.join(map(str, cfg))}"
+                check(name, lambda xx, o: MMA.w4a16_mma_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
+                                                            out=o))
+                for i in range(copies):
+                    MMA.mma_words(ws[i]["qw"].qweight)
+                timeit(name, lambda i: MMA.w4a16_mma_gemv(xs[i], *args_w(i), G, None, config=cfg))
+            mma = [k for k in row["us"] if k.startswith("mma_") and row["us"][k]]
+            if mma:
+                row["best_mma"] = min(mma, key=lambda k: row["us"][k])
+                print(f"   mma best {row['best_mma']} {row['us'][row['best_mma']]:.1f} us", flush=True)
         best = min((k for k in row["us"] if k.startswith("v4_") and row["us"][k]), key=lambda k: row["us"][k])
         row["best_v4"] = best
         if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
@@ -196,6 +209,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
+    ap.add_argument("--mma", action="store_true", help="--lab gemv: also time the tensor-core M = 1 GEMV")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()
