@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
+from spear_compile.lowering import w4a16_gemv_gluon as GG
 from spear_compile.lowering import w4a16_mma_triton as MMA
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.dispatch import ec_overlapped
@@ -129,8 +130,12 @@ def lab_gemv(args) -> None:
 
         def check(name, fn):
             out = torch.full((1, N), float("nan"), device="cuda", dtype=DT)
-            fn(x, out)
-            row["err"][name] = rel_err(out, ref)
+            try:
+                fn(x, out)
+                row["err"][name] = rel_err(out, ref)
+            except Exception as e:  # noqa: BLE001  (a variant that fails to build is reported, not fatal)
+                row["err"][name] = None
+                print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
         def timeit(name, fn):
             try:
@@ -161,6 +166,18 @@ def lab_gemv(args) -> None:
             if mma:
                 row["best_mma"] = min(mma, key=lambda k: row["us"][k])
                 print(f"   mma best {row['best_mma']} {row['us'][row['best_mma']]:.1f} us", flush=True)
+        if args.gluon:  # the Gluon tensor-core GEMV (w4a16_gemv_gluon.py) in each config
+            for cfg in GG.GLUON_CONFIGS:
+                name = f"gluon_{'_'.join(map(str, cfg))}"
+                check(name, lambda xx, o: GG.w4a16_gemv_gluon(xx, qw.qweight, qw.scales, qw.zeros, G, None,
+                                                              config=cfg, out=o))
+                for i in range(copies):
+                    GG.gluon_words(ws[i]["qw"].qweight)
+                timeit(name, lambda i: GG.w4a16_gemv_gluon(xs[i], *args_w(i), G, None, config=cfg))
+            gls = [k for k in row["us"] if k.startswith("gluon_") and row["us"][k]]
+            if gls:
+                row["best_gluon"] = min(gls, key=lambda k: row["us"][k])
+                print(f"   gluon best {row['best_gluon']} {row['us'][row['best_gluon']]:.1f} us", flush=True)
         best = min((k for k in row["us"] if k.startswith("v4_") and row["us"][k]), key=lambda k: row["us"][k])
         row["best_v4"] = best
         if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
@@ -190,7 +207,7 @@ def lab_gemv(args) -> None:
         tg = row["us"]["tinygemm"]
         print(f"{N}x{K}: tinygemm {tg:.1f} us  old {row['us']['old']:.1f}  best {best} {row['us'][best]:.1f} us "
               f"= {row['us'][best] / tg:.2f}x tg, {wbytes / row['us'][best] / 1e3:.0f} GB/s; "
-              f"max err {max(row['err'].values()):.1e}", flush=True)
+              f"max err {max(v for v in row['err'].values() if v is not None):.1e}", flush=True)
         print("   " + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items() if v), flush=True)
         with open(os.path.join(args.out, f"lab_gemv_{gpu_key()}.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -209,6 +226,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
+    ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
     ap.add_argument("--mma", action="store_true", help="--lab gemv: also time the tensor-core M = 1 GEMV")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")

@@ -64,6 +64,10 @@ class _Step:
         self._graph = None
         if graph and dev.type == "cuda":
             self._capture(dev)
+            # Some transformers releases (5.17) write a static layer at its own step counter, not at
+            # cache_position: the warm-up and check forwards above advanced it. reset() zeroes the
+            # buffers and counters in place (the graph keeps its addresses), so step t writes slot t.
+            cache.reset()
 
     def _capture(self, dev: torch.device) -> None:
         try:

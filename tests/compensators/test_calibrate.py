@@ -181,6 +181,18 @@ def test_static_sampler_draws_the_same_tokens_as_generate():
         sample_sequences(ref, 1, 4, bos_token_id=1, sampler="beam", progress=False)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphed decode step is CUDA only")
+def test_graphed_static_sampler_matches_generate_on_cuda():
+    """The CUDA-graph path: its warm-up and check forwards must not leave the cache's write position
+    advanced (transformers 5.17 writes static layers at a step counter; sampling.py resets it), or the
+    sequence runs past the cache (an index_copy_ assert) or attends to the wrong slots."""
+    ref = tiny_llama(vocab=256).cuda()
+    ref.generation_config.eos_token_id = ref.config.eos_token_id = 2
+    a = sample_sequences(ref, 4, 24, bos_token_id=1, batch_size=4, seed=3, progress=False)
+    b = sample_sequences(ref, 4, 24, bos_token_id=1, batch_size=4, seed=3, progress=False, sampler="static")
+    assert torch.equal(a.cpu(), b.cpu())
+
+
 def test_train_norms_moves_only_when_asked_and_restores_grad_flags():
     from spear_compile.compensators.calibrate import norm_parameters
 
