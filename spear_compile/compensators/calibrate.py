@@ -47,8 +47,8 @@ class CalibConfig:
     cuda_graph: on CUDA with the teacher cached, run each step as one CUDA graph replay
     (``graphed_step.py``; the same minibatches and learning rates as the eager loop).
     sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop, its
-    decode step a CUDA graph on CUDA; the same tokens as "hf" under a seed, tested on CPU, not yet
-    timed on a GPU).
+    decode step a CUDA graph on CUDA; the same tokens as "hf" under a seed: H200, 96 x 1024 tokens,
+    36.8 s instead of 83.7 s, every row identical; GPU_PRESET uses it).
     train_norms: also train the model's RMSNorm weights (at ``lr_norm``): no extra bytes (the
     quantized model keeps its norms in 16 bits anyway), but it changes weights outside the ECs,
     so results with it are reported apart from SPEAR's. Off by default.
