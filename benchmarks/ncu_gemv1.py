@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, make_weights  # noqa: E402
 
+from spear_compile.lowering import w4a16_gemv_gluon as GG  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 
 
@@ -29,6 +30,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"])
+    ap.add_argument("--gluon", nargs="*", default=[], help="also the Gluon tensor-core GEMV in these configs "
+                    "(WARPS,RB,CH,PREFETCH, e.g. 8,2,1,1)")
     args = ap.parse_args()
     runs = []
     for sh in args.shapes:
@@ -40,6 +43,10 @@ def main() -> None:
         for nib in args.nibs:
             runs.append((f"{sh} ours_{nib}", lambda x=x, qw=qw, nib=nib: T.w4a16_gemv1(
                 x, qw.qweight, qw.scales, qw.zeros, G, None, nib=nib)))
+        for cfg in args.gluon:
+            c = tuple(int(v) for v in cfg.split(","))
+            runs.append((f"{sh} gluon_{cfg}", lambda x=x, qw=qw, c=c: GG.w4a16_gemv_gluon(
+                x, qw.qweight, qw.scales, qw.zeros, G, None, config=c)))
     for _, fn in runs:  # compile, tune-table lookups, GEMV layout: all before profiling
         fn()
         fn()

@@ -166,8 +166,8 @@ if HAS_GLUON:
 
 
 # (WARPS = K slices per CTA, RB row blocks of 16, CH 128-column chunks per warp and step, PREFETCH)
-GLUON_CONFIGS = [(4, 2, 1, 1), (4, 1, 1, 1), (4, 2, 2, 1), (8, 1, 1, 1), (4, 4, 1, 1), (4, 2, 1, 0), (2, 2, 2, 1),
-                 (8, 2, 1, 1)]
+GLUON_CONFIGS = [(8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1), (8, 1, 2, 1), (16, 2, 1, 1), (4, 1, 1, 1), (16, 1, 1, 0),
+                 (4, 2, 1, 1)]
 
 
 def repack_gluon(qweight: torch.Tensor) -> torch.Tensor:
