@@ -1,0 +1,48 @@
+"""How fast can one kernel read N*K/2 bytes on this GPU? The floor for an M = 1 W4 GEMV of that shape.
+
+The issue's M = 1 target (0.6x tinygemm) is stated against the copy bandwidth of 1 GiB buffers
+(4.2-4.4 TB/s), where launch, ramp-up and the last wave are amortised. A decode GEMV reads 8-117 MB
+in one launch, so its floor is the time of the fastest plain read of the same bytes under the same
+harness (``tuning.bench_graph``: CUDA-graph replays, inputs rotated through > 3x the L2). Here:
+torch's fp32 sum over a buffer of the weight's size (the same reduction that reads 1 GiB at
+4.36 TB/s), per benchmark shape.
+
+    python benchmarks/read_floor.py --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import G, SHAPES  # noqa: E402
+
+from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+           "rows": []}
+    for N, K in SHAPES:
+        nbytes = N * K // 2 + N * (K // G) * 4  # packed weight + bf16 scales and zeros, as kernels.py counts
+        copies = min(copies_for(nbytes), 12)
+        bufs = [torch.randn(nbytes // 4, device="cuda") for _ in range(copies)]
+        us = bench_graph(lambda i: bufs[i].sum(), copies)
+        row = {"N": N, "K": K, "bytes": nbytes, "sum_us": us, "TBps": nbytes / us / 1e6}
+        res["rows"].append(row)
+        print(f"{N}x{K}: {nbytes / 1e6:.1f} MB read by one fp32 sum in {us:.1f} us = {row['TBps']:.2f} TB/s", flush=True)
+        del bufs
+    with open(os.path.join(args.out, f"read_floor_{gpu_key()}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
