@@ -31,8 +31,6 @@ import torch.nn.functional as F
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
 from spear_compile.lowering import w4a16_gemv_gluon as GG
-from spear_compile.lowering import w4a16_mma_triton as MMA
-from spear_compile.lowering import w4a16_splitk_triton as SK
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.dispatch import ec_overlapped
 from spear_compile.lowering.ec_linear import ec_linear_ref
@@ -155,30 +153,6 @@ def lab_gemv(args) -> None:
                 check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
                                                         nib=nib, out=o))
                 timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, nib=nib))
-        if args.mma:  # the tensor-core GEMV (w4a16_mma_triton.py) in each config
-            for cfg in MMA.MMA_CONFIGS:
-                name = f"mma_{'_'.join(map(str, cfg))}"
-                check(name, lambda xx, o: MMA.w4a16_mma_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
-                                                            out=o))
-                for i in range(copies):
-                    MMA.mma_words(ws[i]["qw"].qweight)
-                timeit(name, lambda i: MMA.w4a16_mma_gemv(xs[i], *args_w(i), G, None, config=cfg))
-            mma = [k for k in row["us"] if k.startswith("mma_") and row["us"][k]]
-            if mma:
-                row["best_mma"] = min(mma, key=lambda k: row["us"][k])
-                print(f"   mma best {row['best_mma']} {row['us'][row['best_mma']]:.1f} us", flush=True)
-        if args.splitk:  # the split-K streaming GEMV (w4a16_splitk_triton.py) in each config
-            for cfg in SK.SPLITK_CONFIGS:
-                name = f"sk_{'_'.join(map(str, cfg))}"
-                check(name, lambda xx, o: SK.w4a16_gemv1_splitk(xx, T.gemv_words(qw.qweight), qw.scales, qw.zeros,
-                                                                G, None, config=cfg, out=o, nib="biased"))
-                wd = [T.gemv_words(ws[i]["qw"].qweight) for i in range(copies)]
-                timeit(name, lambda i: SK.w4a16_gemv1_splitk(xs[i], wd[i], ws[i]["qw"].scales, ws[i]["qw"].zeros,
-                                                             G, None, config=cfg, nib="biased"))
-            sks = [k for k in row["us"] if k.startswith("sk_") and row["us"][k]]
-            if sks:
-                row["best_sk"] = min(sks, key=lambda k: row["us"][k])
-                print(f"   split-K best {row['best_sk']} {row['us'][row['best_sk']]:.1f} us", flush=True)
         if args.gluon:  # the Gluon tensor-core GEMV (w4a16_gemv_gluon.py) in each config
             for cfg in GG.GLUON_CONFIGS:
                 name = f"gluon_{'_'.join(map(str, cfg))}"
@@ -212,11 +186,6 @@ def lab_gemv(args) -> None:
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
             timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
-        sk_key = T.gemv1_splitk_key(N, K, G)  # split-K only where it beat the looping kernel here
-        if row.get("best_sk") and row["us"][row["best_sk"]] < row["us"][best]:
-            T.tuned_table()[sk_key] = [int(v) for v in row["best_sk"].split("_")[1:]]
-        elif args.splitk:
-            T.tuned_table().pop(sk_key, None)
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
@@ -244,10 +213,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
-    ap.add_argument("--splitk", action="store_true", help="--lab gemv: also time the split-K streaming GEMV and "
-                    "put it in the tuned table where it wins")
     ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
-    ap.add_argument("--mma", action="store_true", help="--lab gemv: also time the tensor-core M = 1 GEMV")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()

@@ -3,11 +3,14 @@
 Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the data flow is mirrored in PyTorch by
 ``gemv_gluon_emulated`` (what the CPU tests check: Gluon kernels do not run in Triton's interpreter).
 
-Why: the CUDA-core M = 1 kernel spends ~3.7 instructions per weight and is issue-bound on the H200
-(benchmarks/NOTES.md, session 7). ``w4a16_mma_triton.py`` moves the products to ``tl.dot`` but
-Triton routes the dequantized tile through shared memory (4 bytes of smem traffic per weight).
-Here every thread loads, in one 16-byte load per row and 128 columns, exactly the nibbles that
-its ``mma.sync.m16n8k16`` A fragments hold, so the dequantized registers *are* the MMA operand:
+Status: experimental, not used by the dispatch. It is the library's lowest-instruction M = 1 GEMV
+(2.1-2.7 SASS instructions per weight against the CUDA-core kernel's 3.7, no shared memory) but on the
+H200 it runs at the CUDA-core kernel's speed (8192^2 17.6 vs 17.2-17.6 us, 28672x8192 50.5 vs 52 us;
+slower on 4096-row shapes): fewer instructions did not buy time (benchmarks/NOTES.md, session 7).
+It is kept as the base for the next attempt at load concurrency; ``benchmarks/kernels.py --lab gemv
+--gluon`` times it. Every thread loads, in one 16-byte load per row and 128 columns, exactly the
+nibbles that its ``mma.sync.m16n8k16`` A fragments hold, so the dequantized registers *are* the MMA
+operand:
 
 - weight layout (``repack_gluon``): for row n and 128-column chunk c, lane t (= lane % 4 of the
   MMA quad) owns 4 words; nibble ``4h + s`` of word ``i`` is column

@@ -591,12 +591,6 @@ def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> str:
     return f"gemv1|{N}|{K}|{G}|{int(has_ec)}"
 
 
-def gemv1_splitk_key(N: int, K: int, G: int) -> str:
-    """Tuned-table key of a shape whose plain M = 1 GEMV runs split-K (``w4a16_splitk_triton.py``):
-    present only where the lab measured split-K faster than the looping kernel."""
-    return f"gemv1sk|{N}|{K}|{G}"
-
-
 def gemm_key(M: int, N: int, K: int, G: int) -> str:
     return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
 
@@ -712,11 +706,6 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         raise ValueError(f"w4a16_gemv1: nib={nib!r}; expected one of {sorted(GEMV1_NIBS)}")
     if nib == "bf16x2" and x2.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_gemv1: nib='bf16x2' needs bf16 activations, got {x2.dtype}")
-    sk = tuned_table().get(gemv1_splitk_key(N, K, G)) if config is None and ec is None and not launch_pdl else None
-    if sk is not None and nib != "bf16x2":  # measured faster for this shape (benchmarks/kernels.py --lab gemv)
-        from .w4a16_splitk_triton import w4a16_gemv1_splitk
-
-        return w4a16_gemv1_splitk(x2, words, scales, zeros, G, bias, config=tuple(sk), out=out, nib=nib)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
