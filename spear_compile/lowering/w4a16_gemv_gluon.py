@@ -60,6 +60,13 @@ def word_layout_bases(warps: int, rb: int, ch: int) -> tuple[list, list, list]:
     return reg, lane, warp
 
 
+def word_layout(warps: int, rb: int, ch: int):
+    """The words tensor's Gluon layout (``word_layout_bases``) for a (WARPS, RB, CH) config."""
+    reg, lane, warp = word_layout_bases(warps, rb, ch)
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[warps * ch, 16 * rb, 16])
+
+
 if HAS_GLUON:
 
     @gluon.jit
@@ -216,13 +223,10 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict
 
     warps, rb, ch, pf = config
     k = _w4a16_gemv_gluon_kernel
-    reg, lane, warp = word_layout_bases(warps, rb, ch)
-    wl = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                    shape=[warps * ch, 16 * rb, 16])
     types = dict(X="*bf16", QW="*i32", S="*bf16", Z="*bf16", BIAS="*bf16", Y="*bf16", N="i32", K="i32", KW="i32",
                  NG="i32")
-    consts = dict(WL=wl, G=G, WARPS=warps, RB=rb, CH=ch, PREFETCH=bool(pf), PER_CHANNEL=per_channel, HAS_Z=True,
-                  HAS_BIAS=True)
+    consts = dict(WL=word_layout(warps, rb, ch), G=G, WARPS=warps, RB=rb, CH=ch, PREFETCH=bool(pf),
+                  PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
     sig = dict(types, **{c: "constexpr" for c in consts})
     src = gluon._runtime.GluonASTSource(
         fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()},
@@ -254,16 +258,13 @@ def w4a16_gemv_gluon(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     words = gluon_words(qweight) if words is None else words
     N = words.shape[0]
     warps, rb, ch, pf = config or GLUON_CONFIGS[0]
-    reg, lane, warp = word_layout_bases(warps, rb, ch)
     bn = 16 * rb
-    wl = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                    shape=[warps * ch, bn, 16])
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _w4a16_gemv_gluon_kernel[(-(-N // bn),)](
         x2, words, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         N, K, K // 8, scales.shape[1],
-        WL=wl, G=G, WARPS=warps, RB=rb, CH=ch, PREFETCH=bool(pf), PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, num_warps=warps,
+        WL=word_layout(warps, rb, ch), G=G, WARPS=warps, RB=rb, CH=ch, PREFETCH=bool(pf), PER_CHANNEL=G >= K,
+        HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
     )
     return y
