@@ -10,7 +10,8 @@ evaluation plays.
 
 Prints and writes mean per-token KL(p_fp || p_model) for W4 and W4 + SPEAR on (a) 16 x 256 fresh
 self-samples (another seed than the calibration's) and (b) 16 x 256 tokens of the play, and the
-fraction of the W4 KL that SPEAR removes on each.
+fraction of the W4 KL that SPEAR removes on each; also W4 + SPEAR's KL on 16 of the calibration
+sequences it was trained on (train vs held-out: does it overfit?).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spear_compile.compensators.calibrate import sample_sequences  # noqa: E402
-from spear_compile.compensators.spear import fit_spear_, preset  # noqa: E402
+from spear_compile.compensators.spear import fit_spear_, parse_overrides, preset  # noqa: E402
 from spear_compile.evaluate import EvalSession  # noqa: E402
 
 
@@ -47,18 +48,21 @@ def main() -> None:
     ap.add_argument("--text", default="lear_gut")
     ap.add_argument("--budget", type=float, default=0.01)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--set", default="", help="SPEAR settings key=value,... on top of the device's preset")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    spear = preset(args.device)
+    spear = preset(args.device).replace(**parse_overrides(args.set))
     s = EvalSession(texts=[args.text], seq_len=256, max_tokens=16 * 256, spear=spear, device=args.device)
     ref = s.ref
     base, _ = s.base("rtn", 0)
     q = copy.deepcopy(base)
-    fit_spear_(ref, q, s.seqs, int(args.budget * s.ref_bytes), spear)
+    _, log = fit_spear_(ref, q, s.seqs, int(args.budget * s.ref_bytes), spear)
     fresh = sample_sequences(ref, 16, 256, ref.config.bos_token_id, batch_size=16, seed=12345, progress=False)
     play = s.wins[:16]
-    res = {"text": args.text, "budget": args.budget, "calib": {"n_seqs": spear.calib.n_seqs, "seq_len": spear.calib.seq_len,
-                                                               "steps": spear.calib.steps}}
+    res = {"text": args.text, "budget": args.budget, "overrides": parse_overrides(args.set),
+           "calib": {"n_seqs": spear.calib.n_seqs, "seq_len": spear.calib.seq_len, "steps": spear.calib.steps},
+           # the calibration set itself (seen in training), for the train / held-out gap
+           "calib_set": {"kl_spear": mean_kl(ref, q, s.seqs[:16])}}
     for name, seqs in (("self_samples", fresh), ("play", play)):
         kq, ks = mean_kl(ref, base, seqs), mean_kl(ref, q, seqs)
         res[name] = {"kl_w4": kq, "kl_spear": ks, "removed": 1 - ks / kq}
