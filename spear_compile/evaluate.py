@@ -196,6 +196,7 @@ class EvalSession:
         log: dict = {}
         serq: dict = {}
         if seqs is not None:
+            t_fit = time.time()  # the methods' own work; with SPEAR its log's phases
             batches = [seqs[i:i + 4] for i in range(0, len(seqs), 4)]
             if method == "serq":
                 stats = collect_serq_stats(ref, batches, names=list(quantized_linears(q)))
@@ -210,6 +211,8 @@ class EvalSession:
                                             full=(method == "qera"))
                 ecs = _static_ecs(method, ref, q, stats, budget_bytes)
                 attach_(q, ecs)
+            if method != "spear":
+                log = {"seconds": {"total": time.time() - t_fit}}
         calib_s = time.time() - t0 + (self.sampling_seconds if method != "none" else 0.0)
         ppl_method = (perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if ecs or serq
                       else ppl_quant)

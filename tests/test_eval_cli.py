@@ -38,10 +38,10 @@ def test_eval_contract(method, tmp_path, monkeypatch):
     assert r["memory_overhead"] == pytest.approx(r["ec_bytes"] / r["ref_model_bytes"])
     assert r["modules"] and all(set(m) == {"name", "rank"} and m["rank"] >= 1 for m in r["modules"])
     assert r["seconds"]["sampling"] >= 1.5
-    if method == "spear":  # sampling once + the fit's phases, nothing counted twice
-        assert r["calibration_seconds"] == pytest.approx(r["seconds"]["sampling"] + r["seconds"]["total"], abs=0.5)
-    else:
-        assert r["seconds"]["sampling"] <= r["calibration_seconds"] < 2 * r["seconds"]["sampling"] + 60
+    # sampling counted once: calibration_seconds (from a clock started after sampling, plus the
+    # sampling time) equals sampling + the method's own measured work; a sampling inside the clock
+    # would add >= 1.5 s. No wall-clock bound: a loaded machine must not fail it.
+    assert r["calibration_seconds"] == pytest.approx(r["seconds"]["sampling"] + r["seconds"]["total"], abs=0.5)
     if method in ("qera", "serq"):
         assert len(r["modules"]) == 210  # static methods: every quantized linear, one uniform rank / k
         assert r["ppl_method"] < r["ppl_quant"]  # the closed-form optima help even before any training
