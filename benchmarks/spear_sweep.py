@@ -103,6 +103,11 @@ def main(argv=None) -> int:
         raise SystemExit("spear_sweep: variant names must be unique")
     os.makedirs(args.out, exist_ok=True)
     if args.worker is not None:
+        import torch
+
+        # N workers x torch's default threads (one per core) would oversubscribe the cores, and
+        # OpenMP's spinning threads then slow every worker far more than N-fold
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
         run_variants(variants[args.worker::args.jobs], args)
         return 0
     if args.jobs == 1:
