@@ -136,6 +136,11 @@ def lab_gemv(args) -> None:
                 row["err"][name] = None
                 print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
+        def fastest(prefix):
+            """The timed variant named ``prefix...`` with the lowest time (None if none ran)."""
+            done = [k for k in row["us"] if k.startswith(prefix) and row["us"][k]]
+            return min(done, key=lambda k: row["us"][k]) if done else None
+
         def timeit(name, fn):
             try:
                 row["us"][name] = bench_graph(fn, copies)
@@ -161,12 +166,10 @@ def lab_gemv(args) -> None:
                 for i in range(copies):
                     GG.gluon_words(ws[i]["qw"].qweight)
                 timeit(name, lambda i: GG.w4a16_gemv_gluon(xs[i], *args_w(i), G, None, config=cfg))
-            gls = [k for k in row["us"] if k.startswith("gluon_") and row["us"][k]]
-            if gls:
-                row["best_gluon"] = min(gls, key=lambda k: row["us"][k])
+            if fastest("gluon_"):
+                row["best_gluon"] = fastest("gluon_")
                 print(f"   gluon best {row['best_gluon']} {row['us'][row['best_gluon']]:.1f} us", flush=True)
-        best = min((k for k in row["us"] if k.startswith("v4_") and row["us"][k]), key=lambda k: row["us"][k])
-        row["best_v4"] = best
+        best = row["best_v4"] = fastest("v4_")
         if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
             ec = make_ec(N, K, 64)
             cfg = tuple(int(v) for v in best.split("_")[2:])

@@ -22,23 +22,21 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spear_compile.compensators.calibrate import sample_sequences  # noqa: E402
+from spear_compile.compensators.calibrate import kl_fp_q, sample_sequences  # noqa: E402
 from spear_compile.compensators.spear import fit_spear_, parse_overrides, preset  # noqa: E402
 from spear_compile.evaluate import EvalSession  # noqa: E402
 
 
 @torch.no_grad()
 def mean_kl(ref, model, seqs: torch.Tensor, batch: int = 4) -> float:
+    """Token-mean KL(p_ref || p_model) over ``seqs`` (calibration's own loss, batch by batch)."""
     tot, n = 0.0, 0
     for i in range(0, len(seqs), batch):
         x = seqs[i:i + batch]
-        lp = F.log_softmax(ref(x).logits.float(), -1)
-        lq = F.log_softmax(model(x).logits.float(), -1)
-        tot += (lp.exp() * (lp - lq)).sum(-1).sum().item()
+        tot += kl_fp_q(ref(x).logits, model(x).logits).item() * x.numel()
         n += x.numel()
     return tot / n
 
@@ -56,7 +54,7 @@ def main() -> None:
     ref = s.ref
     base, _ = s.base("rtn", 0)
     q = copy.deepcopy(base)
-    _, log = fit_spear_(ref, q, s.seqs, int(args.budget * s.ref_bytes), spear)
+    fit_spear_(ref, q, s.seqs, int(args.budget * s.ref_bytes), spear)
     fresh = sample_sequences(ref, 16, 256, ref.config.bos_token_id, batch_size=16, seed=12345, progress=False)
     play = s.wins[:16]
     res = {"text": args.text, "budget": args.budget, "overrides": parse_overrides(args.set),

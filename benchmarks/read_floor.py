@@ -19,15 +19,13 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import G, SHAPES  # noqa: E402
 
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
-
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit

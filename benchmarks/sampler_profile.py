@@ -24,7 +24,8 @@ from spear_compile.compensators.sampling import _Step, sample_static  # noqa: E4
 from spear_compile.models.tiny import tiny_llama  # noqa: E402
 
 
-def _ms(fn, n: int) -> float:
+def _ms(fn, n: int) -> tuple[float, float]:
+    """(GPU ms, host wall ms) per call of ``fn`` over ``n`` calls: wall >> GPU means host-bound."""
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
