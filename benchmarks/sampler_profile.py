@@ -1,10 +1,12 @@
 """Where the static sampler's decode step spends its time (random weights, SmolLM2-135M's shapes).
 
 The graphed sampler drew 96 x 1024 tokens in 36.8 s on the H200 (18 ms per step at batch 64) against
-a prediction of ~1-2 ms per step (the model's forward is ~300 small kernels; a graph replays them
-without host overhead). This splits one step: the graphed forward alone, the eager forward, and the
-sampling ops around it (EOS mask, softmax, multinomial, copies), each timed with CUDA events over
-many steps, plus a torch.profiler table of a few full steps. Random weights are fine for time.
+a prediction of ~1-2 ms per step. The first run of this script (the model's own attention,
+``results/sampler_profile_h200_model_attention.json``) found why: the graphed step is 21.5 ms at
+every position, 17 ms of it attention over the static cache's 1024 slots (repeated K/V heads and the
+fp32 memory-efficient kernel). This times, for the model's attention and sampling.py's grouped one,
+the graphed and the eager step (CUDA events), a profiler table of one eager step, the sampling ops
+(EOS mask, softmax, multinomial) one by one, and the whole b x T loop. Random weights are fine for time.
 
     python benchmarks/sampler_profile.py --json $OUT/sampler_profile.json [--batch 64] [--seq-len 1024]
 """
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spear_compile.compensators.sampling import _Step, sample_static  # noqa: E402
+from spear_compile.compensators.sampling import ATTENTIONS, _attention, _Step, sample_static  # noqa: E402
 from spear_compile.models.tiny import tiny_llama  # noqa: E402
 
 
@@ -37,7 +39,8 @@ def _ms(fn, n: int) -> tuple[float, float]:
     return s.elapsed_time(e) / n, (time.perf_counter() - t) * 1e3 / n
 
 
-def main() -> None:
+@torch.no_grad()  # as in sample_static: with autograd on, the cache's in-place writes chain a graph
+def main() -> None:  # across steps that is never freed (OOM after a few hundred steps)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -47,37 +50,37 @@ def main() -> None:
     model.config.max_position_embeddings = 8192
     b, T = args.batch, args.seq_len
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": b, "seq_len": T}
-    for graph in (True, False):
-        step = _Step(model, b, T, 1, graph)
-        step.pos.fill_(T // 2)
-        res[f"forward_{'graph' if graph else 'eager'}_ms"] = _ms(step, 20)
-    logits = torch.randn(b, 49152, device="cuda")
-    eos = torch.tensor([2], device="cuda")
-    tok = torch.zeros(b, 1, dtype=torch.long, device="cuda")
-    ids = torch.zeros(b, T, dtype=torch.long, device="cuda")
-
-    def around():
-        lg = logits.index_fill(1, eos, float("-inf"))
-        nxt = torch.multinomial(torch.softmax(lg, -1), 1)
-        ids[:, 5] = nxt[:, 0]
-        tok.copy_(nxt)
-
-    res["sampling_ops_ms"] = _ms(around, 50)
-    n = 64
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    sample_static(model, b, n, 1)
-    torch.cuda.synchronize()
-    res[f"sample_static_{n}_tokens_ms_per_step"] = (time.perf_counter() - t) * 1e3 / (n - 1)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sample_static(model, b, 9, 1)
+    for attention in ATTENTIONS:
+        with _attention(model, attention):
+            for graph in (True, False):
+                step = _Step(model, b, T, 1, graph)
+                step.pos.fill_(T // 2)
+                res[f"{attention}_forward_{'graph' if graph else 'eager'}_ms"] = _ms(step, 20)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            res[f"profile_{attention}_eager_step"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+            print(res[f"profile_{attention}_eager_step"])
+            del step
+    logits = torch.randn(b, 49152, device="cuda")
+    eos = torch.tensor([2], device="cuda")
+    probs = torch.softmax(logits, -1)
+    for name, fn in (("index_fill", lambda: logits.index_fill(1, eos, float("-inf"))),
+                     ("softmax", lambda: torch.softmax(logits, -1)),
+                     ("multinomial", lambda: torch.multinomial(probs, 1))):
+        res[f"sampling_{name}_ms"] = _ms(fn, 50)
+    ids = {}
+    for attention in ATTENTIONS:  # the whole loop, b x T tokens, same seed
+        torch.manual_seed(0)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    print(table)
-    res["profile_top"] = table
-    print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}, indent=1))
+        t = time.perf_counter()
+        ids[attention] = sample_static(model, b, T, 1, attention=attention)
+        torch.cuda.synchronize()
+        res[f"{attention}_sample_static_seconds"] = time.perf_counter() - t
+    res["identical_token_share"] = (ids["model"] == ids["gqa"]).float().mean().item()
+    print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

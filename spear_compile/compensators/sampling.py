@@ -16,11 +16,22 @@ match ``generate``'s (tested on CPU) as long as the logits match bitwise.
 On CUDA (``graph=True``) the model's forward for one token is captured once per batch as a CUDA
 graph and replayed each step (token and position are static buffers; the sampling itself stays
 outside the graph, on the default generator, so the draws are unchanged). A failed capture warns
-and falls back to the eager step. Status: the eager loop is tested on the CPU; the graphed step
-has not run on a GPU yet, so ``CalibConfig.sampler`` defaults to "hf".
+and falls back to the eager step.
+
+Attention (``attention="gqa"``, the default): a static cache makes every step attend over all
+``seq_len`` slots, and on the H200 the model's own SDPA path spent 17 of the graphed step's 21.5 ms
+there (fp32, batch 64, 1024 slots; ``benchmarks/results/sampler_profile_h200.json``): transformers
+5.17 materialises the grouped K/V heads (``repeat_kv``, 2 x 151 MB per layer) and the fp32
+memory-efficient kernel then reads them at ~0.8 TB/s. ``_gqa_decode_attention`` instead groups the
+query heads that share a K/V head into one batched matmul, reading the cache once. Same math as
+SDPA, different summation order: logits agree to fp32 rounding (tested) but, as the sequence goes
+on, a draw can land on the other side of a rounding difference, so the tokens are samples from the
+same model, not bitwise ``generate``'s. ``attention="model"`` keeps the model's own attention
+(then the tokens equal ``generate``'s, tested on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -42,6 +53,62 @@ def _eos_ids(model: nn.Module) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+_ATTN = "spear_gqa_decode"
+ATTENTIONS = ("gqa", "model")
+
+
+def _gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """Hugging Face attention-interface function with SDPA's semantics (``attention_mask`` bool =
+    keep, float = additive, None = causal when there is more than one query), computed as batched
+    matmuls over groups of query heads so grouped K/V heads are read once, never repeated.
+
+    query [b, h, q, d]; key, value [b, kvh, L, d]; returns ([b, q, h, d], None)."""
+    if dropout and module.training:
+        raise ValueError("_gqa_decode_attention: dropout is not supported (sampling runs in eval mode)")
+    b, h, q, d = query.shape
+    kvh, L = key.shape[1], key.shape[2]
+    if h % kvh:
+        raise ValueError(f"_gqa_decode_attention: {h} query heads do not group over {kvh} K/V heads")
+    g = h // kvh
+    scaling = d ** -0.5 if scaling is None else scaling
+    # Query head j*g + r uses K/V head j (repeat_kv's layout), so [b, kvh, g*q, d] groups them.
+    s = torch.matmul(query.reshape(b, kvh, g * q, d), key.transpose(-1, -2)).view(b, kvh, g, q, L) * scaling
+    if attention_mask is None:
+        if q > 1:  # SDPA's is_causal: top-left aligned
+            keep = torch.ones(q, L, dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        s = s.masked_fill(~attention_mask[:, :, None], float("-inf"))  # [b|1, 1, q, L] -> per K/V group
+    else:
+        s = s + attention_mask[:, :, None]
+    p = torch.softmax(s.float(), -1).to(value.dtype).view(b, kvh, g * q, L)
+    out = torch.matmul(p, value).view(b, h, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention(model: nn.Module, attention: str):
+    """Run ``model`` with ``_gqa_decode_attention`` (``attention="gqa"``) or unchanged ("model");
+    the model's attention setting is restored on exit, whatever happens."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"sample_static: attention={attention!r}; expected one of {ATTENTIONS}")
+    if attention == "model":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_ATTN, _gqa_decode_attention)
+    AttentionMaskInterface.register(_ATTN, sdpa_mask)  # the masks SDPA gets: bool, True = attend
+    old = model.config._attn_implementation
+    model.config._attn_implementation = _ATTN
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
 
 
 class _Step:
@@ -104,10 +171,17 @@ class _Step:
 
 @torch.no_grad()
 def sample_static(model: nn.Module, b: int, seq_len: int, bos_token_id: int, temperature: float = 1.0,
-                  graph: bool = True) -> torch.Tensor:
-    """[b, seq_len] tokens sampled from BOS with the current random state (the caller seeds it)."""
+                  graph: bool = True, attention: str = "gqa") -> torch.Tensor:
+    """[b, seq_len] tokens sampled from BOS with the current random state (the caller seeds it);
+    ``attention``: "gqa" (``_gqa_decode_attention``) or "model" (the model's own)."""
     if temperature <= 0:
         raise ValueError(f"sample_static: temperature={temperature} must be > 0")
+    with _attention(model, attention):
+        return _sample(model, b, seq_len, bos_token_id, temperature, graph)
+
+
+def _sample(model: nn.Module, b: int, seq_len: int, bos_token_id: int, temperature: float,
+            graph: bool) -> torch.Tensor:
     step = _Step(model, b, seq_len, bos_token_id, graph)
     ids = torch.full((b, seq_len), bos_token_id, dtype=torch.long, device=step.tok.device)
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=ids.device)

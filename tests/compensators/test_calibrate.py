@@ -159,40 +159,6 @@ def test_short_context_pieces_restart_from_bos():
     assert short_context(seqs, 1, max_len=10) is seqs
 
 
-def test_static_sampler_draws_the_same_tokens_as_generate():
-    """sampling.py's static-cache loop makes generate's draws (EOS masked, temperature, multinomial)
-    with the same random state, so under a seed both give the same tokens."""
-    ref = tiny_llama(vocab=256)
-    ref.generation_config.eos_token_id = ref.config.eos_token_id = 2
-    for temperature in (1.0, 0.7):
-        a = sample_sequences(ref, 6, 33, bos_token_id=1, batch_size=4, seed=5, temperature=temperature, progress=False)
-        b = sample_sequences(ref, 6, 33, bos_token_id=1, batch_size=4, seed=5, temperature=temperature, progress=False,
-                             sampler="static")
-        assert b.shape == (6, 33) and torch.equal(a, b), temperature
-        assert not (b[:, 1:] == 2).any()  # EOS suppressed: every row full length
-    cfg = CalibConfig(n_seqs=3, seq_len=9, sample_batch=2, sampler="static")
-    from spear_compile.compensators.calibrate import sample_calibration
-
-    assert torch.equal(sample_calibration(ref, cfg, progress=False),
-                       sample_sequences(ref, 3, 9, ref.config.bos_token_id, batch_size=2, progress=False))
-    with pytest.raises(ValueError, match="sampler='beam'"):
-        CalibConfig(sampler="beam")
-    with pytest.raises(ValueError, match="sampler='beam'"):
-        sample_sequences(ref, 1, 4, bos_token_id=1, sampler="beam", progress=False)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphed decode step is CUDA only")
-def test_graphed_static_sampler_matches_generate_on_cuda():
-    """The CUDA-graph path: its warm-up and check forwards must not leave the cache's write position
-    advanced (transformers 5.17 writes static layers at a step counter; sampling.py resets it), or the
-    sequence runs past the cache (an index_copy_ assert) or attends to the wrong slots."""
-    ref = tiny_llama(vocab=256).cuda()
-    ref.generation_config.eos_token_id = ref.config.eos_token_id = 2
-    a = sample_sequences(ref, 4, 24, bos_token_id=1, batch_size=4, seed=3, progress=False)
-    b = sample_sequences(ref, 4, 24, bos_token_id=1, batch_size=4, seed=3, progress=False, sampler="static")
-    assert torch.equal(a.cpu(), b.cpu())
-
-
 def test_train_norms_moves_only_when_asked_and_restores_grad_flags():
     from spear_compile.compensators.calibrate import norm_parameters
 
