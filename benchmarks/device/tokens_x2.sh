@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 8: does more self-sampled text pay now that sampling is 3x cheaper? One call on a two-GPU
+# machine (device kind nvidia-h200-x2), after the GGUF halves are in place (quality_h200.sh):
+#   1. development plays, 1 %, two sweep workers per GPU: 96 / 192 x 1024 tokens (480 steps) on GPU 0,
+#      192 x 1024 with 720 steps and 288 x 1024 with 720 steps on GPU 1;
+#   2. the best of the variants predicted to fit the 3-minute budget (t96, t192, t192s720; t288s720
+#      is there to show the trend) on the evaluation plays: SPEAR 1 % on GPU 0, 0.5 % on GPU 1, one
+#      process per GPU, so each calibration time is an isolated one.
+# Usage on the device: bash benchmarks/device/tokens_x2.sh OUT_DIR
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000'
+sweep() {
+  CUDA_VISIBLE_DEVICES=$1 timeout 340 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
+    --out "$out/sweep$1" --jobs 2 --deadline-s 325 "${@:2}" > "$out/sweep$1.log" 2>&1
+}
+sweep 0 --variant "t96:$base,n_seqs=96" --variant "t192:$base,n_seqs=192" &
+sweep 1 --variant "t192s720:$base,n_seqs=192,steps=720" --variant "t288s720:$base,n_seqs=288,steps=720" &
+wait
+tail -4 "$out/sweep0.log" "$out/sweep1.log"
+python3 - "$out" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = [json.load(open(p)) for p in glob.glob(f"{out}/sweep*/t*.json")]
+ok = [r for r in rows if r["variant"] in ("t96", "t192", "t192s720")]
+best = max(ok, key=lambda r: r["gap_recovered"])
+print("eval with", best["variant"], best["overrides"])
+json.dump(best["overrides"], open(f"{out}/best.json", "w"))
+PY
+[ -f "$out/best.json" ] || exit 1
+for g in 0 1; do
+  b=$([ $g = 0 ] && echo 0.01 || echo 0.005)
+  CUDA_VISIBLE_DEVICES=$g timeout 240 bash benchmarks/device/quality_h200.sh --set-json "$out/best.json" \
+    --out "$out/eval$g" --bases rtn:0 --methods spear --budgets $b > "$out/eval$g.log" 2>&1 &
+done
+wait
+tail -3 "$out"/eval*.log
