@@ -43,12 +43,13 @@ class CalibConfig:
     steps, batch_size: Adam steps, sequences per step. lr / lr_ab: gate / (A, B, alpha)
     learning rates; ``train_ab=False`` trains the gates alone. schedule: "constant", or
     "cosine" (decayed to zero over ``steps``). teacher_cache_bytes: cache the teacher's
-    log-probs when they fit. dense_weights: dequantize the student's weights once per run.
+    log-probs when they fit in it and, on a GPU, in half its free memory (``teacher_cache_fits``). dense_weights: dequantize the student's weights once per run.
     cuda_graph: on CUDA with the teacher cached, run each step as one CUDA graph replay
     (``graphed_step.py``; the same minibatches and learning rates as the eager loop).
-    sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop, its
-    decode step a CUDA graph on CUDA; the same tokens as "hf" under a seed: H200, 96 x 1024 tokens,
-    36.8 s instead of 83.7 s, every row identical; GPU_PRESET uses it).
+    sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop with
+    grouped-query attention, its decode step a CUDA graph on CUDA; samples of the same model, equal
+    to "hf"'s up to fp32 rounding in the attention: H200, 192 x 1024 tokens in 21 s where
+    ``generate`` took 83.7 s for 96 x 1024; GPU_PRESET uses it).
     train_norms: also train the model's RMSNorm weights (at ``lr_norm``): no extra bytes (the
     quantized model keeps its norms in 16 bits anyway), but it changes weights outside the ECs,
     so results with it are reported apart from SPEAR's. Off by default.
@@ -138,6 +139,16 @@ def short_context(seqs: torch.Tensor, bos_token_id: int, max_len: int = 256) -> 
         bos = torch.full((n, 1), bos_token_id, dtype=seqs.dtype, device=seqs.device)
         pieces.append(torch.cat([bos, seqs[:, start + 1:start + max_len]], 1))
     return torch.cat(pieces).contiguous()
+
+
+def teacher_cache_fits(nbytes: int, limit: int, device) -> bool:
+    """Whether ``nbytes`` of cached teacher log-probs fit ``limit`` and, on CUDA, half the device's
+    free memory (the student's activations and gradients need the rest): GPU_PRESET allows 48 GB
+    for an H200; a smaller GPU recomputes the teacher per minibatch instead of running out of memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        limit = min(limit, torch.cuda.mem_get_info(device)[0] // 2)
+    return nbytes <= limit
 
 
 def kl_fp_q(fp_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -236,7 +247,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     t0 = time.time()
     vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
     cached = None
-    if vocab is not None and seqs.numel() * vocab * 2 <= cfg.teacher_cache_bytes:
+    if vocab is not None and teacher_cache_fits(seqs.numel() * vocab * 2, cfg.teacher_cache_bytes, seqs.device):
         cached = teacher_logprobs(ref, seqs, cfg.batch_size, progress=progress)
     graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda
     # a captured Adam update reads its learning rates from device tensors the schedule fills

@@ -173,3 +173,14 @@ def test_train_norms_moves_only_when_asked_and_restores_grad_flags():
     log = calibrate_(q, ref, seqs, dataclasses.replace(cfg, train_norms=True, lr_norm=1e-2), progress=False)
     assert any(not torch.equal(a, p) for a, p in zip(before, norms)) and len(log["losses"]) == 6
     assert [p.requires_grad for p in norms] == flags
+
+
+def test_teacher_cache_is_capped_by_free_gpu_memory(monkeypatch):
+    """A preset sized for an H200 must not run a smaller GPU out of memory: on CUDA the cache also
+    has to fit half the free memory (else the teacher is recomputed per minibatch)."""
+    from spear_compile.compensators.calibrate import teacher_cache_fits
+
+    assert teacher_cache_fits(10, 10, "cpu") and not teacher_cache_fits(11, 10, "cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30, 100))
+    assert teacher_cache_fits(15, 10**9, "cuda:0") and not teacher_cache_fits(16, 10**9, "cuda:0")
+    assert not teacher_cache_fits(12, 10, "cuda:0")
