@@ -39,7 +39,7 @@ def load_runs(out: str) -> list[dict]:
             continue
         with open(p) as f:
             r = json.load(f)
-        if {"quant", "method", "budget", "gap_recovered"} <= set(r):
+        if isinstance(r, dict) and {"quant", "method", "budget", "gap_recovered"} <= set(r):  # not other JSON
             runs.append(r)
     return runs
 
@@ -107,8 +107,11 @@ def aggregate(out: str) -> dict:
     with open(os.path.join(out, "quality.json"), "w") as f:
         keys = ("quant", "group_size", "method", "budget", "ppl_ref", "ppl_quant", "ppl_method", "gap_recovered",
                 "memory_overhead", "calibration_seconds", "seconds", "device", "texts", "tokens")
-        json.dump([{**{k: r.get(k) for k in keys}, "n_modules": len(r.get("modules", [])),
-                    "ranks": sorted({m["rank"] for m in r.get("modules", [])})} for r in runs], f, indent=1)
+        # a run kept only as its summary (a "note" says why) carries n_modules / ranks itself
+        json.dump([{**{k: r.get(k) for k in keys},
+                    "n_modules": len(r["modules"]) if "modules" in r else r.get("n_modules"),
+                    "ranks": sorted({m["rank"] for m in r["modules"]}) if "modules" in r else r.get("ranks")}
+                   for r in runs], f, indent=1)
     for qb in sorted({(r["quant"], r["group_size"]) for r in runs}):
         rs = [r for r in runs if (r["quant"], r["group_size"]) == qb]
         with open(os.path.join(out, f"quality_{qb[0]}_g{qb[1] or 'ch'}.svg"), "w") as f:

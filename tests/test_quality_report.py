@@ -37,6 +37,19 @@ def test_aggregate_writes_table_json_and_one_plot_per_base(tmp_path):
 
 def test_table_skips_foreign_json(tmp_path):
     (tmp_path / "notes.json").write_text('{"hello": 1}')
+    (tmp_path / "device_quality.json").write_text('[{"method": "qera"}]')  # another aggregate: a list
     assert quality.load_runs(str(tmp_path)) == []
     with pytest.raises(SystemExit):
         quality.main(["--bogus"])
+
+
+def test_a_run_kept_as_its_summary_reports_its_own_module_count(tmp_path):
+    full = dict(_run("spear", 0.01, 0.8), modules=[{"name": "a", "rank": 4}, {"name": "b", "rank": 8}])
+    summary = dict(_run("qera", 0.01, 0.6), n_modules=210, ranks=[2], note="summary only")
+    for r in (full, summary):
+        with open(tmp_path / (quality.tag(r["quant"], 0, r["method"], r["budget"]) + ".json"), "w") as f:
+            json.dump(r, f)
+    quality.aggregate(str(tmp_path))
+    rows = {r["method"]: r for r in json.load(open(tmp_path / "quality.json"))}
+    assert (rows["spear"]["n_modules"], rows["spear"]["ranks"]) == (2, [4, 8])
+    assert (rows["qera"]["n_modules"], rows["qera"]["ranks"]) == (210, [2])

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Session 8: the rest of the RTN per-channel grid with GPU_PRESET's new calibration data (192 x 1024
+# self-sampled tokens), so every method in the README table sees the same tokens. Two GPUs, one
+# process each: GPU 0 SPEAR at 2 %; GPU 1 QERA-exact, SERQ, LQER, LoRC at 0.5 / 1 / 2 %.
+# Usage on the device (nvidia-h200-x2, after the GGUF halves): bash benchmarks/device/static_x2.sh SETTINGS.json OUT
+set -uo pipefail
+settings=$1; out=$2
+mkdir -p "$out"
+bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+q=(bash benchmarks/device/quality_h200.sh --set-json "$settings" --out "$out" --bases rtn:0)
+CUDA_VISIBLE_DEVICES=0 timeout 480 "${q[@]}" --methods spear --budgets 0.02 > "$out/log_gpu0.txt" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 timeout 480 "${q[@]}" --methods qera serq lqer lorc --budgets 0.01 0.005 0.02 > "$out/log_gpu1.txt" 2>&1 &
+wait
+ls "$out"
