@@ -44,7 +44,9 @@ class SpearConfig:
     allocation: "greedy" per-module ranks from output-error spectra, or "shared" rank.
     select: "entropy" (the n_eff = exp(H) best modules) or "all" (every damaged module is offered
     to the allocation). max_rank / min_rank: cap and floor (greedy only) of a module's rank.
-    gate_hidden: width of each EC's gate MLP. calib: the KL training."""
+    gate_hidden: width of each EC's gate MLP. gate_init_bias: the gate's initial pre-activation
+    (``ECConfig.gate_init_bias``; the EC starts as a pass-through whatever it is, but sigmoid's
+    slope there, 0.0025 at 6.0, scales how far the gate can move from it). calib: the KL training."""
 
     damage_seqs: int = 2
     allocation: str = "greedy"
@@ -52,6 +54,7 @@ class SpearConfig:
     max_rank: int = 256
     min_rank: int = 0
     gate_hidden: int = 8
+    gate_init_bias: float = 6.0
     stats_batch: int = 4
     calib: CalibConfig = CalibConfig()
 
@@ -155,9 +158,9 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
     t = time.time()
     ecs = {}
     for m in p.modules:
+        ec_cfg = ECConfig(rank=m.rank, gate_hidden=cfg.gate_hidden, gate_init_bias=cfg.gate_init_bias)
         ec = ErrorCompensator.from_weight_error(ref_mods[m.name].weight, q_mods[m.name].dequantize(torch.float32),
-                                                ECConfig(rank=m.rank, gate_hidden=cfg.gate_hidden),
-                                                rxx=stats[m.name].rxx)
+                                                ec_cfg, rxx=stats[m.name].rxx)
         ecs[m.name] = ec.to(q_mods[m.name].scales.device)
     del stats, errs
     attach_(q, ecs)

@@ -81,3 +81,24 @@ def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
     assert parse_overrides("select=all, steps=240,lr_ab=1e-3") == {"select": "all", "steps": 240, "lr_ab": 1e-3}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides("steps")
+
+
+def test_gate_init_bias_reaches_the_ecs_and_sets_how_far_the_gate_moves():
+    """At the default bias 6 the sigmoid's slope is 0.0025, so the trained gate stays nearly constant
+    over inputs; at 0 the same training makes it input-dependent (what the gate is for)."""
+    ref, q, seqs = _setup()
+    budget = 6 * ec_bytes(64, 64, 4)
+    spread = {}
+    for bias in (6.0, 0.0):
+        qb = copy.deepcopy(q)
+        cfg = SpearConfig(gate_init_bias=bias, calib=CalibConfig(steps=15, batch_size=4, lr=5e-3, lr_ab=1e-3))
+        ecs, _ = fit_spear_(ref, qb, seqs[:8], budget, cfg, progress=False)
+        assert ecs and all(e.cfg.gate_init_bias == bias for e in ecs.values())
+        torch.manual_seed(0)
+        gains = []
+        for ec in ecs.values():
+            h = torch.randn(256, ec.in_features) @ ec.A.detach().T
+            z = torch.nn.functional.silu(h @ ec.W1.detach().T + ec.b1.detach()) @ ec.W2.detach().T + ec.b2.detach()
+            gains.append((ec.alpha.detach() * torch.sigmoid(z)).std(0).mean())  # per-component spread over inputs
+        spread[bias] = torch.stack(gains).mean().item()
+    assert spread[0.0] > 10 * spread[6.0], spread
