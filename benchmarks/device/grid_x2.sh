@@ -6,6 +6,7 @@
 #          SPEAR and QERA-exact at 1 %, then SERQ at 1 % as W4A8 and W4A4 (spear eval --act-bits).
 # Every run writes its own JSON as it finishes, so a run cut off by the time limit loses only itself.
 # Usage on the device: bash benchmarks/device/grid_x2.sh SETTINGS.json OUT_DIR
+# The result folder ends packed as OUT_DIR.tgz (pack.sh): the device returns at most 8 files.
 set -uo pipefail
 settings=$1; out=$2
 mkdir -p "$out/gpu0" "$out/gpu1"
@@ -28,3 +29,4 @@ kv=$(python3 -c "import json,sys; print(','.join(f'{k}={json.dumps(v)}' for k,v 
   done
 )
 wait $p
+bash benchmarks/device/pack.sh "$out"

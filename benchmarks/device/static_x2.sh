@@ -3,6 +3,7 @@
 # self-sampled tokens), so every method in the README table sees the same tokens. Two GPUs, one
 # process each: GPU 0 SPEAR at 2 %; GPU 1 QERA-exact, SERQ, LQER, LoRC at 0.5 / 1 / 2 %.
 # Usage on the device (nvidia-h200-x2, after the GGUF halves): bash benchmarks/device/static_x2.sh SETTINGS.json OUT
+# The result folder ends packed as OUT_DIR.tgz (pack.sh): the device returns at most 8 files.
 set -uo pipefail
 settings=$1; out=$2
 mkdir -p "$out"
@@ -12,3 +13,4 @@ CUDA_VISIBLE_DEVICES=0 timeout 480 "${q[@]}" --methods spear --budgets 0.02 > "$
 CUDA_VISIBLE_DEVICES=1 timeout 480 "${q[@]}" --methods qera serq lqer lorc --budgets 0.01 0.005 0.02 > "$out/log_gpu1.txt" 2>&1 &
 wait
 ls "$out"
+bash benchmarks/device/pack.sh "$out"

@@ -7,6 +7,7 @@
 #      is there to show the trend) on the evaluation plays: SPEAR 1 % on GPU 0, 0.5 % on GPU 1, one
 #      process per GPU, so each calibration time is an isolated one.
 # Usage on the device: bash benchmarks/device/tokens_x2.sh OUT_DIR
+# The result folder ends packed as OUT_DIR.tgz (pack.sh): the device returns at most 8 files.
 set -uo pipefail
 out=$1
 mkdir -p "$out"
@@ -19,7 +20,7 @@ sweep() {
 sweep 0 --variant "t96:$base,n_seqs=96" --variant "t192:$base,n_seqs=192" &
 sweep 1 --variant "t192s720:$base,n_seqs=192,steps=720" --variant "t288s720:$base,n_seqs=288,steps=720" &
 wait
-tail -4 "$out/sweep0.log" "$out/sweep1.log"
+tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
 python3 - "$out" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
@@ -36,4 +37,5 @@ for g in 0 1; do
     --out "$out/eval$g" --bases rtn:0 --methods spear --budgets $b > "$out/eval$g.log" 2>&1 &
 done
 wait
-tail -3 "$out"/eval*.log
+tail -n 3 "$out"/eval*.log
+bash benchmarks/device/pack.sh "$out"
