@@ -53,11 +53,6 @@ class CalibConfig:
     train_norms: also train the model's RMSNorm weights (at ``lr_norm``): no extra bytes (the
     quantized model keeps its norms in 16 bits anyway), but it changes weights outside the ECs,
     so results with it are reported apart from SPEAR's. Off by default.
-    hidden_weight: feature matching, off at 0: adds ``hidden_weight`` x the mean over decoder
-    layers of the student's relative squared error on the teacher's hidden states
-    (``hidden_state_loss``) to the KL, as a regulariser against fitting the calibration tokens'
-    output distributions alone. The teacher then runs per minibatch (its hidden states are not
-    cached) and the step is not graphed.
     """
 
     n_seqs: int = 32
@@ -77,7 +72,6 @@ class CalibConfig:
     sampler: str = "hf"
     train_norms: bool = False
     lr_norm: float = 1e-4
-    hidden_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -87,8 +81,6 @@ class CalibConfig:
             raise ValueError(f"CalibConfig.schedule={self.schedule!r}: expected one of {_SCHEDULES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"CalibConfig.sampler={self.sampler!r}: expected one of {SAMPLERS}")
-        if self.hidden_weight < 0:
-            raise ValueError(f"CalibConfig.hidden_weight={self.hidden_weight}: must be >= 0")
 
 
 @torch.no_grad()
@@ -208,25 +200,6 @@ def _dense_forward(model: nn.Module, enabled: bool):
             del m.forward
 
 
-def hidden_state_loss(student: tuple, teacher: tuple) -> torch.Tensor:
-    """Mean over decoder layers (the embedding output excluded: it is never quantized) of the
-    token-mean relative squared error ``|h_s - h_t|^2 / |h_t|^2``; relative, because the residual
-    stream's norm grows with depth and an absolute error would weight the last layers most."""
-    if len(student) != len(teacher) or len(student) < 2:
-        raise ValueError(f"hidden_state_loss: {len(student)} student and {len(teacher)} teacher hidden states")
-    errs = [((s - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-6)).mean()
-            for s, t in zip(student[1:], teacher[1:])]
-    return torch.stack(errs).mean()
-
-
-def _kl_and_hidden(ref, model, ids, teacher_logp, weight: float) -> torch.Tensor:
-    with torch.no_grad():
-        t = ref(ids, output_hidden_states=True)
-    s = model(ids, output_hidden_states=True)
-    kl = kl_fp_q(t.logits, s.logits) if teacher_logp is None else kl_logp_q(teacher_logp, s.logits)
-    return kl + weight * hidden_state_loss(s.hidden_states, tuple(h.float() for h in t.hidden_states))
-
-
 def _logits(model, ids):
     out = model(ids)
     return getattr(out, "logits", out)
@@ -276,7 +249,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     cached = None
     if vocab is not None and teacher_cache_fits(seqs.numel() * vocab * 2, cfg.teacher_cache_bytes, seqs.device):
         cached = teacher_logprobs(ref, seqs, cfg.batch_size, progress=progress)
-    graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda and not cfg.hidden_weight
+    graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda
     # a captured Adam update reads its learning rates from device tensors the schedule fills
     lr = (lambda v: torch.tensor(v, device=seqs.device)) if graphed else (lambda v: v)  # noqa: E731
     groups = [{"params": gate, "lr": lr(cfg.lr)}] + ([{"params": ab, "lr": lr(cfg.lr_ab)}] if ab else []) \
@@ -301,9 +274,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                     loss = step_fn(idx)
                 else:
                     b = seqs[idx]
-                    if cfg.hidden_weight:
-                        loss = _kl_and_hidden(ref, model, b, None if cached is None else cached[idx], cfg.hidden_weight)
-                    elif cached is not None:
+                    if cached is not None:
                         loss = kl_logp_q(cached[idx], _logits(model, b))
                     else:
                         with torch.no_grad():
