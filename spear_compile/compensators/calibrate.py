@@ -43,7 +43,8 @@ class CalibConfig:
     steps, batch_size: Adam steps, sequences per step. lr / lr_ab: gate / (A, B, alpha)
     learning rates; ``train_ab=False`` trains the gates alone. schedule: "constant", or
     "cosine" (decayed to zero over ``steps``). teacher_cache_bytes: cache the teacher's
-    log-probs when they fit in it and, on a GPU, in half its free memory (``teacher_cache_fits``). dense_weights: dequantize the student's weights once per run.
+    log-probs when they fit in it and, on a GPU, in half its free memory (``teacher_cache_fits``).
+    dense_weights: dequantize the student's weights once per run.
     cuda_graph: on CUDA with the teacher cached, run each step as one CUDA graph replay
     (``graphed_step.py``; the same minibatches and learning rates as the eager loop).
     sampler: "hf" (``model.generate``) or "static" (``sampling.py``: a static-KV-cache loop with
