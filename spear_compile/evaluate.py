@@ -214,7 +214,8 @@ class EvalSession:
             if method != "spear":
                 log = {"seconds": {"total": time.time() - t_fit}}
         calib_s = time.time() - t0 + (self.sampling_seconds if method != "none" else 0.0)
-        ppl_method = (perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if ecs or serq
+        changed = ecs or serq or (method == "spear" and calib.train_quant)  # train_quant: new scales
+        ppl_method = (perplexity(q, self.wins, progress=self.progress, desc=f"ppl {method}") if changed
                       else ppl_quant)
         if method == "serq":
             used = sum(r["bytes"] + r["extra_bytes"] for r in serq.values())

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import Sequence
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -54,6 +56,11 @@ class CalibConfig:
     train_norms: also train the model's RMSNorm weights (at ``lr_norm``): no extra bytes (the
     quantized model keeps its norms in 16 bits anyway), but it changes weights outside the ECs,
     so results with it are reported apart from SPEAR's. Off by default.
+    train_quant: also train every quantized linear's scales and zero points (relative scale
+    ``s0 * (1 + u)`` and zero ``z0 + v``, at ``lr_quant``; the 4-bit codes stay as RTN/GPTQ/AWQ
+    chose them). No extra bytes and no kernel change: the format already stores both as floats
+    (``quant/format.py``). Like ``train_norms`` it changes the base quantization, so results with
+    it are reported apart from the ECs-only ones. Needs ``dense_weights``. Off by default.
     """
 
     n_seqs: int = 32
@@ -73,6 +80,8 @@ class CalibConfig:
     sampler: str = "hf"
     train_norms: bool = False
     lr_norm: float = 1e-4
+    train_quant: bool = False
+    lr_quant: float = 1e-3
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -82,6 +91,9 @@ class CalibConfig:
             raise ValueError(f"CalibConfig.schedule={self.schedule!r}: expected one of {_SCHEDULES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"CalibConfig.sampler={self.sampler!r}: expected one of {SAMPLERS}")
+        if self.train_quant and not self.dense_weights:
+            raise ValueError("CalibConfig.train_quant=True needs dense_weights=True (the packed ops have no "
+                             "gradient for scales and zero points)")
 
 
 @torch.no_grad()
@@ -174,21 +186,61 @@ def teacher_logprobs(ref: nn.Module, seqs: torch.Tensor, batch_size: int = 4, dt
     return torch.cat(out)
 
 
+class QuantParams:
+    """Trainable offsets of one quantized linear's scales and zero points (``train_quant``).
+
+    ``u`` and ``v`` start at zero, so training starts at the base quantization exactly; the
+    weight is ``(q - (z0 + v)) * s0 * (1 + u)`` with the 4-bit codes ``q`` fixed. Relative
+    scales put every module's step size on one scale for one learning rate."""
+
+    def __init__(self, m: QuantLinear):
+        from ..quant.format import unpack_int4
+
+        N, K, G = m.out_features, m.in_features, m.group_size
+        self.module = m
+        self.q = unpack_int4(m.qweight).reshape(N, K // G, G).float()
+        self.s0, self.z0 = m.scales.detach().float().clone(), m.zeros.detach().float().clone()
+        self.u = nn.Parameter(torch.zeros_like(self.s0))
+        self.v = nn.Parameter(torch.zeros_like(self.z0))
+
+    def weight(self) -> torch.Tensor:
+        s, z = self.s0 * (1 + self.u), self.z0 + self.v
+        w = (self.q - z.unsqueeze(-1)) * s.unsqueeze(-1)
+        return w.reshape(self.module.out_features, self.module.in_features)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Store the trained scales and zeros in the module (its buffers' dtype)."""
+        m = self.module
+        m.scales.copy_(self.s0 * (1 + self.u))
+        m.zeros.copy_(self.z0 + self.v)
+
+
+def quant_params(model: nn.Module) -> list[QuantParams]:
+    """A :class:`QuantParams` for every ``QuantLinear`` of ``model``."""
+    return [QuantParams(m) for m in model.modules() if isinstance(m, QuantLinear)]
+
+
 @contextlib.contextmanager
-def _dense_forward(model: nn.Module, enabled: bool):
-    """Temporarily run every QuantLinear as ``x W^T (+ bias) (+ EC delta)`` with W dequantized once."""
+def _dense_forward(model: nn.Module, enabled: bool, qparams: Sequence[QuantParams] = ()):
+    """Temporarily run every QuantLinear as ``x W^T (+ bias) (+ EC delta)`` with W dequantized once,
+    or, for the modules in ``qparams``, rebuilt from their trainable scales and zeros per call."""
     from ..lowering.w4a16 import dequantize_ref
 
+    trained = {id(p.module): p for p in qparams}
+    if trained and not enabled:
+        raise ValueError("_dense_forward: trainable scales and zeros need the dense forward")
     patched = []
     try:
         if enabled:
             for m in model.modules():
                 if isinstance(m, QuantLinear) and type(m).forward is QuantLinear.forward:
-                    W = dequantize_ref(m.qweight, m.scales, m.zeros, m.group_size, "spear").detach()
+                    qp = trained.get(id(m))
+                    W = None if qp else dequantize_ref(m.qweight, m.scales, m.zeros, m.group_size, "spear").detach()
 
-                    def fwd(x, m=m, W=W):
+                    def fwd(x, m=m, W=W, qp=qp):
                         x2 = x.reshape(-1, x.shape[-1])
-                        w = W.to(x.dtype)
+                        w = (qp.weight() if qp else W).to(x.dtype)
                         y = torch.addmm(m.bias, x2, w.t()) if m.bias is not None else torch.mm(x2, w.t())
                         y = y.reshape(*x.shape[:-1], y.shape[-1])
                         return y if m.ec is None else y + m.ec(x)
@@ -233,11 +285,16 @@ def mean_kl(ref: nn.Module, model: nn.Module, seqs: torch.Tensor, batch_size: in
 
 def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibConfig = CalibConfig(),
                progress: bool = True) -> dict:
-    """Train the attached ECs of ``model`` in place; returns a log (losses, seconds, steps run)."""
+    """Train the attached ECs of ``model`` in place (and, with ``cfg.train_quant``, its scales and
+    zero points); returns a log (losses, seconds, steps run)."""
     gate, ab = ec_parameters(model, cfg.train_ab)
-    if not gate:
+    if not gate and not cfg.train_quant:
         raise ValueError("calibrate_: the model has no attached ECs (use attach_ first)")
     norms = norm_parameters(model) if cfg.train_norms else []
+    qparams = quant_params(model) if cfg.train_quant else []
+    if cfg.train_quant and not qparams:
+        raise ValueError("calibrate_: train_quant=True but the model has no quantized linears")
+    quant = [p for qp in qparams for p in (qp.u, qp.v)]
     # every non-EC parameter (norms included) gets its own flag back afterwards; EC ones end frozen
     others = [p for p in model.parameters() if all(p is not q for q in gate + ab)]
     req = [p.requires_grad for p in others]
@@ -253,8 +310,8 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     graphed = cfg.cuda_graph and cached is not None and seqs.is_cuda and cached.is_cuda
     # a captured Adam update reads its learning rates from device tensors the schedule fills
     lr = (lambda v: torch.tensor(v, device=seqs.device)) if graphed else (lambda v: v)  # noqa: E731
-    groups = [{"params": gate, "lr": lr(cfg.lr)}] + ([{"params": ab, "lr": lr(cfg.lr_ab)}] if ab else []) \
-        + ([{"params": norms, "lr": lr(cfg.lr_norm)}] if norms else [])
+    groups = [{"params": params, "lr": lr(rate)} for params, rate in
+              ((gate, cfg.lr), (ab, cfg.lr_ab), (norms, cfg.lr_norm), (quant, cfg.lr_quant)) if params]
     opt = torch.optim.Adam(groups, capturable=True) if graphed else torch.optim.Adam(groups)
     sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps) if cfg.schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -268,7 +325,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     was_training = model.training
     model.eval()
     try:
-        with _dense_forward(model, cfg.dense_weights):
+        with _dense_forward(model, cfg.dense_weights, qparams):
             for step in bar:
                 idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
                 if step_fn is not None:  # one CUDA graph replay: forward, backward, Adam
@@ -295,5 +352,7 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
             p.requires_grad_(r)
         for p in gate + ab:
             p.requires_grad_(False)
+        for qp in qparams:
+            qp.write_back()
         model.train(was_training)
     return {"losses": losses, "seconds": time.time() - t0, "steps": len(losses)}

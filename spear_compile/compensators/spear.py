@@ -166,7 +166,7 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
     attach_(q, ecs)
     log["seconds"]["init"] = time.time() - t
     log["plan"] = json.loads(p.to_json())
-    if ecs:
+    if ecs or cfg.calib.train_quant:
         train = calibrate_(q, ref, seqs, cfg.calib, progress=progress)
         log["losses"], log["seconds"]["calibrate"] = train["losses"], train["seconds"]
     log["seconds"]["total"] = sum(log["seconds"].values())

@@ -124,19 +124,21 @@ def test_cosine_schedule_starts_at_full_lr_then_decays():
         CalibConfig(schedule="linear")
 
 
-def test_cuda_graph_step_trains_like_the_eager_loop():
+@pytest.mark.parametrize("train_quant", [False, True])
+def test_cuda_graph_step_trains_like_the_eager_loop(train_quant):
     """``cuda_graph=True``: on CUDA each step after the warm-up is one graph replay, with the same
-    minibatches and cosine learning rates as the eager loop (losses and trained parameters agree);
-    without CUDA the flag falls back to the eager loop exactly."""
+    minibatches and cosine learning rates as the eager loop (losses and trained parameters, scales
+    and zeros with ``train_quant``, agree); without CUDA the flag falls back to the eager loop exactly."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
     def run(graph):
         ref, q, seqs = _setup()
         ref.to(dev), q.to(dev)
         log = calibrate_(q, ref, seqs.to(dev), CalibConfig(steps=8, batch_size=4, lr=5e-3, lr_ab=1e-3,
-                                                           schedule="cosine", cuda_graph=graph), progress=False)
+                                                           schedule="cosine", cuda_graph=graph,
+                                                           train_quant=train_quant), progress=False)
         params = torch.cat([p.detach().flatten().cpu() for m in q.modules() if getattr(m, "ec", None) is not None
-                            for p in m.ec.parameters()])
+                            for p in [*m.ec.parameters(), m.scales, m.zeros]])
         return torch.tensor(log["losses"]), params
 
     (l_eager, p_eager), (l_graph, p_graph) = run(False), run(True)
@@ -184,3 +186,39 @@ def test_teacher_cache_is_capped_by_free_gpu_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30, 100))
     assert teacher_cache_fits(15, 10**9, "cuda:0") and not teacher_cache_fits(16, 10**9, "cuda:0")
     assert not teacher_cache_fits(12, 10, "cuda:0")
+
+
+def test_train_quant_starts_at_the_base_and_writes_back_what_it_trained():
+    """``QuantParams`` rebuild the dequantized weight exactly at their zero start; after training,
+    the packed codes are unchanged, scales and zeros moved, and the module's own (packed-op)
+    forward computes what the training forward computed."""
+    from spear_compile.compensators.calibrate import QuantParams, _dense_forward, quant_params
+
+    ref, q, seqs = _setup()
+    for m in spear.quantized_linears(q).values():
+        assert torch.equal(QuantParams(m).weight(), m.dequantize(torch.float32))
+    codes = {n: m.qweight.clone() for n, m in spear.quantized_linears(q).items()}
+    scales = {n: m.scales.clone() for n, m in spear.quantized_linears(q).items()}
+    calibrate_(q, ref, seqs, CalibConfig(steps=6, batch_size=4, lr=5e-3, lr_ab=1e-3, train_quant=True,
+                                         lr_quant=1e-2), progress=False)
+    mods = spear.quantized_linears(q)
+    assert all(torch.equal(m.qweight, codes[n]) for n, m in mods.items())
+    assert all(not torch.equal(m.scales, scales[n]) for n, m in mods.items())
+    assert not any(m.scales.requires_grad or m.zeros.requires_grad for m in mods.values())
+    with torch.no_grad(), _dense_forward(q, True, quant_params(q)):
+        dense = q(seqs[:2]).logits
+    torch.testing.assert_close(q(seqs[:2]).logits, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_train_quant_alone_lowers_held_out_kl_and_needs_dense_weights():
+    """With no ECs at all (the zero-byte ablation), training scales and zeros still lowers the KL
+    on held-out self-samples; without the dense forward it is refused up front."""
+    ref = tiny_llama(hidden=64, layers=2, vocab=256, seed=0)
+    q = spear.quantize_(copy.deepcopy(ref), spear.QuantConfig(group_size=None), progress=False)
+    seqs = sample_sequences(ref, 16, 24, bos_token_id=ref.config.bos_token_id, batch_size=8, seed=0, progress=False)
+    before = mean_kl(ref, q, seqs[12:])
+    log = calibrate_(q, ref, seqs[:12], CalibConfig(steps=25, batch_size=4, train_quant=True, lr_quant=1e-2),
+                     progress=False)
+    assert log["steps"] == 25 and mean_kl(ref, q, seqs[12:]) < 0.9 * before
+    with pytest.raises(ValueError, match="train_quant=True needs dense_weights"):
+        CalibConfig(train_quant=True, dense_weights=False)
