@@ -20,8 +20,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "quality")
-METHOD_ORDER = ("lorc", "lqer", "qera", "serq", "spear")
-COLORS = {"lorc": "#999999", "lqer": "#e69f00", "qera": "#0072b2", "serq": "#009e73", "spear": "#d55e00"}
+RUN_METHODS = ("lorc", "lqer", "qera", "serq", "spear")
+METHOD_ORDER = RUN_METHODS + ("spear+scales",)  # table rows
+COLORS = {"lorc": "#999999", "lqer": "#e69f00", "qera": "#0072b2", "serq": "#009e73", "spear": "#d55e00",
+          "spear+scales": "#cc79a7"}
 
 
 def tag(quant: str, group: int, method: str, budget: float) -> str:
@@ -40,6 +42,8 @@ def load_runs(out: str) -> list[dict]:
         with open(p) as f:
             r = json.load(f)
         if isinstance(r, dict) and {"quant", "method", "budget", "gap_recovered"} <= set(r):  # not other JSON
+            if r["method"] == "spear" and (r.get("calibration") or {}).get("train_quant"):
+                r["method"] = "spear+scales"  # the base's scales and zeros were trained too: its own row
             runs.append(r)
     return runs
 
@@ -123,7 +127,8 @@ def aggregate(out: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bases", nargs="+", default=["rtn:0", "rtn:128", "gptq:0"], help="quant:group (0 = per-channel)")
-    ap.add_argument("--methods", nargs="+", default=list(METHOD_ORDER))
+    ap.add_argument("--methods", nargs="+", default=list(RUN_METHODS),
+                    help="spear eval methods; a SPEAR run with --set train_quant=true is reported as spear+scales")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.005, 0.01, 0.02])
     ap.add_argument("--text", nargs="+", default=None, help="default: spear eval's plays")
     ap.add_argument("--max-tokens", type=int, default=None, help="per text")

@@ -53,3 +53,15 @@ def test_a_run_kept_as_its_summary_reports_its_own_module_count(tmp_path):
     rows = {r["method"]: r for r in json.load(open(tmp_path / "quality.json"))}
     assert (rows["spear"]["n_modules"], rows["spear"]["ranks"]) == (2, [4, 8])
     assert (rows["qera"]["n_modules"], rows["qera"]["ranks"]) == (210, [2])
+
+
+def test_spear_with_trained_scales_gets_its_own_row(tmp_path):
+    """A SPEAR run that also trained the base's scales and zeros (``train_quant``) changed the base,
+    so the table must not put it in SPEAR's row."""
+    plain = dict(_run("spear", 0.01, 0.8), calibration={"train_quant": False})
+    tuned = dict(_run("spear", 0.01, 0.9), calibration={"train_quant": True})
+    for i, r in enumerate((plain, tuned)):
+        with open(tmp_path / f"run{i}.json", "w") as f:
+            json.dump(r, f)
+    md = quality.aggregate(str(tmp_path))["table"]
+    assert "| spear | 80.0%" in md and "| spear+scales | 90.0%" in md

@@ -102,3 +102,15 @@ def test_gate_init_bias_reaches_the_ecs_and_sets_how_far_the_gate_moves():
             gains.append((ec.alpha.detach() * torch.sigmoid(z)).std(0).mean())  # per-component spread over inputs
         spread[bias] = torch.stack(gains).mean().item()
     assert spread[0.0] > 10 * spread[6.0], spread
+
+
+def test_fit_spear_with_train_quant_runs_at_zero_budget():
+    """The zero-byte ablation (``train_quant`` with no EC budget) trains scales and zeros alone,
+    and with a budget it trains both; either lowers the held-out KL."""
+    ref, q, seqs = _setup()
+    before = mean_kl(ref, q, seqs[8:])
+    cfg = SpearConfig(calib=CalibConfig(steps=15, batch_size=4, lr=5e-3, lr_ab=1e-3, train_quant=True,
+                                        lr_quant=1e-2))
+    ecs, log = fit_spear_(ref, q, seqs[:8], 0, cfg, progress=False)
+    assert not ecs and log["plan"]["modules"] == [] and len(log["losses"]) == 15
+    assert mean_kl(ref, q, seqs[8:]) < before

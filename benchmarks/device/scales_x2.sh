@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 9: does training the base's scales and zero points with the KL (CalibConfig.train_quant;
+# no extra bytes) close the rest of the gap? One call on nvidia-h200-x2, after the GGUF halves
+# (quality_h200.sh), one process per GPU throughout:
+#   1. development plays, GPU_PRESET + train_quant at 1 %: lr_quant 1e-3 on GPU 0, 3e-4 on GPU 1;
+#   2. the better of the two on the evaluation plays: 1 % on GPU 0, 0.5 % on GPU 1.
+# Usage on the device: bash benchmarks/device/scales_x2.sh OUT_DIR   (ends packed as OUT_DIR.tgz)
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192,train_quant=true'
+for g in 0 1; do
+  lr=$([ $g = 0 ] && echo 1e-3 || echo 3e-4)
+  CUDA_VISIBLE_DEVICES=$g timeout 260 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
+    --out "$out/sweep$g" --variant "tq$lr:$base,lr_quant=$lr" > "$out/sweep$g.log" 2>&1 &
+done
+wait
+tail -n 3 "$out"/sweep*.log
+python3 - "$out" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+rows = [json.load(open(p)) for p in glob.glob(f"{out}/sweep*/tq*.json")]
+best = max(rows, key=lambda r: r["gap_recovered"])
+print("eval with", best["variant"], best["overrides"])
+json.dump(best["overrides"], open(f"{out}/best.json", "w"))
+PY
+[ -f "$out/best.json" ] || { bash benchmarks/device/pack.sh "$out"; exit 1; }
+for g in 0 1; do
+  b=$([ $g = 0 ] && echo 0.01 || echo 0.005)
+  CUDA_VISIBLE_DEVICES=$g timeout 250 bash benchmarks/device/quality_h200.sh --set-json "$out/best.json" \
+    --out "$out/eval$g" --bases rtn:0 --methods spear --budgets $b > "$out/eval$g.log" 2>&1 &
+done
+wait
+tail -n 3 "$out"/eval*.log
+bash benchmarks/device/pack.sh "$out"
