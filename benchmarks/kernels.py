@@ -9,7 +9,9 @@ graphs with input copies rotating through more than 3x the L2:
   tinygemm_int4    aten._weight_int4pack_mm (group 128, the torchao / gpt-fast path)
   naive_ec         tinygemm + the EC as eager PyTorch ops (r = 64, gated)
   ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
-  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped (side stream) above
+  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above (EC into the C
+                   operand of dequant + cuBLAS where the table picks that GEMM, else side stream)
+  ours_w4_ec_r64_side  (M >= 256) the side-stream structure on the same GEMM, for comparison
 
 Writes JSON (all numbers, GPU, versions, date), the tuned-config table and the measured
 fused/overlapped crossover per shape, and prints a ratio table last.
@@ -253,6 +255,10 @@ def main() -> None:
             if fused_ok:
                 chk["w4_ec_fused_rel_err"] = rel_err(T.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec), ref_ec)
             chk["w4_ec_overlapped_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu"), ref_ec)
+            if M >= 256:
+                for st in ("side", "c_operand"):
+                    chk[f"w4_ec_{st}_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec,
+                                                                       "silu", structure=st), ref_ec)
             tg = torch.ops.aten._weight_int4pack_mm(x, ws[0]["packed"], G, ws[0]["sz"])
             chk["tinygemm_vs_ref_rel_err"] = rel_err(tg, ref)
             res["checks"].append(chk)
@@ -293,6 +299,8 @@ def main() -> None:
             row["gemm_choice"] = list(cfg)
             row["ours_gemm_any_m"] = t_gemm
             if M >= 256:
+                row["ours_w4_ec_r64_side"] = bench_graph(
+                    lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *ecs[64], "silu", structure="side"), copies)
                 row["ours_dequant_cublas"] = bench_graph(
                     lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
                 row["ours_dequant_cublas_pipe"] = bench_graph(

@@ -11,6 +11,15 @@ on a side stream while the main stream multiplies the slices already done, writi
 into its columns of Y (cuBLAS takes the column slice with ldc = N, no copy). The fork and
 join are stream waits, so the sequence is capturable in a CUDA graph. Results are
 identical to ``chunks = 1`` (every output column comes from one GEMM over all of K).
+
+``ec_dequant_cublas`` is the prefill EC on this path. The side-stream EC of
+``dispatch.ec_overlapped`` added ``alpha * hg B^T`` after the GEMM, reading and writing Y
+once more (4 M N bytes) and taking SMs from cuBLAS while it ran: 1.07-1.29x the W4 time at
+M >= 256 (session 4). Here the EC goes first and into the GEMM's C operand instead:
+``E = alpha * hg B^T (+ bias)`` (cuBLAS shrink, Triton gate, cuBLAS expand) runs on the main
+stream while the weight is dequantized on a side stream, then ``E += x2 W^T`` in place
+(cuBLAS with beta = 1 reads E in its epilogue). The EC then hides behind the dequantize
+(memory-bound, ~10-50 us), and the only extra traffic after the join is that epilogue read.
 """
 from __future__ import annotations
 
@@ -64,3 +73,31 @@ def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: 
         gemm(w, a, b)
         w.record_stream(main)  # the slice's memory is not reused before main's GEMM has read it
     return y
+
+
+def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A, B, W1, b1, W2, b2, alpha,
+                      act: str = "silu", side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+    """Y = x2 dequant(W)^T (+ bias) + alpha * (g * x2 A^T) B^T, the EC in the GEMM's C operand
+    (module docstring). Capturable: the fork and join are stream waits."""
+    from .ec_triton import ec_shrink_gate
+    from .w4a16_triton import w4_dequantize
+
+    R = A.shape[0]
+    main = side_ = None
+    if x2.is_cuda:
+        from .dispatch import _side_stream
+
+        main = torch.cuda.current_stream(x2.device)
+        side_ = side or _side_stream(x2.device)
+        side_.wait_stream(main)  # the weight and x2 are ready on main
+        with torch.cuda.stream(side_):
+            w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
+    else:  # (CPU: Triton's interpreter in tests) the same steps, one after another
+        w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
+    hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)[:, :R]
+    Bt = (B if B.dtype == x2.dtype else B.to(x2.dtype)).t()
+    e = torch.addmm(bias, hg, Bt) if bias is not None else torch.mm(hg, Bt)
+    if main is not None:
+        main.wait_stream(side_)
+        w.record_stream(main)  # allocated on the side stream, read by main's GEMM
+    return e.addmm_(x2, w.t())

@@ -88,11 +88,29 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+OVERLAP_STRUCTURES = ("auto", "side", "c_operand")
+
+
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
-                  side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
-    """W4 GEMM on the current stream, EC shrink+gate on a side stream, join, expand-add."""
+                  side: Optional["torch.cuda.Stream"] = None, structure: str = "auto") -> torch.Tensor:
+    """The prefill EC. ``structure``: "side" - W4 GEMM on the current stream, EC shrink+gate on a
+    side stream, join, expand-add into Y; "c_operand" - the EC first, into the C operand of a
+    dequantize + cuBLAS GEMM, beside the dequantize (``dequant_cublas.ec_dequant_cublas``);
+    "auto" - "c_operand" where the tuned table runs this shape's GEMM as dequantize + cuBLAS."""
     from .ec_triton import ec_expand_add_, ec_shrink_gate
-    from .w4a16_triton import w4a16_gemm
+    from .w4a16_triton import gemm_config, is_dequant_cublas, w4a16_gemm
+
+    if structure not in OVERLAP_STRUCTURES:
+        raise ValueError(f"ec_overlapped: structure={structure!r}; expected one of {OVERLAP_STRUCTURES}")
+    M, K = x2.shape
+    if structure == "auto":
+        cfg = gemm_config(M, qweight.shape[0], K, group_size)
+        structure = "c_operand" if is_dequant_cublas(cfg) else "side"
+    if structure == "c_operand":
+        from .dequant_cublas import ec_dequant_cublas
+
+        return ec_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
+                                 side=side)
 
     main = torch.cuda.current_stream(x2.device)
     side = side or _side_stream(x2.device)

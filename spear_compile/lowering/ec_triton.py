@@ -24,10 +24,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _ec_gate_kernel(
-        H, W1, B1, W2, B2, HG, M, R, D, stride_hm,
+        H, W1, B1, W2, B2, ALPHA, HG, M, R, D, stride_hm,
         BLOCK_M: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+        HAS_ALPHA: tl.constexpr,
     ):
-        """HG[rows] = g * h for BLOCK_M rows of H ([M, R], any float dtype), in fp32."""
+        """HG[rows] = (alpha *) g * h for BLOCK_M rows of H ([M, R], any float dtype), computed in
+        fp32 and stored in HG's dtype."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         offs_r = tl.arange(0, R_P)
@@ -42,7 +44,11 @@ if HAS_TRITON:
         w2 = tl.load(W2 + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
         g = tl.dot(z, tl.trans(w2.to(tl.float32)))
         g = tl.sigmoid(g + tl.load(B2 + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :])
-        tl.store(HG + offs_m[:, None] * R_P + offs_r[None, :], g * h, mask=mask_m[:, None] & mask_r[None, :])
+        hg = g * h
+        if HAS_ALPHA:
+            hg = hg * tl.load(ALPHA).to(tl.float32)
+        tl.store(HG + offs_m[:, None] * R_P + offs_r[None, :], hg.to(HG.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
     def _ec_expand_add_kernel(
@@ -70,18 +76,20 @@ GATE_CONFIG = (16, 4) if INTERPRET else (64, 4)  # BLOCK_M, num_warps
 EXPAND_CONFIG = (16, 32, 4) if INTERPRET else (64, 128, 4)  # BLOCK_M, BLOCK_N, num_warps
 
 
-def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu") -> torch.Tensor:
-    """``g * h`` as fp32 [M, R_P] (columns >= r are zero-padded, never read). ``h`` is rounded
-    to x's dtype by cuBLAS: a relative 2^-9 of the correction, far below the output's own rounding."""
+def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu", alpha=None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``g * h`` (times ``alpha`` when given) as [M, R_P] in ``dtype`` (columns >= r are never
+    written or read). ``h`` is rounded to x's dtype by cuBLAS: a relative 2^-9 of the correction,
+    far below the output's own rounding."""
     M, K = x2.shape
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16
     h = torch.mm(x2, A.t() if A.dtype == x2.dtype else A.to(x2.dtype).t())  # [M, R] in x's dtype (cuBLAS)
-    hg = torch.empty(M, r_p, dtype=torch.float32, device=x2.device)
+    hg = torch.empty(M, r_p, dtype=dtype, device=x2.device)
     bm, warps = GATE_CONFIG
     _ec_gate_kernel[(triton.cdiv(M, bm),)](
-        h, W1, b1, W2, b2, hg, M, R, D, h.stride(0),
-        BLOCK_M=bm, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], num_warps=warps,
+        h, W1, b1, W2, b2, alpha if alpha is not None else b2, hg, M, R, D, h.stride(0),
+        BLOCK_M=bm, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], HAS_ALPHA=alpha is not None, num_warps=warps,
     )
     return hg
 

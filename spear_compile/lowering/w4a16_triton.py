@@ -802,6 +802,16 @@ DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch wei
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 
 
+def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
+    """The GEMM config the tuned table (or the default for this M) gives this shape."""
+    return tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
+
+
+def is_dequant_cublas(config: tuple) -> bool:
+    """Whether ``config`` is the dequantize + cuBLAS path (one pass or pipelined)."""
+    return config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0])
+
+
 def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for any M: the tiled in-loop-dequant Triton GEMM, or (when the tuned table says
@@ -809,8 +819,8 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     one dequantize pass plus cuBLAS."""
     M, K = x2.shape
     N = qweight.shape[0]
-    config = config or tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
-    if config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0]):
+    config = config or gemm_config(M, N, K, G)
+    if is_dequant_cublas(config):
         from .dequant_cublas import dequant_cublas
 
         return dequant_cublas(x2, qweight, scales, zeros, G, bias, out=out,

@@ -254,3 +254,37 @@ def test_cat_gemv1_equals_its_parts_and_caches_the_concatenation(G, dtype):
     qs[1][0, 0] ^= 0x11  # in place: the cache must not serve the old weight
     again = C.concatenated(qs, ss, zs, bs)
     assert again is not first and not torch.equal(again[0], first[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G", [64, None])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_ec_in_the_gemm_c_operand_matches_reference(dtype, G, with_bias):
+    """The prefill EC as E = alpha * hg B^T (+ bias), then E += x W^T (``structure="c_operand"``):
+    the same function as the reference and as the side-stream structure."""
+    from spear_compile.lowering.dispatch import ec_overlapped
+
+    qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
+    bias = bias if with_bias else None
+    ec = _ec(123, 320, 5, 3, dtype)
+    x = torch.randn(17, 320, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    ref = ec_linear_ref(x, qweight, scales, zeros, Gs, bias, *ec, "silu")
+    y = ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="c_operand")
+    assert y.shape == (17, 123) and y.dtype == dtype
+    _close(y, ref, dtype)
+    if DEV == "cuda":  # the side-stream structure needs CUDA streams
+        _close(y, ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="side"), dtype)
+    with pytest.raises(ValueError, match="structure="):
+        ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="epilogue")
+
+
+def test_shrink_gate_folds_alpha_and_stores_in_the_asked_dtype():
+    from spear_compile.lowering.ec_triton import ec_shrink_gate
+
+    A, B, W1, b1, W2, b2, alpha = _ec(123, 320, 6, 5, torch.bfloat16)
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(4)).to(DEV, torch.bfloat16)
+    hg = ec_shrink_gate(x, A, W1, b1, W2, b2, "silu")
+    hga = ec_shrink_gate(x, A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=torch.bfloat16)
+    assert hg.dtype == torch.float32 and hga.dtype == torch.bfloat16
+    # one bf16 rounding apart (the interpreter's fp32 -> bf16 cast need not round to nearest)
+    torch.testing.assert_close(hga[:, :6].float(), hg[:, :6] * alpha.float(), rtol=2 ** -7, atol=1e-6)
