@@ -9,9 +9,10 @@ graphs with input copies rotating through more than 3x the L2:
   tinygemm_int4    aten._weight_int4pack_mm (group 128, the torchao / gpt-fast path)
   naive_ec         tinygemm + the EC as eager PyTorch ops (r = 64, gated)
   ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
-  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above (EC into the C
-                   operand of dequant + cuBLAS where the table picks that GEMM, else side stream)
-  ours_w4_ec_r64_side  (M >= 256) the side-stream structure on the same GEMM, for comparison
+  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above, in the structure
+                   measured fastest for the shape (``dispatch.ec_overlapped`` "auto")
+  ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi}  (M >= 256) each prefill EC structure; the
+                   fastest is saved in the tuned table (``ecstruct|M|N|K|G``) before "auto" is timed
 
 Writes JSON (all numbers, GPU, versions, date), the tuned-config table and the measured
 fused/overlapped crossover per shape, and prints a ratio table last.
@@ -45,6 +46,9 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 RANKS = [16, 32, 64]
 G = 128
 DT = torch.bfloat16
+
+
+STRUCTURES = ("side", "side_hi", "c_operand", "c_operand_hi")  # dispatch.OVERLAP_STRUCTURES but "auto"
 
 
 def rel_err(out, ref) -> float:
@@ -256,7 +260,7 @@ def main() -> None:
                 chk["w4_ec_fused_rel_err"] = rel_err(T.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec), ref_ec)
             chk["w4_ec_overlapped_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu"), ref_ec)
             if M >= 256:
-                for st in ("side", "c_operand"):
+                for st in STRUCTURES:
                     chk[f"w4_ec_{st}_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec,
                                                                        "silu", structure=st), ref_ec)
             tg = torch.ops.aten._weight_int4pack_mm(x, ws[0]["packed"], G, ws[0]["sz"])
@@ -291,6 +295,13 @@ def main() -> None:
                 row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
             else:
                 row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None), copies)
+            if M >= 256:  # each prefill EC structure, the fastest saved for "auto"
+                for st in STRUCTURES:
+                    row[f"ours_w4_ec_r64_{st}"] = bench_graph(
+                        lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *ecs[64], "silu", structure=st), copies)
+                best = min(STRUCTURES, key=lambda st: row[f"ours_w4_ec_r64_{st}"])
+                T.tuned_table()[T.ec_structure_key(M, N, K, G)] = best
+                row["ec_structure"] = best
             for r in RANKS:
                 e = ecs[r]
                 row[f"ours_w4_ec_r{r}_overlapped"] = bench_graph(lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *e, "silu"), copies)
@@ -299,8 +310,6 @@ def main() -> None:
             row["gemm_choice"] = list(cfg)
             row["ours_gemm_any_m"] = t_gemm
             if M >= 256:
-                row["ours_w4_ec_r64_side"] = bench_graph(
-                    lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *ecs[64], "silu", structure="side"), copies)
                 row["ours_dequant_cublas"] = bench_graph(
                     lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
                 row["ours_dequant_cublas_pipe"] = bench_graph(

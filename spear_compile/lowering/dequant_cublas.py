@@ -76,28 +76,44 @@ def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: 
 
 
 def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A, B, W1, b1, W2, b2, alpha,
-                      act: str = "silu", side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+                      act: str = "silu", side: Optional["torch.cuda.Stream"] = None,
+                      high_priority_ec: bool = False) -> torch.Tensor:
     """Y = x2 dequant(W)^T (+ bias) + alpha * (g * x2 A^T) B^T, the EC in the GEMM's C operand
-    (module docstring). Capturable: the fork and join are stream waits."""
+    (module docstring). Capturable: the fork and join are stream waits.
+
+    ``high_priority_ec``: the EC chain on a high-priority stream and the dequantize on the
+    current one, instead of the dequantize on a side stream. The block scheduler dispatches a
+    later kernel's CTAs only once an earlier kernel's are all dispatched, unless the later one's
+    stream has higher priority: the EC's small, latency-bound kernels otherwise wait for the
+    dequantize's full grid."""
     from .ec_triton import ec_shrink_gate
     from .w4a16_triton import w4_dequantize
 
     R = A.shape[0]
-    main = side_ = None
-    if x2.is_cuda:
-        from .dispatch import _side_stream
 
-        main = torch.cuda.current_stream(x2.device)
-        side_ = side or _side_stream(x2.device)
-        side_.wait_stream(main)  # the weight and x2 are ready on main
-        with torch.cuda.stream(side_):
-            w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
-    else:  # (CPU: Triton's interpreter in tests) the same steps, one after another
+    def ec_chain() -> torch.Tensor:  # E = alpha * (g * x2 A^T) B^T (+ bias), in x2's dtype
+        hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)[:, :R]
+        Bt = (B if B.dtype == x2.dtype else B.to(x2.dtype)).t()
+        return torch.addmm(bias, hg, Bt) if bias is not None else torch.mm(hg, Bt)
+
+    if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the same steps, one after another
+        return ec_chain().addmm_(x2, w4_dequantize(qweight, scales, zeros, G, x2.dtype).t())
+    from .dispatch import HIGH_PRIORITY, _side_stream
+
+    main = torch.cuda.current_stream(x2.device)
+    other = side or _side_stream(x2.device, HIGH_PRIORITY if high_priority_ec else 0)
+    other.wait_stream(main)  # the weight and x2 are ready on main
+    if high_priority_ec:
+        with torch.cuda.stream(other):
+            e = ec_chain()
         w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
-    hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)[:, :R]
-    Bt = (B if B.dtype == x2.dtype else B.to(x2.dtype)).t()
-    e = torch.addmm(bias, hg, Bt) if bias is not None else torch.mm(hg, Bt)
-    if main is not None:
-        main.wait_stream(side_)
+        main.wait_stream(other)
+        x2.record_stream(other)
+        e.record_stream(main)  # allocated on the EC's stream, written by main's GEMM
+    else:
+        with torch.cuda.stream(other):
+            w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
+        e = ec_chain()
+        main.wait_stream(other)
         w.record_stream(main)  # allocated on the side stream, read by main's GEMM
     return e.addmm_(x2, w.t())

@@ -26,14 +26,18 @@ from .ec_linear import ec_linear_ref
 from .w4a16 import w4a16_linear_ref
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16)
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+HIGH_PRIORITY = -1  # CUDA stream priorities: lower is higher; 0 is the default, -1 exists on every GPU
+
+
+def _side_stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
+    """One side stream per (device, priority), made once (so captured graphs and eager calls share it)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    s = _SIDE_STREAMS.get(idx)
+    s = _SIDE_STREAMS.get((idx, priority))
     if s is None:
-        s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+        s = _SIDE_STREAMS[(idx, priority)] = torch.cuda.Stream(device=idx, priority=priority)
     return s
 
 
@@ -88,32 +92,36 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-OVERLAP_STRUCTURES = ("auto", "side", "c_operand")
+OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi")
 
 
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
                   side: Optional["torch.cuda.Stream"] = None, structure: str = "auto") -> torch.Tensor:
-    """The prefill EC. ``structure``: "side" - W4 GEMM on the current stream, EC shrink+gate on a
-    side stream, join, expand-add into Y; "c_operand" - the EC first, into the C operand of a
-    dequantize + cuBLAS GEMM, beside the dequantize (``dequant_cublas.ec_dequant_cublas``);
-    "auto" - "c_operand" where the tuned table runs this shape's GEMM as dequantize + cuBLAS."""
+    """The prefill EC, in one of four structures (``_hi``: the EC's stream has high priority, so
+    its small kernels are scheduled ahead of the big kernel's pending CTAs):
+
+    * "side" / "side_hi": W4 GEMM on the current stream, EC shrink + gate on a side stream, join,
+      expand-add into Y (``y += alpha * hg B^T``, reading and writing Y once more);
+    * "c_operand" / "c_operand_hi": the EC first, into the C operand of a dequantize + cuBLAS
+      GEMM, beside the dequantize (``dequant_cublas.ec_dequant_cublas``);
+    * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
+      (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side"."""
     from .ec_triton import ec_expand_add_, ec_shrink_gate
-    from .w4a16_triton import gemm_config, is_dequant_cublas, w4a16_gemm
+    from .w4a16_triton import ec_structure, w4a16_gemm
 
     if structure not in OVERLAP_STRUCTURES:
         raise ValueError(f"ec_overlapped: structure={structure!r}; expected one of {OVERLAP_STRUCTURES}")
     M, K = x2.shape
     if structure == "auto":
-        cfg = gemm_config(M, qweight.shape[0], K, group_size)
-        structure = "c_operand" if is_dequant_cublas(cfg) else "side"
-    if structure == "c_operand":
+        structure = ec_structure(M, qweight.shape[0], K, group_size)
+    if structure.startswith("c_operand"):
         from .dequant_cublas import ec_dequant_cublas
 
         return ec_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
-                                 side=side)
+                                 side=side, high_priority_ec=structure == "c_operand_hi")
 
     main = torch.cuda.current_stream(x2.device)
-    side = side or _side_stream(x2.device)
+    side = side or _side_stream(x2.device, HIGH_PRIORITY if structure == "side_hi" else 0)
     side.wait_stream(main)  # x2 is ready on main
     with torch.cuda.stream(side):
         hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act)

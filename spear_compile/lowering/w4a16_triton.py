@@ -807,6 +807,20 @@ def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
     return tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
 
 
+def ec_structure_key(M: int, N: int, K: int, G: int) -> str:
+    return f"ecstruct|{_m_bucket(M)}|{N}|{K}|{G}"
+
+
+def ec_structure(M: int, N: int, K: int, G: int) -> str:
+    """The prefill EC structure (``dispatch.ec_overlapped``) measured fastest for this shape on
+    this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
+    for this shape to be dequantize + cuBLAS; otherwise "side" is returned."""
+    choice = tuned_table().get(ec_structure_key(M, N, K, G), "side")
+    if choice.startswith("c_operand") and not is_dequant_cublas(gemm_config(M, N, K, G)):
+        return "side"
+    return choice
+
+
 def is_dequant_cublas(config: tuple) -> bool:
     """Whether ``config`` is the dequantize + cuBLAS path (one pass or pipelined)."""
     return config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0])

@@ -272,8 +272,11 @@ def test_ec_in_the_gemm_c_operand_matches_reference(dtype, G, with_bias):
     y = ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="c_operand")
     assert y.shape == (17, 123) and y.dtype == dtype
     _close(y, ref, dtype)
-    if DEV == "cuda":  # the side-stream structure needs CUDA streams
-        _close(y, ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="side"), dtype)
+    # the high-priority variant: the same kernels, the EC and the dequantize on swapped streams
+    _close(ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="c_operand_hi"), ref, dtype)
+    if DEV == "cuda":  # the side-stream structures need CUDA streams
+        for st in ("side", "side_hi"):
+            _close(y, ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure=st), dtype)
     with pytest.raises(ValueError, match="structure="):
         ec_overlapped(x, qweight, scales, zeros, Gs, bias, *ec, "silu", structure="epilogue")
 

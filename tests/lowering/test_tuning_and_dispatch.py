@@ -42,7 +42,12 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemm")
+                assert kind in ("gemv", "gemv1", "gemm", "ecstruct")
+                if kind == "ecstruct":  # the measured prefill EC structure
+                    from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES
+
+                    assert val in OVERLAP_STRUCTURES and val != "auto"
+                    continue
                 if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
                     continue
@@ -91,3 +96,18 @@ def test_kernel_for_cuda_nodes():
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
     assert kernel_for(x, "tinygemm_cuda", "fused", False) == "pytorch reference"
+
+
+def test_ec_structure_follows_the_measured_table(monkeypatch):
+    """"auto" takes the measured structure; a C-operand choice only where the table's GEMM for the
+    shape is dequantize + cuBLAS (the structure is built on it); nothing measured -> "side"."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    table = {T.ec_structure_key(1024, 64, 32, 32): "c_operand_hi", T.gemm_key(1024, 64, 32, 32): ["dequant_cublas"],
+             T.ec_structure_key(1024, 96, 32, 32): "c_operand", T.gemm_key(1024, 96, 32, 32): [64, 64, 32, 4, 3],
+             T.ec_structure_key(256, 64, 32, 32): "side_hi"}
+    monkeypatch.setattr(T, "tuned_table", lambda: table)
+    assert T.ec_structure(1000, 64, 32, 32) == "c_operand_hi"  # M buckets to 1024
+    assert T.ec_structure(1024, 96, 32, 32) == "side"
+    assert T.ec_structure(256, 64, 32, 32) == "side_hi"
+    assert T.ec_structure(4096, 64, 32, 32) == "side"
