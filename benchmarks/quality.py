@@ -162,7 +162,8 @@ def main(argv=None) -> int:
             quant, group = b.split(":")
             for method in args.methods:
                 for budget in args.budgets:
-                    path = os.path.join(args.out, tag(quant, int(group), method, budget) + ".json")
+                    label = "spear+scales" if method == "spear" and session.spear.calib.train_quant else method
+                    path = os.path.join(args.out, tag(quant, int(group), label, budget) + ".json")
                     if os.path.exists(path) and not args.force:
                         continue
                     r = session.run(quant, int(group), method, budget)

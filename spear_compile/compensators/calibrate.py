@@ -12,7 +12,10 @@
    With ``dense_weights`` the student's 4-bit weights are dequantized once for the whole run
    (fp32 copies, 4 bytes per weight) instead of in every forward and every backward of every
    step; the same reference math (``lowering/w4a16.py``, ``lowering/ec_linear.py``), so the
-   losses are unchanged (tested).
+   losses are unchanged (tested). With ``train_quant`` the scales and zero points are trained
+   too (``QuantParams``): those weights are rebuilt from their 4-bit codes in every forward, and
+   the trained values are written back into the modules when training ends (normally or by
+   Ctrl-C; after any other error the base is left unchanged).
 
 Deterministic under a seed; a progress bar shows the running KL; ``KeyboardInterrupt``
 stops cleanly after the current step and keeps the parameters trained so far.
@@ -198,22 +201,30 @@ class QuantParams:
 
         N, K, G = m.out_features, m.in_features, m.group_size
         self.module = m
-        self.q = unpack_int4(m.qweight).reshape(N, K // G, G).float()
+        self.q = unpack_int4(m.qweight).reshape(N, K // G, G)  # uint8 codes: 1 byte per weight
         self.s0, self.z0 = m.scales.detach().float().clone(), m.zeros.detach().float().clone()
         self.u = nn.Parameter(torch.zeros_like(self.s0))
         self.v = nn.Parameter(torch.zeros_like(self.z0))
 
-    def weight(self) -> torch.Tensor:
+    def scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trained scales and zeros as the module will store them (rounded to its buffers'
+        dtype, straight-through: the forward sees the stored values, the gradient passes as if
+        unrounded), so a bf16 model trains what it keeps."""
+        dt = self.module.scales.dtype
         s, z = self.s0 * (1 + self.u), self.z0 + self.v
-        w = (self.q - z.unsqueeze(-1)) * s.unsqueeze(-1)
+        return s + (s.to(dt).float() - s).detach(), z + (z.to(dt).float() - z).detach()
+
+    def weight(self) -> torch.Tensor:
+        s, z = self.scales_zeros()
+        w = (self.q.float() - z.unsqueeze(-1)) * s.unsqueeze(-1)
         return w.reshape(self.module.out_features, self.module.in_features)
 
     @torch.no_grad()
     def write_back(self) -> None:
         """Store the trained scales and zeros in the module (its buffers' dtype)."""
-        m = self.module
-        m.scales.copy_(self.s0 * (1 + self.u))
-        m.zeros.copy_(self.z0 + self.v)
+        s, z = self.scales_zeros()
+        self.module.scales.copy_(s)
+        self.module.zeros.copy_(z)
 
 
 def quant_params(model: nn.Module) -> list[QuantParams]:
@@ -347,12 +358,21 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                 bar.set_postfix(kl=f"{losses[-1]:.4f}")
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
-    finally:
+    finally:  # on any other exception the base's scales and zeros stay as they were
         for p, r in zip(others, req):
             p.requires_grad_(r)
         for p in gate + ab:
             p.requires_grad_(False)
-        for qp in qparams:
-            qp.write_back()
         model.train(was_training)
+    _write_back(qparams)
     return {"losses": losses, "seconds": time.time() - t0, "steps": len(losses)}
+
+
+def _write_back(qparams: Sequence[QuantParams]) -> None:
+    """Store trained scales and zeros, all or none: a non-finite one leaves the base unchanged."""
+    bad = [qp.module.name for qp in qparams if not (bool(torch.isfinite(qp.u).all()) and bool(torch.isfinite(qp.v).all()))]
+    if bad:
+        raise FloatingPointError(f"calibrate_: train_quant made non-finite scales or zeros in {len(bad)} module(s) "
+                                 f"({', '.join(bad[:3])}); the base quantization was left unchanged (lower lr_quant)")
+    for qp in qparams:
+        qp.write_back()

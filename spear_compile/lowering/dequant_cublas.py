@@ -18,8 +18,10 @@ once more (4 M N bytes) and taking SMs from cuBLAS while it ran: 1.07-1.29x the 
 M >= 256 (session 4). Here the EC goes first and into the GEMM's C operand instead:
 ``E = alpha * hg B^T (+ bias)`` (cuBLAS shrink, Triton gate, cuBLAS expand) runs on the main
 stream while the weight is dequantized on a side stream, then ``E += x2 W^T`` in place
-(cuBLAS with beta = 1 reads E in its epilogue). The EC then hides behind the dequantize
-(memory-bound, ~10-50 us), and the only extra traffic after the join is that epilogue read.
+(cuBLAS with beta = 1 reads E in its epilogue): no pass over Y after the GEMM. Measured on the
+H200 (``benchmarks/NOTES.md``, session 9): it wins at M = 4096, and at M = 256-1024 on the larger
+shapes only with the EC's stream at high priority - otherwise its small kernels queue behind the
+dequantize's grid. ``dispatch.ec_overlapped`` picks the structure per shape from measurements.
 """
 from __future__ import annotations
 
@@ -91,10 +93,9 @@ def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A,
 
     R = A.shape[0]
 
-    def ec_chain() -> torch.Tensor:  # E = alpha * (g * x2 A^T) B^T (+ bias), in x2's dtype
+    def ec_chain(out: Optional[torch.Tensor] = None) -> torch.Tensor:  # E = alpha (g * x2 A^T) B^T (+ bias)
         hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)[:, :R]
-        Bt = (B if B.dtype == x2.dtype else B.to(x2.dtype)).t()
-        return torch.addmm(bias, hg, Bt) if bias is not None else torch.mm(hg, Bt)
+        return _mm(hg, B if B.dtype == x2.dtype else B.to(x2.dtype), bias, out)
 
     if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the same steps, one after another
         return ec_chain().addmm_(x2, w4_dequantize(qweight, scales, zeros, G, x2.dtype).t())
@@ -104,12 +105,13 @@ def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A,
     other = side or _side_stream(x2.device, HIGH_PRIORITY if high_priority_ec else 0)
     other.wait_stream(main)  # the weight and x2 are ready on main
     if high_priority_ec:
+        # E belongs to main's pool (it is the layer's output), the EC's stream only writes it
+        e = torch.empty(x2.shape[0], qweight.shape[0], dtype=x2.dtype, device=x2.device)
         with torch.cuda.stream(other):
-            e = ec_chain()
+            ec_chain(out=e)
         w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)
         main.wait_stream(other)
         x2.record_stream(other)
-        e.record_stream(main)  # allocated on the EC's stream, written by main's GEMM
     else:
         with torch.cuda.stream(other):
             w = w4_dequantize(qweight, scales, zeros, G, x2.dtype)

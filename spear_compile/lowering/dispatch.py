@@ -6,9 +6,11 @@
   M <= GEMV_MAX_M: on Hopper a producer grid + the PDL-launched GEMV (``ec_decode_triton.py``),
   elsewhere producers inside the GEMV launch; beyond GEMV_MAX_M the GEMM with the EC on a side stream.
 * "overlapped" (prefill): W4 GEMM (Triton, or from M = 256 dequantize + cuBLAS, per the tuned
-  table) on the current stream while the EC's shrink (cuBLAS) + gate runs on a side stream; after
-  the join, ``y += alpha * hg B^T`` in place. The fork/join uses ``wait_stream`` so the whole
-  step is capturable in a CUDA graph.
+  table) with the EC in one of four structures, the one measured fastest for the shape
+  (``ec_overlapped``): shrink (cuBLAS) + gate on a side stream beside the GEMM, then
+  ``y += alpha * hg B^T`` in place; or the EC first, beside the dequantize, into the C operand
+  of the cuBLAS GEMM; each optionally with the EC's stream at high priority. Every fork/join
+  uses stream waits, so the whole step is capturable in a CUDA graph.
 * "dispatch": branch on M at run time against ``crossover``; "auto": like dispatch.
 
 Anything the Triton kernels do not cover (fp32 activations, the tinygemm / unpacked

@@ -68,8 +68,8 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool) ->
     gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
     fused = f"{producers} triton GEMV with EC epilogue" if has_ec else f"triton GEMV (M = 1) / {gemm}"
-    over = ("triton GEMM + EC shrink (cuBLAS) and gate on a side stream (M < 256) / EC into the C operand "
-            "of dequant + cuBLAS, beside the dequant" if has_ec else gemm)
+    over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
+            "side stream, or first and into the GEMM's C operand" if has_ec else gemm)
     return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
 
 

@@ -105,8 +105,8 @@ def test_gate_init_bias_reaches_the_ecs_and_sets_how_far_the_gate_moves():
 
 
 def test_fit_spear_with_train_quant_runs_at_zero_budget():
-    """The zero-byte ablation (``train_quant`` with no EC budget) trains scales and zeros alone,
-    and with a budget it trains both; either lowers the held-out KL."""
+    """The zero-byte ablation (``train_quant`` with no EC budget): no EC is planned or attached,
+    the scales and zeros alone are trained, and the held-out KL drops."""
     ref, q, seqs = _setup()
     before = mean_kl(ref, q, seqs[8:])
     cfg = SpearConfig(calib=CalibConfig(steps=15, batch_size=4, lr=5e-3, lr_ab=1e-3, train_quant=True,

@@ -90,8 +90,8 @@ def test_kernel_for_cuda_nodes():
         assert kernel_for(x, "spear", "fused", True) == (
             "EC producer launch + PDL-launched" if pdl else "in-kernel EC producers +") + " triton GEMV with EC epilogue"
         assert kernel_for(x, "spear", "overlapped", True) == (
-            "triton GEMM + EC shrink (cuBLAS) and gate on a side stream (M < 256) / EC into the C operand of "
-            "dequant + cuBLAS, beside the dequant")
+            "triton GEMM (M < 256) / dequant + cuBLAS (per the tuned table) + EC in the structure measured per "
+            "shape: shrink and gate on a side stream, or first and into the GEMM's C operand")
         assert kernel_for(x, "spear", "fused", False).startswith("triton GEMV (M = 1)")
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
