@@ -47,8 +47,9 @@ if HAS_TRITON:
         hg = g * h
         if HAS_ALPHA:
             hg = hg * tl.load(ALPHA).to(tl.float32)
-        tl.store(HG + offs_m[:, None] * R_P + offs_r[None, :], hg.to(HG.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_r[None, :])
+        # all R_P columns (those >= R hold g * 0 = 0): a BLAS reading HG[:, :R] with its row stride
+        # R_P may load the padding in vector blocks, and uninitialised memory there can be NaN
+        tl.store(HG + offs_m[:, None] * R_P + offs_r[None, :], hg.to(HG.dtype.element_ty), mask=mask_m[:, None])
 
     @triton.jit
     def _ec_expand_add_kernel(
@@ -78,9 +79,9 @@ EXPAND_CONFIG = (16, 32, 4) if INTERPRET else (64, 128, 4)  # BLOCK_M, BLOCK_N, 
 
 def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu", alpha=None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``g * h`` (times ``alpha`` when given) as [M, R_P] in ``dtype`` (columns >= r are never
-    written or read). ``h`` is rounded to x's dtype by cuBLAS: a relative 2^-9 of the correction,
-    far below the output's own rounding."""
+    """``g * h`` (times ``alpha`` when given) as [M, R_P] in ``dtype`` (columns >= r are zeros).
+    ``h`` is rounded to x's dtype by cuBLAS: a relative 2^-9 of the correction, far below the
+    output's own rounding."""
     M, K = x2.shape
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16

@@ -291,3 +291,17 @@ def test_shrink_gate_folds_alpha_and_stores_in_the_asked_dtype():
     assert hg.dtype == torch.float32 and hga.dtype == torch.bfloat16
     # one bf16 rounding apart (the interpreter's fp32 -> bf16 cast need not round to nearest)
     torch.testing.assert_close(hga[:, :6].float(), hg[:, :6] * alpha.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_shrink_gate_zeroes_its_padding_columns(monkeypatch):
+    """hg is [M, R_P] with R_P >= 16 > r: the padding must be written (zeros), not left as whatever
+    the allocator returned, because the C-operand path hands ``hg[:, :r]`` (row stride R_P) to a
+    BLAS GEMM, and a BLAS may read the padding in vector blocks (a NaN there made a CPU run flaky)."""
+    from spear_compile.lowering import ec_triton
+
+    A, B, W1, b1, W2, b2, alpha = _ec(123, 320, 5, 3, torch.bfloat16)
+    x = torch.randn(17, 320, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
+    real_empty = torch.empty
+    monkeypatch.setattr(ec_triton.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    hg = ec_triton.ec_shrink_gate(x, A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=torch.bfloat16)
+    assert hg.shape == (17, 16) and bool(torch.isfinite(hg).all()) and float(hg[:, 5:].abs().max()) == 0.0
