@@ -35,7 +35,7 @@ import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
 from spear_compile.lowering import w4a16_gemv_gluon as GG
 from spear_compile.lowering import w4a16_triton as T
-from spear_compile.lowering.dispatch import ec_overlapped
+from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES, ec_overlapped
 from spear_compile.lowering.ec_linear import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save_table, search
 from spear_compile.lowering.w4a16 import w4a16_linear_ref
@@ -48,7 +48,7 @@ G = 128
 DT = torch.bfloat16
 
 
-STRUCTURES = ("side", "side_hi", "c_operand", "c_operand_hi")  # dispatch.OVERLAP_STRUCTURES but "auto"
+STRUCTURES = tuple(st for st in OVERLAP_STRUCTURES if st != "auto")
 
 
 def rel_err(out, ref) -> float:

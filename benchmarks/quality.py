@@ -26,6 +26,12 @@ COLORS = {"lorc": "#999999", "lqer": "#e69f00", "qera": "#0072b2", "serq": "#009
           "spear+scales": "#cc79a7"}
 
 
+def row_method(method: str, train_quant: bool) -> str:
+    """The table row of a run: a SPEAR run that also trained the base's scales and zeros
+    (``train_quant``) changed the base, so it gets its own row, "spear+scales"."""
+    return "spear+scales" if method == "spear" and train_quant else method
+
+
 def tag(quant: str, group: int, method: str, budget: float) -> str:
     return f"{quant}_g{group or 'ch'}_{method}_{budget:g}"
 
@@ -42,8 +48,7 @@ def load_runs(out: str) -> list[dict]:
         with open(p) as f:
             r = json.load(f)
         if isinstance(r, dict) and {"quant", "method", "budget", "gap_recovered"} <= set(r):  # not other JSON
-            if r["method"] == "spear" and (r.get("calibration") or {}).get("train_quant"):
-                r["method"] = "spear+scales"  # the base's scales and zeros were trained too: its own row
+            r["method"] = row_method(r["method"], bool((r.get("calibration") or {}).get("train_quant")))
             runs.append(r)
     return runs
 
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
             quant, group = b.split(":")
             for method in args.methods:
                 for budget in args.budgets:
-                    label = "spear+scales" if method == "spear" and session.spear.calib.train_quant else method
+                    label = row_method(method, session.spear.calib.train_quant)
                     path = os.path.join(args.out, tag(quant, int(group), label, budget) + ".json")
                     if os.path.exists(path) and not args.force:
                         continue

@@ -31,11 +31,5 @@ print("eval with", best["variant"], best["overrides"])
 json.dump(best["overrides"], open(f"{out}/best.json", "w"))
 PY
 [ -f "$out/best.json" ] || exit 1
-for g in 0 1; do
-  b=$([ $g = 0 ] && echo 0.01 || echo 0.005)
-  CUDA_VISIBLE_DEVICES=$g timeout 240 bash benchmarks/device/quality_h200.sh --set-json "$out/best.json" \
-    --out "$out/eval$g" --bases rtn:0 --methods spear --budgets $b > "$out/eval$g.log" 2>&1 &
-done
-wait
-tail -n 3 "$out"/eval*.log
+bash benchmarks/device/eval_best_x2.sh "$out/best.json" "$out" 240
 bash benchmarks/device/pack.sh "$out"

@@ -199,9 +199,8 @@ class QuantParams:
     def __init__(self, m: QuantLinear):
         from ..quant.format import unpack_int4
 
-        N, K, G = m.out_features, m.in_features, m.group_size
         self.module = m
-        self.q = unpack_int4(m.qweight).reshape(N, K // G, G)  # uint8 codes: 1 byte per weight
+        self.q = unpack_int4(m.qweight)  # uint8 codes [N, K]: 1 byte per weight
         self.s0, self.z0 = m.scales.detach().float().clone(), m.zeros.detach().float().clone()
         self.u = nn.Parameter(torch.zeros_like(self.s0))
         self.v = nn.Parameter(torch.zeros_like(self.z0))
@@ -215,9 +214,10 @@ class QuantParams:
         return s + (s.to(dt).float() - s).detach(), z + (z.to(dt).float() - z).detach()
 
     def weight(self) -> torch.Tensor:
+        from ..lowering.w4a16 import dequantize_ref
+
         s, z = self.scales_zeros()
-        w = (self.q.float() - z.unsqueeze(-1)) * s.unsqueeze(-1)
-        return w.reshape(self.module.out_features, self.module.in_features)
+        return dequantize_ref(self.q, s, z, self.module.group_size, "unpacked", dtype=torch.float32)
 
     @torch.no_grad()
     def write_back(self) -> None:
