@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from typing import Sequence
 
@@ -32,7 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..quant.linear import QuantLinear
-from .sampling import sample_static
+from .sampling import eos_ids, force_first, sample_static
 
 
 _SCHEDULES = ("constant", "cosine")
@@ -64,6 +65,13 @@ class CalibConfig:
     chose them). No extra bytes and no kernel change: the format already stores both as floats
     (``quant/format.py``). Like ``train_norms`` it changes the base quantization, so results with
     it are reported apart from the ECs-only ones. Needs ``dense_weights``. Off by default.
+    random_first: the fraction of sequences whose first token after BOS is drawn uniformly from
+    the vocabulary (BOS, EOS and pad excluded) instead of sampled; the rest of each sequence is
+    the model's own continuation. Why: started from BOS, a small model writes mostly one register
+    (modern web prose), and the calibration text's domain is what caps recovery on text of
+    another domain (``benchmarks/NOTES.md``, session 9: 70 -> 82 % from the text alone). A random
+    first token steers each sequence somewhere else the model can go, with no external data
+    (LLM-QAT's data-free generation does the same). 0 (default): every sequence from BOS.
     """
 
     n_seqs: int = 32
@@ -85,6 +93,7 @@ class CalibConfig:
     lr_norm: float = 1e-4
     train_quant: bool = False
     lr_quant: float = 1e-3
+    random_first: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
@@ -94,6 +103,8 @@ class CalibConfig:
             raise ValueError(f"CalibConfig.schedule={self.schedule!r}: expected one of {_SCHEDULES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"CalibConfig.sampler={self.sampler!r}: expected one of {SAMPLERS}")
+        if not 0.0 <= self.random_first <= 1.0:
+            raise ValueError(f"CalibConfig.random_first={self.random_first}: must be a fraction in [0, 1]")
         if self.train_quant and not self.dense_weights:
             raise ValueError("CalibConfig.train_quant=True needs dense_weights=True (the packed ops have no "
                              "gradient for scales and zero points)")
@@ -102,36 +113,76 @@ class CalibConfig:
 @torch.no_grad()
 def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, batch_size: int = 32,
                      seed: int = 0, temperature: float = 1.0, progress: bool = True,
-                     sampler: str = "hf") -> torch.Tensor:
+                     sampler: str = "hf", random_first: float = 0.0) -> torch.Tensor:
     """[n, seq_len] token ids sampled (pure ancestral sampling, no top-k/top-p) from ``model``
     (a Hugging Face causal LM) starting at BOS; EOS is suppressed so every row is full length.
     Large batches: a CPU decode step of a 135M model is mostly per-op overhead, so one batch of 32
     costs little more than one of 8. ``sampler="static"``: the same draws through ``sampling.py``'s
-    static-cache loop instead of ``generate``."""
+    static-cache loop instead of ``generate``. ``random_first``: the fraction of rows (spread
+    evenly over the n) whose token after BOS is drawn uniformly from the vocabulary
+    (``first_tokens``); the draw for every other token is unchanged."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sample_sequences: sampler={sampler!r}; expected one of {SAMPLERS}")
+    if seq_len < 2 and random_first > 0:
+        raise ValueError(f"sample_sequences: random_first={random_first} needs seq_len >= 2 (got {seq_len})")
     device = next(model.parameters()).device
     out = []
     for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
         b = min(batch_size, n - i)
+        first = first_tokens(model, range(i, i + b), random_first, seed) if random_first > 0 else None
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + i)
             if sampler == "static":
-                gen = sample_static(model, b, seq_len, bos_token_id, temperature=temperature)
+                gen = sample_static(model, b, seq_len, bos_token_id, temperature=temperature,
+                                    first=None if first is None else first.to(device))
             else:
                 ids = torch.full((b, 1), bos_token_id, dtype=torch.long, device=device)
+                extra = {}
+                if first is not None:
+                    from transformers import LogitsProcessorList
+                    extra["logits_processor"] = LogitsProcessorList([_ForceFirst(first.to(device))])
                 gen = model.generate(ids, do_sample=True, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
                                      temperature=temperature, top_k=0, top_p=1.0,
-                                     pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids))
+                                     pad_token_id=bos_token_id, attention_mask=torch.ones_like(ids), **extra)
         out.append(gen[:, :seq_len])
     return torch.cat(out)
+
+
+def first_tokens(model: nn.Module, rows: range, frac: float, seed: int) -> torch.Tensor:
+    """[len(rows)] long: for each global row index, a token id drawn uniformly from the vocabulary
+    less BOS / EOS / pad where the row is one of the ``frac`` chosen (row k is chosen when
+    ``floor((k + 1) frac) > floor(k frac)``: evenly spread, the same whatever the batch size),
+    else -1 ("sample it"). A generator of its own, seeded by ``seed`` and the row, so the
+    sampling stream is untouched and the draw does not depend on batching."""
+    cfg = model.config
+    banned = {cfg.bos_token_id, cfg.pad_token_id, *eos_ids(model)} - {None}
+    allowed = torch.tensor([t for t in range(cfg.vocab_size) if t not in banned], dtype=torch.long)
+    out = torch.full((len(rows),), -1, dtype=torch.long)
+    for j, k in enumerate(rows):
+        if math.floor((k + 1) * frac) > math.floor(k * frac):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + k)
+            out[j] = allowed[torch.randint(len(allowed), (1,), generator=g)]
+    return out
+
+
+class _ForceFirst:
+    """``generate`` logits processor: at the first generated position, rows with ``first`` >= 0
+    get that token with probability one (``sampling.force_first``) - the same draws as the static
+    loop's."""
+
+    def __init__(self, first: torch.Tensor):
+        self.first = first
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return force_first(scores, self.first) if input_ids.shape[1] == 1 else scores
 
 
 def sample_calibration(model: nn.Module, cfg: CalibConfig, progress: bool = True) -> torch.Tensor:
     """``cfg.n_seqs x cfg.seq_len`` calibration tokens sampled from ``model`` with ``cfg``'s sampling
     settings: the one place ``CalibConfig``'s sampling fields reach ``sample_sequences``."""
     return sample_sequences(model, cfg.n_seqs, cfg.seq_len, model.config.bos_token_id, batch_size=cfg.sample_batch,
-                            seed=cfg.seed, temperature=cfg.temperature, progress=progress, sampler=cfg.sampler)
+                            seed=cfg.seed, temperature=cfg.temperature, progress=progress, sampler=cfg.sampler,
+                            random_first=cfg.random_first)
 
 
 def short_context(seqs: torch.Tensor, bos_token_id: int, max_len: int = 256) -> torch.Tensor:

@@ -46,7 +46,7 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _eos_ids(model: nn.Module) -> list[int]:
+def eos_ids(model: nn.Module) -> list[int]:
     """The ids ``generate`` suppresses under ``min_new_tokens``: the generation config's EOS."""
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -172,25 +172,41 @@ class _Step:
 
 @torch.no_grad()
 def sample_static(model: nn.Module, b: int, seq_len: int, bos_token_id: int, temperature: float = 1.0,
-                  graph: bool = True, attention: str = "gqa") -> torch.Tensor:
+                  graph: bool = True, attention: str = "gqa", first: torch.Tensor | None = None) -> torch.Tensor:
     """[b, seq_len] tokens sampled from BOS with the current random state (the caller seeds it);
-    ``attention``: "gqa" (``_gqa_decode_attention``) or "model" (the model's own)."""
+    ``attention``: "gqa" (``_gqa_decode_attention``) or "model" (the model's own).
+    ``first`` ([b] long, optional): where >= 0, the token after BOS is forced to it instead of
+    sampled (the draw is still made, so the random stream is the same either way)."""
     if temperature <= 0:
         raise ValueError(f"sample_static: temperature={temperature} must be > 0")
+    if first is not None and tuple(first.shape) != (b,):
+        raise ValueError(f"sample_static: first has shape {tuple(first.shape)}; expected ({b},)")
     with _attention(model, attention):
-        return _sample(model, b, seq_len, bos_token_id, temperature, graph)
+        return _sample(model, b, seq_len, bos_token_id, temperature, graph, first)
+
+
+def force_first(logits: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` [b, V] with rows where ``first`` >= 0 set to -inf everywhere but that token, so
+    the draw that follows picks it with probability one and consumes the same random numbers."""
+    if first is None:
+        return logits
+    forced = first >= 0
+    only = torch.full_like(logits, float("-inf")).scatter_(1, first.clamp(min=0)[:, None].to(logits.device), 0.0)
+    return torch.where(forced.to(logits.device)[:, None], only, logits)
 
 
 def _sample(model: nn.Module, b: int, seq_len: int, bos_token_id: int, temperature: float,
-            graph: bool) -> torch.Tensor:
+            graph: bool, first: torch.Tensor | None = None) -> torch.Tensor:
     step = _Step(model, b, seq_len, bos_token_id, graph)
     ids = torch.full((b, seq_len), bos_token_id, dtype=torch.long, device=step.tok.device)
-    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=ids.device)
+    eos = torch.tensor(eos_ids(model), dtype=torch.long, device=ids.device)
     for t in range(seq_len - 1):
         step.pos.fill_(t)
         logits = step().index_fill(1, eos, float("-inf"))  # out of place: a graph's output stays intact
         if temperature != 1.0:
             logits = logits / temperature
+        if t == 0:
+            logits = force_first(logits, first)
         nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         ids[:, t + 1] = nxt[:, 0]
         step.tok.copy_(nxt)

@@ -108,3 +108,38 @@ def test_graphed_static_sampler_matches_the_eager_loop_on_cuda():
     want = _generate(ref, 4, 24, 3, 1.0)
     torch.manual_seed(3)
     assert torch.equal(sample_static(ref, 4, 24, 1, attention="model"), want)  # graphed, generate's draws
+
+
+def test_random_first_tokens_are_forced_spread_evenly_and_seeded():
+    """CalibConfig.random_first: the chosen fraction of rows start BOS, then a uniform non-special
+    token; the static loop and ``generate`` make the same draws; other rows keep their tokens."""
+    from spear_compile.compensators.calibrate import first_tokens
+
+    ref = _ref()
+    ref.config.pad_token_id = 0
+    first = first_tokens(ref, range(0, 8), 0.5, seed=3)
+    chosen = first >= 0
+    assert chosen.tolist() == [False, True] * 4  # every other row, whatever the batching
+    assert torch.equal(torch.cat([first_tokens(ref, range(0, 3), 0.5, 3), first_tokens(ref, range(3, 8), 0.5, 3)]),
+                       first)
+    assert not torch.isin(first[chosen], torch.tensor([0, 1, 2])).any()  # pad, BOS, EOS never drawn
+    assert (first_tokens(ref, range(0, 64), 1.0, 0) >= 0).all() and (first_tokens(ref, range(64), 0.0, 0) < 0).all()
+    assert len(set(first_tokens(ref, range(0, 64), 1.0, 0).tolist())) > 40  # uniform over 253 ids, not one
+
+    kw = dict(bos_token_id=1, batch_size=8, seed=3, progress=False)
+    plain = sample_sequences(ref, 8, 12, **kw, sampler="static")
+    mixed = sample_sequences(ref, 8, 12, **kw, sampler="static", random_first=0.5)
+    assert torch.equal(mixed[chosen, 1], first[chosen]) and torch.equal(mixed[:, 0], plain[:, 0])
+    assert torch.equal(mixed[~chosen], plain[~chosen])  # the sampling stream is untouched
+    assert not torch.equal(mixed[chosen], plain[chosen])
+    # the generate path forces the same token and, with bitwise-equal logits, draws the same rest
+    via_hf = sample_sequences(ref, 8, 12, **kw, sampler="hf", random_first=0.5)
+    torch.manual_seed(3 * 100_003)
+    want = sample_static(ref, 8, 12, 1, attention="model", first=first)
+    assert torch.equal(via_hf, want)
+    cfg = CalibConfig(n_seqs=8, seq_len=12, sample_batch=8, sampler="static", seed=3, random_first=0.5)
+    assert torch.equal(sample_calibration(ref, cfg, progress=False), mixed)
+    with pytest.raises(ValueError, match="random_first=1.5"):
+        CalibConfig(random_first=1.5)
+    with pytest.raises(ValueError, match=r"first has shape \(3,\)"):
+        sample_static(ref, 2, 4, 1, first=torch.zeros(3, dtype=torch.long))

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 10: does self-sampled text that starts from a uniformly drawn first token
+# (CalibConfig.random_first; LLM-QAT-style data-free generation) calibrate ECs that hold up on
+# text of another domain? One call on nvidia-h200-x2, after the GGUF halves (quality_h200.sh):
+#   1. development plays, GPU_PRESET at 1 %, two sweep workers per GPU: random_first 0 (the
+#      preset, re-measured in the same run) and 0.25 on GPU 0, 0.5 and 1.0 on GPU 1;
+#   2. the best non-zero fraction on the evaluation plays: 1 % on GPU 0, 0.5 % on GPU 1.
+# Usage on the device: bash benchmarks/device/randfirst_x2.sh OUT_DIR   (ends packed as OUT_DIR.tgz)
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192'
+sweep() {
+  CUDA_VISIBLE_DEVICES=$1 timeout 330 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
+    --out "$out/sweep$1" --jobs 2 --deadline-s 315 "${@:2}" > "$out/sweep$1.log" 2>&1
+}
+sweep 0 --variant "rf0:$base,random_first=0" --variant "rf0.25:$base,random_first=0.25" &
+sweep 1 --variant "rf0.5:$base,random_first=0.5" --variant "rf1:$base,random_first=1.0" &
+wait
+tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
+python3 - "$out" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+rows = [json.load(open(p)) for p in glob.glob(f"{out}/sweep*/rf*.json")]
+for r in sorted(rows, key=lambda r: r["variant"]):
+    print(r["variant"], round(100 * r["gap_recovered"], 2))
+best = max((r for r in rows if r["variant"] != "rf0"), key=lambda r: r["gap_recovered"])
+print("eval with", best["variant"], best["overrides"])
+json.dump(best["overrides"], open(f"{out}/best.json", "w"))
+PY
+[ -f "$out/best.json" ] || { bash benchmarks/device/pack.sh "$out"; exit 1; }
+bash benchmarks/device/eval_best_x2.sh "$out/best.json" "$out" 240
+bash benchmarks/device/pack.sh "$out"
