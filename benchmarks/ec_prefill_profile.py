@@ -1,0 +1,103 @@
+"""Where the prefill EC's time goes (H200): each part of the W4 + EC structures timed alone.
+
+Why: at 4096^2 the best prefill EC structure costs 1.23-1.28x W4 (session 9), while its extra
+memory traffic (shrink reads X, the expand writes E, the GEMM's epilogue reads E) predicts ~1.10-1.15x.
+This times, in CUDA graphs and on the same inputs, every piece on its own:
+
+    cublas        F.linear(x, W)                 the bf16 GEMM the W4 path runs after dequantizing
+    cublas_beta1  E.addmm_(x, W^T)               the same GEMM reading C (the C-operand structure)
+    cublas_kcat   F.linear([x | hg], [W | B])    one GEMM over K + r: the EC as extra K columns
+    dequant       w4_dequantize                  the W4 path's first pass
+    shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T
+    expand        hg B^T                         E for the C-operand structure
+    w4            dequant + cuBLAS               our W4 at this M
+    <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
+
+so that the sum of the parts can be set against the measured structures, and the K-concatenated
+design (``cublas_kcat`` after ``max(dequant, shrink_gate)``) priced before it is built.
+
+Usage (GPU): python benchmarks/ec_prefill_profile.py --out DIR [--shapes 4096x4096 ...] [--ms 1024 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import DT, G, STRUCTURES, make_ec, make_weights  # noqa: E402
+
+from spear_compile.lowering import w4a16_triton as T  # noqa: E402
+from spear_compile.lowering.dequant_cublas import dequant_cublas  # noqa: E402
+from spear_compile.lowering.dispatch import ec_overlapped  # noqa: E402
+from spear_compile.lowering.ec_triton import ec_shrink_gate  # noqa: E402
+from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
+
+
+def profile(N: int, K: int, M: int, r: int = 64) -> dict:
+    copies = copies_for(N * K // 2 + M * K * 2)
+    ws = make_weights(N, K, copies)
+    ec = make_ec(N, K, r)
+    A, B, W1, b1, W2, b2, alpha = ec
+    xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
+    wb = [w["qw"].dequantize(DT) for w in ws]  # bf16 weights for the cuBLAS-only parts
+    xc = [torch.cat([x, torch.randn(M, r, device="cuda", dtype=DT)], 1) for x in xs]
+    wc = [torch.cat([w, B], 1) for w in wb]
+    e = [torch.randn(M, N, device="cuda", dtype=DT) for _ in range(copies)]
+    hg = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)[:, :r].contiguous()
+
+    def q(i):
+        w = ws[i]["qw"]
+        return w.qweight, w.scales, w.zeros
+
+    parts = {
+        "cublas": lambda i: F.linear(xs[i], wb[i]),
+        "cublas_beta1": lambda i: e[i].addmm_(xs[i], wb[i].t()),
+        "cublas_kcat": lambda i: F.linear(xc[i], wc[i]),
+        "dequant": lambda i: T.w4_dequantize(*q(i), G, DT),
+        "shrink_gate": lambda i: ec_shrink_gate(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
+        "expand": lambda i: torch.mm(hg, B.t()),
+        "w4": lambda i: dequant_cublas(xs[i], *q(i), G, None),
+    }
+    for st in STRUCTURES:
+        parts[st] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
+    row = {"N": N, "K": K, "M": M, "r": r}
+    for name, fn in parts.items():
+        torch.cuda.synchronize()
+        row[name] = bench_graph(fn, copies=copies)
+        print(f"{N}x{K} M={M} {name:13s} {row[name]:8.1f} us", flush=True)
+    row["kcat_estimate"] = max(row["dequant"], row["shrink_gate"]) + row["cublas_kcat"]
+    row["kcat_over_w4"] = row["kcat_estimate"] / row["w4"]
+    for st in STRUCTURES:
+        row[f"{st}_over_w4"] = row[st] / row["w4"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "11008x4096", "4096x11008"])
+    ap.add_argument("--ms", nargs="+", type=int, default=[256, 1024, 4096])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ec_prefill_profile.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": datetime.date.today().isoformat(), "group_size": G, "dtype": str(DT), "rows": []}
+    for shape in args.shapes:
+        N, K = map(int, shape.split("x"))
+        for M in args.ms:
+            res["rows"].append(profile(N, K, M))
+            with open(os.path.join(args.out, f"ec_prefill_profile_{gpu_key()}.json"), "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
