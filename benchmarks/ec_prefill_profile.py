@@ -8,15 +8,16 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
     cublas_beta1  E.addmm_(x, W^T)               the same GEMM reading C (the C-operand structure)
     cublas_kcat   F.linear([x | hg], [W | B])    one GEMM over K + r: the EC as extra K columns
     dequant       w4_dequantize                  the W4 path's first pass
-    shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T (split-K Triton shrink;
-                                                 ``_cublas``: h from cuBLAS, the session-9 shrink)
+    shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T
     expand        hg B^T                         E for the C-operand structure
     w4            dequant + cuBLAS               our W4 at this M
-    <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end, with each
-                                                 shrink (``<structure>_cublas``: the cuBLAS one)
+    <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
 design (``cublas_kcat`` after ``max(dequant, shrink_gate)``) priced before it is built.
+(``results/raw/session10_shrink/`` comes from commit 8918269, which also timed a split-K Triton
+shrink - slower than cuBLAS everywhere, removed: there ``shrink_gate`` is the split-K one and
+``*_cublas`` the shrink kept here.)
 
 Usage (GPU): python benchmarks/ec_prefill_profile.py --out DIR [--shapes 4096x4096 ...] [--ms 1024 4096]
 """
@@ -34,7 +35,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, STRUCTURES, make_ec, make_weights  # noqa: E402
 
-from spear_compile.lowering import ec_triton as E  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 from spear_compile.lowering.dequant_cublas import dequant_cublas  # noqa: E402
 from spear_compile.lowering.dispatch import ec_overlapped  # noqa: E402
@@ -64,29 +64,20 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         "cublas_kcat": lambda i: F.linear(xc[i], wc[i]),
         "dequant": lambda i: T.w4_dequantize(*q(i), G, DT),
         "shrink_gate": lambda i: ec_shrink_gate(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
-        "shrink_gate_cublas": lambda i: ec_shrink_gate(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT,
-                                                       shrink="cublas"),
         "expand": lambda i: torch.mm(hg, B.t()),
         "w4": lambda i: dequant_cublas(xs[i], *q(i), G, None),
     }
-    shrink_of = {}
     for st in STRUCTURES:
-        for shrink in E.SHRINKS:
-            name = st if shrink == "splitk" else f"{st}_{shrink}"
-            parts[name] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
-            shrink_of[name] = shrink
+        parts[st] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
     row = {"N": N, "K": K, "M": M, "r": r}
-    default = E.SHRINK
     for name, fn in parts.items():
-        E.SHRINK = shrink_of.get(name, default)  # read when the graph is captured
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)
-        print(f"{N}x{K} M={M} {name:19s} {row[name]:8.1f} us", flush=True)
-    E.SHRINK = default
+        print(f"{N}x{K} M={M} {name:13s} {row[name]:8.1f} us", flush=True)
     row["kcat_estimate"] = max(row["dequant"], row["shrink_gate"]) + row["cublas_kcat"]
     row["kcat_over_w4"] = row["kcat_estimate"] / row["w4"]
-    for name in shrink_of:
-        row[f"{name}_over_w4"] = row[name] / row["w4"]
+    for st in STRUCTURES:
+        row[f"{st}_over_w4"] = row[st] / row["w4"]
     return row
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Session 10: the split-K prefill shrink on one H200, in one call:
-#   1. the CUDA tests of the prefill EC kernels (both shrinks, every structure);
-#   2. benchmarks/ec_prefill_profile.py: every part, both shrinks, all five shapes, M = 256 / 1024 / 4096;
-#   3. benchmarks/kernels.py --quick on the same cells: re-times the structures with the new
-#      default shrink and writes the tuned table (ecstruct entries) it picked.
+# Session 10: the prefill EC on one H200, in one call (run at commit 8918269 to test a split-K
+# Triton shrink, since removed: results/raw/session10_shrink/):
+#   1. the CUDA tests of the prefill EC kernels (every structure);
+#   2. benchmarks/ec_prefill_profile.py: every part, all five shapes, M = 256 / 1024 / 4096;
+#   3. benchmarks/kernels.py --quick on the same cells: re-times the structures and writes the
+#      tuned table (ecstruct entries) it picked.
 # Usage on the device: PYTHONPATH=$PWD bash benchmarks/device/ec_shrink_h200.sh OUT_DIR  (packed as OUT_DIR.tgz)
 set -uo pipefail
 out=$1
