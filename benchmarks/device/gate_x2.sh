@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 10: does SPEAR's input-adaptive gate matter with GPU_PRESET's data? (Session 8 found no
+# measurable effect on the CPU preset.) One call on nvidia-h200-x2, after the GGUF halves:
+#   1. development plays, 1 %, two sweep workers per GPU: gates frozen at their pass-through start
+#      (lr=0) and gate_init_bias 4 on GPU 0; gate_init_bias 2 and 0 (less saturated starts) on GPU 1;
+#   2. evaluation plays, 1 %: the frozen gates on GPU 0, the best trained-gate variant on GPU 1.
+# The preset itself (gate_init_bias 6, trained gates) gave 80.4 % on the development plays in
+# session 8 and again in session 10 (results/session10_randfirst, rf0), 78.4 % on the evaluation plays.
+# Usage on the device: bash benchmarks/device/gate_x2.sh OUT_DIR   (ends packed as OUT_DIR.tgz)
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192'
+sweep() {
+  CUDA_VISIBLE_DEVICES=$1 timeout 330 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
+    --out "$out/sweep$1" --jobs 2 --deadline-s 315 "${@:2}" > "$out/sweep$1.log" 2>&1
+}
+sweep 0 --variant "nogate:$base,lr=0" --variant "gib4:$base,gate_init_bias=4" &
+sweep 1 --variant "gib2:$base,gate_init_bias=2" --variant "gib0:$base,gate_init_bias=0" &
+wait
+tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
+python3 - "$out" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+rows = {r["variant"]: r for r in (json.load(open(p)) for p in glob.glob(f"{out}/sweep*/*.json")) if "variant" in r}
+for v, r in sorted(rows.items()):
+    print(v, round(100 * r["gap_recovered"], 2))
+json.dump(rows["nogate"]["overrides"], open(f"{out}/nogate.json", "w"))
+best = max((r for v, r in rows.items() if v != "nogate"), key=lambda r: r["gap_recovered"])
+print("eval with nogate and", best["variant"])
+json.dump(best["overrides"], open(f"{out}/best.json", "w"))
+PY
+for g in 0 1; do
+  s=$([ $g = 0 ] && echo "$out/nogate.json" || echo "$out/best.json")
+  [ -f "$s" ] || continue
+  CUDA_VISIBLE_DEVICES=$g timeout 240 bash benchmarks/device/quality_h200.sh --set-json "$s" \
+    --out "$out/eval$g" --bases rtn:0 --methods spear --budgets 0.01 > "$out/eval$g.log" 2>&1 &
+done
+wait
+tail -n 3 "$out"/eval*.log
+bash benchmarks/device/pack.sh "$out"
