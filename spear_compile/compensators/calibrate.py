@@ -71,7 +71,9 @@ class CalibConfig:
     (modern web prose), and the calibration text's domain is what caps recovery on text of
     another domain (``benchmarks/NOTES.md``, session 9: 70 -> 82 % from the text alone). A random
     first token steers each sequence somewhere else the model can go, with no external data
-    (LLM-QAT's data-free generation does the same). 0 (default): every sequence from BOS.
+    (LLM-QAT's data-free generation does the same). Measured (H200, GPU_PRESET, session 10): no
+    gain - 0.25 is within noise of 0 and larger fractions cost recovery (the random starts lead
+    to code and lists, not to older English). 0 (default): every sequence from BOS.
     """
 
     n_seqs: int = 32
