@@ -10,14 +10,11 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out"
-bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
-base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192'
-sweep() {
-  CUDA_VISIBLE_DEVICES=$1 timeout 330 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
-    --out "$out/sweep$1" --jobs 2 --deadline-s 315 "${@:2}" > "$out/sweep$1.log" 2>&1
-}
-sweep 0 --variant "nogate:$base,lr=0" --variant "gib4:$base,gate_init_bias=4" &
-sweep 1 --variant "gib2:$base,gate_init_bias=2" --variant "gib0:$base,gate_init_bias=0" &
+source benchmarks/device/sweep_x2.sh
+gguf_setup
+base=$GPU_BASE
+sweep 0 330 --variant "nogate:$base,lr=0" --variant "gib4:$base,gate_init_bias=4" &
+sweep 1 330 --variant "gib2:$base,gate_init_bias=2" --variant "gib0:$base,gate_init_bias=0" &
 wait
 tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
 python3 - "$out" <<'PY'

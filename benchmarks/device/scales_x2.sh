@@ -8,8 +8,9 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out"
-bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
-base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192,train_quant=true'
+source benchmarks/device/sweep_x2.sh
+gguf_setup
+base="$GPU_BASE,train_quant=true"
 for g in 0 1; do
   lr=$([ $g = 0 ] && echo 1e-3 || echo 3e-4)
   CUDA_VISIBLE_DEVICES=$g timeout 260 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \

@@ -11,14 +11,11 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out"
-bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
-base='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000'
-sweep() {
-  CUDA_VISIBLE_DEVICES=$1 timeout 340 bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
-    --out "$out/sweep$1" --jobs 2 --deadline-s 325 "${@:2}" > "$out/sweep$1.log" 2>&1
-}
-sweep 0 --variant "t96:$base,n_seqs=96" --variant "t192:$base,n_seqs=192" &
-sweep 1 --variant "t192s720:$base,n_seqs=192,steps=720" --variant "t288s720:$base,n_seqs=288,steps=720" &
+source benchmarks/device/sweep_x2.sh
+gguf_setup
+base=$GPU_BASE  # n_seqs is set per variant below (a later key wins)
+sweep 0 340 --variant "t96:$base,n_seqs=96" --variant "t192:$base,n_seqs=192" &
+sweep 1 340 --variant "t192s720:$base,n_seqs=192,steps=720" --variant "t288s720:$base,n_seqs=288,steps=720" &
 wait
 tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
 python3 - "$out" <<'PY'
