@@ -7,13 +7,18 @@ An artifact is a directory with two files:
 * ``spear_config.json``: format name and version, how to rebuild the architecture
   (a built-in model name or the Hugging Face config), which modules are ``QuantLinear``
   (with in/out features, group size, bias), which carry ECs (with their ``ECConfig``),
-  every tensor's shape and dtype, and the SHA-256 of the tensor file.
+  every tensor's shape and dtype, the SHA-256 of the tensor file and of the config itself.
 
 ``load`` checks everything before it returns anything: the JSON parses and names a
-supported version, the tensor file exists and its checksum matches (catching truncation
-and corruption), the rebuilt skeleton has exactly the recorded tensors with the recorded
-shapes. Any failure raises :class:`ArtifactError` naming the file, module or tensor;
-nothing is half loaded. Reloading gives bitwise-identical logits.
+supported version, the config and the tensor file match their checksums (catching
+truncation, corruption and hand edits - an edited EC activation or dtype would otherwise
+load as a different model), the rebuilt skeleton has exactly the recorded tensors with the
+recorded shapes and dtypes. Any failure raises :class:`ArtifactError` naming the file,
+module or tensor; nothing is half loaded. Reloading gives bitwise-identical logits.
+
+``save`` replaces an existing artifact atomically, and refuses any other existing path (a
+directory holding anything but an artifact's two files, a file, the working directory), so a
+mistyped path never deletes a user's files.
 """
 from __future__ import annotations
 
@@ -72,12 +77,40 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _config_digest(cfg: dict[str, Any]) -> str:
+    """SHA-256 of the config without its checksums, in a canonical form (sorted keys)."""
+    body = {k: v for k, v in cfg.items() if k != "checksums"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _check_target(path: str) -> None:
+    """Refuse to write over anything that is not an artifact (see the module docstring)."""
+    if not path:
+        raise ArtifactError("save: empty path")
+    full = os.path.abspath(path)
+    if not os.path.exists(full):
+        return
+    if not os.path.isdir(full):
+        raise ArtifactError(f"save: {path} exists and is not a directory; refusing to replace it")
+    cwd = os.path.abspath(os.getcwd())
+    if cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep):
+        raise ArtifactError(f"save: {path} is (or contains) the working directory; refusing to replace it")
+    entries = set(os.listdir(full))
+    if entries and (CONFIG_FILE not in entries or not entries <= {CONFIG_FILE, TENSOR_FILE}):
+        raise ArtifactError(f"save: {path} exists and is not a spear artifact (it holds {sorted(entries)[:5]}); "
+                            f"refusing to replace it - choose a new or empty directory")
+
+
 def save(model: nn.Module, path: str) -> str:
-    """Write ``model`` as an artifact directory at ``path`` (replaced atomically)."""
+    """Write ``model`` as an artifact directory at ``path``: a new or empty directory, or an
+    existing artifact (replaced atomically). A ``torch.compile`` wrapper is saved as the module
+    it wraps, so the artifact loads without it."""
     from safetensors.torch import save_file
 
     from . import __version__
 
+    _check_target(path)
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule: its names carry "_orig_mod."
     quantized, ecs = {}, {}
     for fqn, m in model.named_modules():
         if isinstance(m, QuantLinear):
@@ -100,6 +133,7 @@ def save(model: nn.Module, path: str) -> str:
                         for k, v in tensors.items()},
             "checksums": {TENSOR_FILE: _sha256(os.path.join(tmp, TENSOR_FILE))},
         }
+        cfg["checksums"]["config"] = _config_digest(json.loads(json.dumps(cfg, default=str)))
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(cfg, f, indent=1, default=str)
         if os.path.isdir(path):
@@ -116,18 +150,25 @@ def _read_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(cfg_path):
         raise ArtifactError(f"{path}: not a spear artifact ({CONFIG_FILE} missing)")
     try:
-        with open(cfg_path) as f:
+        with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{cfg_path}: corrupted JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ArtifactError(f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}")
     if cfg.get("format") != FORMAT:
         raise ArtifactError(f"{cfg_path}: format {cfg.get('format')!r} is not {FORMAT!r}")
     if cfg.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{cfg_path}: format_version {cfg.get('format_version')!r} is not supported "
                             f"(this library reads version {FORMAT_VERSION})")
-    for key in ("model", "quantized", "ecs", "tensors", "checksums"):
+    for key, kind in (("model", dict), ("quantized", dict), ("ecs", dict), ("tensors", dict), ("checksums", dict)):
         if key not in cfg:
             raise ArtifactError(f"{cfg_path}: missing key {key!r}")
+        if not isinstance(cfg[key], kind):
+            raise ArtifactError(f"{cfg_path}: {key!r} is a {type(cfg[key]).__name__}, expected a JSON object")
+    want = cfg["checksums"].get("config")  # artifacts written before the config had a checksum have none
+    if want is not None and want != _config_digest(cfg):
+        raise ArtifactError(f"{cfg_path}: config checksum mismatch (the file was edited or corrupted)")
     return cfg
 
 
@@ -164,13 +205,36 @@ def load(path: str, model: Optional[nn.Module] = None, map_location: str = "cpu"
         raise ArtifactError(f"{tpath}: checksum mismatch (file truncated or corrupted): expected {want}, got {got}")
     try:
         tensors = load_file(tpath, device=map_location)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ArtifactError(f"{tpath}: unreadable ({e})") from e
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"{tpath}: unreadable on map_location={map_location!r} ({e})") from e
     for name, meta in cfg["tensors"].items():
         t = tensors.get(name)
         if t is None or list(t.shape) != meta["shape"] or str(t.dtype).replace("torch.", "") != meta["dtype"]:
             raise ArtifactError(f"{tpath}: tensor {name!r} is {None if t is None else (list(t.shape), t.dtype)}, "
                                 f"config says {meta}")
+    try:
+        skel = _rebuild(path, cfg, model, map_location)
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config that passed its checksum but cannot be rebuilt
+        raise ArtifactError(f"{os.path.join(path, CONFIG_FILE)}: cannot rebuild the model "
+                            f"({type(e).__name__}: {e})") from e
+    expected = skel.state_dict()
+    missing = [k for k in expected if k not in tensors and not _tied_elsewhere(skel, k, tensors)]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise ArtifactError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in expected.items():
+        if k in tensors and (tuple(v.shape) != tuple(tensors[k].shape) or v.dtype != tensors[k].dtype):
+            raise ArtifactError(f"{path}: tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, the module "
+                                f"expects {tuple(v.shape)} {v.dtype}")
+    skel.load_state_dict(tensors, strict=False)
+    skel._spear_source = cfg["model"]
+    return skel.eval()
+
+
+def _rebuild(path: str, cfg: dict[str, Any], model: Optional[nn.Module], map_location) -> nn.Module:
+    """The skeleton with the config's QuantLinears and ECs in place (no weights loaded yet)."""
     skel = _skeleton(cfg, model)
     mods = dict(skel.named_modules())
     for fqn, q in cfg["quantized"].items():
@@ -181,23 +245,14 @@ def load(path: str, model: Optional[nn.Module] = None, map_location: str = "cpu"
         parent, _, child = fqn.rpartition(".")
         setattr(skel.get_submodule(parent) if parent else skel, child, ql)
     for fqn, e in cfg["ecs"].items():
+        if fqn not in cfg["quantized"]:
+            raise ArtifactError(f"{path}: EC on {fqn!r}, which is not a quantized module of the artifact")
         ql = skel.get_submodule(fqn)
         ec = ErrorCompensator(ql.in_features, ql.out_features,
                               ECConfig.from_dict({**e["config"], "rank": e["rank"], "gate_hidden": e["gate_hidden"]}),
                               device=map_location, dtype=getattr(torch, e["dtype"]))
         ql.ec = ec
-    expected = skel.state_dict()
-    missing = [k for k in expected if k not in tensors and not _tied_elsewhere(skel, k, tensors)]
-    unexpected = [k for k in tensors if k not in expected]
-    if missing or unexpected:
-        raise ArtifactError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for k, v in expected.items():
-        if k in tensors and tuple(v.shape) != tuple(tensors[k].shape):
-            raise ArtifactError(f"{path}: tensor {k!r} has shape {tuple(tensors[k].shape)}, the module expects "
-                                f"{tuple(v.shape)}")
-    skel.load_state_dict(tensors, strict=False)
-    skel._spear_source = cfg["model"]
-    return skel.eval()
+    return skel
 
 
 def _tied_elsewhere(model: nn.Module, key: str, tensors: dict) -> bool:

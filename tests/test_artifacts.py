@@ -82,11 +82,81 @@ def test_missing_files_and_bad_json(artifact, tmp_path):
         spear.load(path)
 
 
-def _edit_config(path, fn):
+def _edit_config(path, fn, resign=True):
+    """Edit the artifact's JSON; ``resign`` recomputes its checksum, so the checks behind the
+    checksum are what the test reaches (an unsigned edit stops at the checksum)."""
+    from spear_compile.artifacts import _config_digest
+
     p = os.path.join(path, "spear_config.json")
     cfg = json.load(open(p))
     fn(cfg)
+    if resign:
+        cfg["checksums"]["config"] = _config_digest(cfg)
     json.dump(cfg, open(p, "w"))
+
+
+def test_hand_edited_config_fails_its_checksum(artifact):
+    """An edit that keeps every shape (the EC's activation here) would load as another model."""
+    _, _, path = artifact
+    _edit_config(path, lambda c: [e["config"].update(act="relu") for e in c["ecs"].values()], resign=False)
+    with pytest.raises(ArtifactError, match="config checksum mismatch"):
+        spear.load(path)
+
+
+def test_artifact_without_a_config_checksum_still_loads(artifact):
+    model, _, path = artifact
+    _edit_config(path, lambda c: c["checksums"].pop("config"), resign=False)
+    assert torch.equal(_logits(spear.load(path)), _logits(model))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c["quantized"]["model.layers.0.mlp.up_proj"].update(dtype="nonsense"), "cannot rebuild"),
+    (lambda c: c["quantized"]["model.layers.0.mlp.up_proj"].update(dtype="float16"), "expects .* torch.float16"),
+    (lambda c: c["ecs"].update({"model.norm": next(iter(c["ecs"].values()))}), "not a quantized module"),
+    (lambda c: c.update(tensors=[]), "'tensors' is a list"),
+])
+def test_signed_but_inconsistent_config_raises_artifact_error(artifact, edit, match):
+    _, _, path = artifact
+    _edit_config(path, edit)
+    with pytest.raises(ArtifactError, match=match):
+        spear.load(path)
+
+
+def test_config_that_is_not_an_object(artifact):
+    _, _, path = artifact
+    open(os.path.join(path, "spear_config.json"), "w").write("[1, 2]")
+    with pytest.raises(ArtifactError, match="expected a JSON object"):
+        spear.load(path)
+    open(os.path.join(path, "spear_config.json"), "wb").write(b"\xff\xfe{")
+    with pytest.raises(ArtifactError, match="corrupted JSON"):
+        spear.load(path)
+
+
+def test_save_never_replaces_what_is_not_an_artifact(artifact, tmp_path, monkeypatch):
+    model, _, _ = artifact
+    keep = tmp_path / "project"
+    (keep / "src").mkdir(parents=True)
+    (keep / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not a spear artifact .*notes.txt"):
+        spear.save(model, str(keep))
+    assert (keep / "notes.txt").read_text() == "keep me" and (keep / "src").is_dir()
+    with pytest.raises(ArtifactError, match="not a directory"):
+        spear.save(model, str(keep / "notes.txt"))
+    with pytest.raises(ArtifactError, match="empty path"):
+        spear.save(model, "")
+    art = tmp_path / "art2"
+    art.mkdir()
+    spear.save(model, str(art))  # an empty directory is fine
+    monkeypatch.chdir(art)
+    with pytest.raises(ArtifactError, match="working directory"):
+        spear.save(model, ".")
+    assert sorted(os.listdir(art)) == ["model.safetensors", "spear_config.json"]
+
+
+def test_a_compiled_model_saves_as_the_module_it_wraps(artifact, tmp_path):
+    model, _, _ = artifact
+    path = spear.save(torch.compile(model, backend="spear"), str(tmp_path / "compiled"))
+    assert torch.equal(_logits(spear.load(path)), _logits(model))
 
 
 def test_unsupported_version(artifact):
@@ -99,7 +169,7 @@ def test_unsupported_version(artifact):
 def test_config_that_does_not_match_the_tensors(artifact):
     _, _, path = artifact
     _edit_config(path, lambda c: c["quantized"]["model.layers.0.mlp.up_proj"].update(group_size=64))
-    with pytest.raises(ArtifactError, match=r"model\.layers\.0\.mlp\.up_proj\.scales.*shape"):
+    with pytest.raises(ArtifactError, match=r"model\.layers\.0\.mlp\.up_proj\.scales. is \(128, 2\).*expects \(128, 1\)"):
         spear.load(path)
 
 
