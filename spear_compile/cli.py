@@ -45,9 +45,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .compensators.calibrate import sample_calibration
     from .compensators.spear import fit_spear_
     from .data import perplexity, read_text, windows
-    from .evaluate import fp16_bytes
+    from .evaluate import check_eval_args, fp16_bytes
     from .models import load
 
+    try:
+        check_eval_args([args.text], args.group_size, "spear", args.budget, args.seq_len, args.max_tokens)
+    except ValueError as e:
+        raise SystemExit(str(e).replace("spear eval:", "spear demo:")) from None
     torch.manual_seed(0)
     t0 = time.time()
     steps = 5 if args.budget <= 0 else 8
@@ -166,6 +170,12 @@ def _spear_settings(args: argparse.Namespace):
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import run_eval
 
+    from .evaluate import check_eval_args
+
+    try:
+        check_eval_args(args.text, args.group_size, args.method, args.budget, args.seq_len, args.max_tokens)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None  # a one-line message and exit status 1, before any loading
     spear = _spear_settings(args)
     res = run_eval(args.model, args.text, args.quant, args.group_size, args.method, args.budget, args.seq_len,
                    args.max_tokens, spear, act_bits=args.act_bits)
@@ -212,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="smollm2-135m")
     e.add_argument("--text", nargs="+", default=list(DEFAULT_EVAL_PLAYS), help="play names or text files")
     e.add_argument("--quant", default="rtn", choices=["rtn", "gptq", "awq"])
-    e.add_argument("--group-size", type=int, default=0, help="0 = per-channel")
+    e.add_argument("--group-size", type=int, default=0, help="0 = per-channel (default), else 32/64/128/256")
     e.add_argument("--act-bits", type=int, default=None, choices=[8, 4],
                    help="fake-quantize activations per token (W4A8 / W4A4) in the base model and every method")
     e.add_argument("--method", default="spear", choices=list(METHODS))

@@ -121,6 +121,16 @@ class EvalSession:
         self.sampling_seconds = 0.0
         self._bases: dict = {}
 
+    def _check_group_size(self, group_size: Optional[int]) -> None:
+        """Before any pass: every linear that gets quantized (all but ``lm_head``) must split into
+        whole groups."""
+        if not group_size:
+            return
+        for name, m in self.ref.named_modules():
+            if isinstance(m, nn.Linear) and not name.endswith("lm_head") and m.in_features % group_size:
+                raise ValueError(f"spear eval: --group-size {group_size} does not divide in_features "
+                                 f"{m.in_features} of {name} ({self.model_name})")
+
     @property
     def ppl_ref(self) -> float:
         if self._ppl_ref is None:
@@ -181,6 +191,7 @@ class EvalSession:
             act_bits: Optional[int] = None) -> dict:
         if method not in METHODS:
             raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
+        self._check_group_size(group_size)
         ref, spear, calib = self.reference_for(quant, group_size), self.spear, self.spear.calib
         torch.manual_seed(calib.seed)
         budget_bytes = int(budget * self.ref_bytes)
@@ -252,9 +263,36 @@ def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EV
              max_tokens: Optional[int] = None, spear: Optional[SpearConfig] = None, progress: bool = True,
              device: Optional[str] = None, act_bits: Optional[int] = None) -> dict:
     """One ``spear eval`` run (see the module doc for the keys)."""
-    if method not in METHODS:
-        raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
     if quant not in QUANTS:
         raise NotImplementedError(f"spear eval: --quant {quant} is not implemented yet ({', '.join(QUANTS)})")
+    check_eval_args(texts, group_size, method, budget, seq_len, max_tokens)
     session = EvalSession(model_name, texts, seq_len, max_tokens, spear, progress, device)
     return session.run(quant, group_size, method, budget, act_bits)
+
+
+def check_eval_args(texts: Sequence[str], group_size: int, method: str, budget: float, seq_len: int,
+                    max_tokens: Optional[int]) -> None:
+    """Raise ``ValueError`` naming the bad argument before anything is loaded: a mistyped value
+    must not surface as a traceback (or a meaningless 0 %) after minutes of perplexity passes."""
+    from .data.shakespeare import check_text
+
+    if method not in METHODS:
+        raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
+    if isinstance(group_size, bool) or group_size not in (0, None, 32, 64, 128, 256):
+        raise ValueError(f"spear eval: --group-size {group_size!r}; expected 0 (per-channel) or one of 32, 64, 128, 256")
+    if not isinstance(budget, (int, float)) or not math.isfinite(budget) or not 0 <= budget <= 1:
+        raise ValueError(f"spear eval: --budget {budget!r}; expected a fraction of the fp16 model's bytes in [0, 1] "
+                         f"(0.01 = 1 %)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"spear eval: --seq-len {seq_len!r}; expected an integer >= 2")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < seq_len):
+        raise ValueError(f"spear eval: --max-tokens {max_tokens!r}; expected an integer >= --seq-len ({seq_len}), "
+                         f"or none for the whole text")
+    if not texts:
+        raise ValueError("spear eval: no --text given")
+    for t in texts:
+        try:
+            check_text(t)
+        except ValueError as e:
+            raise ValueError(f"spear eval: --text: {e}") from None

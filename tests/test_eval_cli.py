@@ -56,6 +56,38 @@ def test_eval_rejects_unknown_quantizer_and_method():
         run_eval(method="svd")
 
 
+@pytest.mark.parametrize("args,match", [
+    (["--group-size", "7"], "--group-size 7; expected 0"),
+    (["--budget", "-1"], "--budget -1.0; expected a fraction"),
+    (["--budget", "nan"], "--budget nan"),
+    (["--seq-len", "0"], "--seq-len 0; expected an integer >= 2"),
+    (["--seq-len", "128", "--max-tokens", "64"], "--max-tokens 64; expected an integer >= --seq-len"),
+    (["--text", "/tmp/no_such_dir_spear/none.txt"], "text file '/tmp/no_such_dir_spear/none.txt' does not exist"),
+    (["--text", "hamlett"], "no text 'hamlett': not a file, and not a play"),
+])
+def test_bad_eval_and_demo_arguments_stop_before_anything_loads(args, match, monkeypatch):
+    """A mistyped argument is a one-line error before the model loads, not a traceback (or a
+    meaningless 0 %) after minutes of perplexity passes."""
+    import spear_compile.models as models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded the model before checking arguments"))
+    with pytest.raises(SystemExit, match=match.replace("(", r"\(").replace(")", r"\)")):
+        spear_main(["eval", "--method", "none", *args])
+    if args[0] != "--max-tokens":
+        with pytest.raises(SystemExit, match="spear demo: "):
+            spear_main(["demo", *args])
+
+
+def test_eval_checks_the_group_size_against_the_model_before_any_pass(monkeypatch):
+    from spear_compile.evaluate import EvalSession
+
+    session = EvalSession.__new__(EvalSession)  # the check needs only the model
+    session.ref, session.model_name = __import__("spear_compile.models", fromlist=["tiny_llama"]).tiny_llama(), "tiny"
+    with pytest.raises(ValueError, match="--group-size 256 does not divide in_features 64 of model.layers.0"):
+        session._check_group_size(256)
+    session._check_group_size(32)  # 64 and 128 split into whole groups of 32
+
+
 @pytest.mark.slow
 def test_eval_awq_base_with_spear(tmp_path):
     """AWQ base: sampled calibration text feeds the scale search, the methods see the folded reference."""

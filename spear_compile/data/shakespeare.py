@@ -61,6 +61,21 @@ def list_texts() -> list[str]:
     return sorted(_members())
 
 
+def check_text(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a readable file or a play in the sdist. A name that
+    looks like a path (a separator or an extension) is not looked up in the sdist, so a mistyped
+    file name never downloads it."""
+    if os.path.isdir(name):
+        raise ValueError(f"text {name!r} is a directory, not a text file")
+    if os.path.isfile(name):
+        return
+    if os.sep in name or "/" in name or os.path.splitext(name)[1]:
+        raise ValueError(f"text file {name!r} does not exist")
+    if name not in _members():
+        raise ValueError(f"no text {name!r}: not a file, and not a play in {SDIST} "
+                         f"(known: {', '.join(list_texts()[:8])}, ...)")
+
+
 def read_text(name: str) -> str:
     """A play by name (``"hamlet_gut"``), or any file path."""
     if os.path.exists(name):
