@@ -1,6 +1,7 @@
 """Public entry points: ``quantize_`` and ``attach_`` (re-exported at package level)."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -42,9 +43,19 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
     """
     filter_fn = filter_fn or default_filter
     targets = [(fqn, m) for fqn, m in model.named_modules() if fqn and filter_fn(m, fqn)]
+    # Every target is checked before any is replaced: an error leaves the model as it was.
     for fqn, m in targets:
         if not isinstance(m, nn.Linear):
             raise TypeError(f"quantize_: filter selected {fqn!r} of type {type(m).__name__}; only nn.Linear is supported")
+        QuantLinear.check_args(m.in_features, cfg.group_size, m.weight.dtype, fqn)
+    already = sum(isinstance(m, QuantLinear) for m in model.modules())
+    if not targets and not already:
+        hint = (" (a bare nn.Linear: quantize_ replaces submodules, so wrap it in a container)"
+                if isinstance(model, nn.Linear) else "")
+        warnings.warn(f"quantize_: no module selected; {type(model).__name__} is unchanged{hint}", stacklevel=2)
+    if already:
+        warnings.warn(f"quantize_: {type(model).__name__} already holds {already} QuantLinear modules; they keep their "
+                      f"own quantization (quantize a fresh copy to change it)", stacklevel=2)
     hessians, clips = {}, {}
     if cfg.method in ("gptq", "awq") and calib is None:
         raise ValueError(f"quantize_: method={cfg.method!r} needs calib= (input batches for the model)")

@@ -31,13 +31,8 @@ class QuantLinear(nn.Module):
         name: str = "QuantLinear",
     ) -> None:
         super().__init__()
+        self.check_args(in_features, group_size, dtype, name)
         G = group_size or in_features
-        if in_features % G:
-            raise QuantFormatError(f"{name}: in_features K={in_features} is not divisible by group_size={G}")
-        if in_features % 2:
-            raise QuantFormatError(f"{name}: in_features K={in_features} must be even to pack int4 pairs")
-        if dtype not in ACT_DTYPES:
-            raise QuantFormatError(f"{name}: dtype {dtype} is not supported; expected one of {ACT_DTYPES}")
         self.in_features, self.out_features, self.group_size, self.name = in_features, out_features, G, name
         ng = in_features // G
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
@@ -45,6 +40,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.full((out_features, ng), 8.0, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.ec: Optional[nn.Module] = None
+
+    @staticmethod
+    def check_args(in_features: int, group_size: Optional[int], dtype: torch.dtype, name: str) -> None:
+        """Raise ``QuantFormatError`` naming ``name`` unless a layer with these can be stored."""
+        G = group_size or in_features
+        if in_features % G:
+            raise QuantFormatError(f"{name}: in_features K={in_features} is not divisible by group_size={G}")
+        if in_features % 2:
+            raise QuantFormatError(f"{name}: in_features K={in_features} must be even to pack int4 pairs")
+        if dtype not in ACT_DTYPES:
+            raise QuantFormatError(f"{name}: dtype {dtype} is not supported; expected one of {ACT_DTYPES}")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "QuantLinear") -> "QuantLinear":
