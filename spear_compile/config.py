@@ -10,11 +10,47 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Optional
 
 _GROUP_SIZES = (None, 32, 64, 128, 256)
 _QUANT_METHODS = ("rtn", "gptq", "awq")  # all three produce the same packed "spear" format
 _GATE_ACTS = ("silu", "relu", "gelu")
+
+
+_KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a finite number"),
+          "bool": ((bool,), "True or False"), "str": ((str,), "a string")}
+GATE_BIAS_RANGE = (-10.0, 30.0)  # the EC's alpha is 1 / sigmoid(bias): 2.2e4 at -10, inf far below
+
+
+def check_types(obj: Any) -> None:
+    """Raise ``ValueError`` naming the field when a dataclass field annotated int / float / bool /
+    str (or ``Optional`` of one) holds another type: ``"1e-3"`` for a learning rate, ``100.0`` for a
+    step count or ``"no"`` for a switch would otherwise fail (or silently mean something else) deep
+    in a run. Bools are not integers here, and floats must be finite."""
+    for f in dataclasses.fields(obj):
+        ann = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        optional = ann.startswith("Optional[")
+        base = ann[len("Optional["):-1] if optional else ann
+        if base not in _KINDS:
+            continue
+        v = getattr(obj, f.name)
+        if v is None and optional:
+            continue
+        kinds, what = _KINDS[base]
+        ok = isinstance(v, kinds) and (base == "bool" or not isinstance(v, bool))
+        if ok and base == "float":
+            ok = math.isfinite(v)
+        if not ok:
+            raise ValueError(f"{type(obj).__name__}.{f.name}={v!r}: expected {what}"
+                             + (" or None" if optional else ""))
+
+
+def check_gate_bias(owner: str, v: float) -> None:
+    lo, hi = GATE_BIAS_RANGE
+    if not lo <= v <= hi:
+        raise ValueError(f"{owner}.gate_init_bias={v}: expected {lo} <= bias <= {hi} (alpha = 1 / sigmoid(bias) "
+                         f"must stay finite)")
 
 
 class _Serialisable:
@@ -72,8 +108,9 @@ class QuantConfig(_Serialisable):
     awq_max_shrink: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.group_size == 0:
+        if self.group_size == 0 and not isinstance(self.group_size, bool):
             object.__setattr__(self, "group_size", None)
+        check_types(self)
         if self.bits != 4:
             raise ValueError(f"QuantConfig.bits={self.bits}: only 4-bit weights are supported")
         if self.group_size not in _GROUP_SIZES:
@@ -104,6 +141,8 @@ class ECConfig(_Serialisable):
     gate_init_bias: float = 6.0
 
     def __post_init__(self) -> None:
+        check_types(self)
+        check_gate_bias("ECConfig", self.gate_init_bias)
         if self.rank < 1:
             raise ValueError(f"ECConfig.rank={self.rank}: must be >= 1")
         if self.gate_hidden < 1:
@@ -136,6 +175,7 @@ class CompileConfig(_Serialisable):
     fuse_shared_input: bool = True
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("crossover_m", "default_crossover_m"):
             v = getattr(self, name)
             if v is not None and v < 2:

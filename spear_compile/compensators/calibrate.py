@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..config import check_types
 from ..quant.linear import QuantLinear
 from .sampling import eos_ids, force_first, sample_static
 
@@ -98,6 +99,12 @@ class CalibConfig:
     random_first: float = 0.0
 
     def __post_init__(self) -> None:
+        check_types(self)
+        for f in ("lr", "lr_ab", "lr_norm", "lr_quant", "teacher_cache_bytes", "seed"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 0")
+        if self.temperature <= 0:
+            raise ValueError(f"CalibConfig.temperature={self.temperature}: must be > 0")
         for f in ("n_seqs", "seq_len", "steps", "batch_size", "sample_batch"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 1")
@@ -388,6 +395,8 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     bar = tqdm(range(cfg.steps), desc="KL calibration", disable=not progress, leave=False)
     was_training = model.training
     model.eval()
+    trained = gate + ab + norms
+    before = [p.detach().clone() for p in trained]  # small (ECs, norms): restored if the KL blows up
     try:
         with _dense_forward(model, cfg.dense_weights, qparams):
             for step in bar:
@@ -409,8 +418,18 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                     sched.step()
                 losses.append(float(loss.detach()))
                 bar.set_postfix(kl=f"{losses[-1]:.4f}")
+                if not math.isfinite(losses[-1]):
+                    raise FloatingPointError(
+                        f"calibrate_: the KL is {losses[-1]} at step {step}; the ECs (and norms) were restored to "
+                        f"their state before calibration - lower the learning rates (lr={cfg.lr}, lr_ab={cfg.lr_ab}, "
+                        f"lr_norm={cfg.lr_norm}, lr_quant={cfg.lr_quant})")
     except KeyboardInterrupt:  # stop cleanly: keep what was trained
         pass
+    except FloatingPointError:
+        with torch.no_grad():
+            for p, b in zip(trained, before):
+                p.copy_(b)
+        raise
     finally:  # on any other exception the base's scales and zeros stay as they were
         for p, r in zip(others, req):
             p.requires_grad_(r)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ECConfig, default_device
+from ..config import ECConfig, check_gate_bias, check_types, default_device
 from ..quant.linear import QuantLinear
 from .calibrate import CalibConfig, calibrate_
 from .ec import ErrorCompensator
@@ -59,6 +59,13 @@ class SpearConfig:
     calib: CalibConfig = CalibConfig()
 
     def __post_init__(self) -> None:
+        check_types(self)
+        if not isinstance(self.calib, CalibConfig):
+            raise ValueError(f"SpearConfig.calib={self.calib!r}: expected a CalibConfig (SpearConfig.replace(steps=...) "
+                             f"sets its fields)")
+        check_gate_bias("SpearConfig", self.gate_init_bias)
+        if self.min_rank > self.max_rank:
+            raise ValueError(f"SpearConfig.min_rank={self.min_rank} exceeds max_rank={self.max_rank}")
         if self.allocation not in _ALLOCATIONS:
             raise ValueError(f"SpearConfig.allocation={self.allocation!r}: expected one of {_ALLOCATIONS}")
         if self.select not in _SELECTS:
@@ -117,6 +124,7 @@ def preset(device=None, name: str = "auto") -> SpearConfig:
 def parse_overrides(spec: str) -> dict:
     """``"select=all,steps=240,lr_ab=1e-3"`` -> ``{"select": "all", "steps": 240, "lr_ab": 0.001}``
     (values parsed as JSON, else kept as strings), for ``SpearConfig.replace``."""
+    types = {f.name: f.type for cls in (SpearConfig, CalibConfig) for f in dataclasses.fields(cls)}
     out = {}
     for item in filter(None, (i.strip() for i in spec.split(","))):
         if "=" not in item:
@@ -126,6 +134,11 @@ def parse_overrides(spec: str) -> dict:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
             out[k] = v
+        if types.get(k) == "float" and isinstance(out[k], str):  # ".001", "1.e-3": floats JSON does not parse
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise ValueError(f"SPEAR setting {k}={v!r}: expected a number") from None
     return out
 
 

@@ -29,6 +29,9 @@ _OBSERVERS: list[Callable] = []  # inspect.capture pushes one while it compiles
 @contextlib.contextmanager
 def compile_config(cfg: CompileConfig):
     """Use ``cfg`` for every ``backend="spear"`` compilation inside the block."""
+    if not isinstance(cfg, CompileConfig):
+        raise TypeError(f"compile_config: expected a CompileConfig, got {type(cfg).__name__} "
+                        f"(CompileConfig(**{cfg!r}) if it is a dict of options)")
     tok = _CONFIG.set(cfg)
     try:
         yield cfg

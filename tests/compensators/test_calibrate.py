@@ -246,9 +246,40 @@ def test_train_quant_leaves_the_base_unchanged_after_an_error(monkeypatch):
     for n, m in spear.quantized_linears(q).items():
         assert torch.equal(m.scales, before[n][0]) and torch.equal(m.zeros, before[n][1])
     monkeypatch.setattr(C, "kl_logp_q", lambda *a: real(*a) * float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite scales or zeros"):
+    with pytest.raises(FloatingPointError, match="the KL is nan at step 0"):
         calibrate_(q, ref, seqs, CalibConfig(steps=2, batch_size=4, train_quant=True), progress=False)
     assert all(torch.equal(m.scales, before[n][0]) for n, m in spear.quantized_linears(q).items())
+    # the write-back itself is all or none: one non-finite offset and nothing is written
+    qps = C.quant_params(q)
+    with torch.no_grad():
+        qps[0].u.fill_(float("inf"))
+        qps[1].u.fill_(0.5)
+    with pytest.raises(FloatingPointError, match="non-finite scales or zeros in 1 module"):
+        C._write_back(qps)
+    assert all(torch.equal(m.scales, before[n][0]) for n, m in spear.quantized_linears(q).items())
+
+
+def test_a_kl_that_blows_up_restores_the_ecs_and_says_so(monkeypatch):
+    """Two good steps move the ECs, the third KL is NaN: calibrate_ raises, naming the learning
+    rates, and the ECs are back where they started, not left NaN or half-trained."""
+    from spear_compile.compensators import calibrate as C
+
+    ref, q, seqs = _setup()
+    ecs = {n: m.ec for n, m in spear.quantized_linears(q).items() if m.ec is not None}
+    assert ecs
+    start = {n: {k: v.clone() for k, v in ec.state_dict().items()} for n, ec in ecs.items()}
+    calls, real = [], C.kl_logp_q
+
+    def nan_third(*a):
+        calls.append(1)
+        return real(*a) * (float("nan") if len(calls) == 3 else 1.0)
+
+    monkeypatch.setattr(C, "kl_logp_q", nan_third)
+    with pytest.raises(FloatingPointError, match=r"the KL is nan at step 2.*lr_ab=0.01"):
+        calibrate_(q, ref, seqs, CalibConfig(steps=5, batch_size=4, lr_ab=1e-2), progress=False)
+    for n, ec in ecs.items():
+        for k, v in ec.state_dict().items():
+            assert torch.equal(v, start[n][k]), (n, k)
 
 
 def test_train_quant_alone_lowers_held_out_kl_and_needs_dense_weights():
