@@ -50,6 +50,8 @@ def _integer_weight(module: nn.Module, fqn: str) -> torch.Tensor:
 
 def attach_(model: nn.Module, ecs: Mapping[str, ErrorCompensator]) -> nn.Module:
     """Attach error compensators by module name; checks every shape before changing anything."""
+    if not isinstance(ecs, Mapping):
+        raise TypeError(f"attach_: ecs must map module names to ErrorCompensators, got {type(ecs).__name__}")
     modules = dict(model.named_modules())
     plan = []
     for fqn, ec in ecs.items():
@@ -60,6 +62,9 @@ def attach_(model: nn.Module, ecs: Mapping[str, ErrorCompensator]) -> nn.Module:
             raise TypeError(f"attach_: value for {fqn!r} is {type(ec).__name__}, expected ErrorCompensator")
         if isinstance(mod, QuantLinear):
             ec.check_fits(mod.in_features, mod.out_features, f"attach_ {fqn}")
+            if ec.A.device != mod.qweight.device:
+                raise QuantFormatError(f"attach_ {fqn}: the EC is on {ec.A.device}, the layer on {mod.qweight.device} "
+                                       f"(move it with ec.to(...))")
             plan.append((mod, ec, None))
         else:
             plan.append((mod, ec, _integer_weight(mod, fqn)))

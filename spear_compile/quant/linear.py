@@ -86,10 +86,12 @@ class QuantLinear(nn.Module):
         if x.dtype not in ACT_DTYPES:
             raise QuantFormatError(f"{self.name}: input dtype {x.dtype} is not supported; expected one of {ACT_DTYPES}")
         ec = self.ec
+        # the weight is dequantized to x's dtype; the bias follows it (an fp32 layer under bf16 autocast)
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if ec is None:
-            return torch.ops.spear.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            return torch.ops.spear.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
         return torch.ops.spear.ec_linear(
-            x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+            x, self.qweight, self.scales, self.zeros, self.group_size, bias,
             ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act,
         )
 

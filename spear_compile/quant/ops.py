@@ -42,17 +42,41 @@ def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, loweri
         raise QuantFormatError(f"{where}: unknown lowering {lowering!r}; expected one of {LOWERINGS}")
     if x.dtype not in ACT_DTYPES:
         raise QuantFormatError(f"{where}: activation dtype {x.dtype} is not supported; expected one of {ACT_DTYPES}")
+    if x.dim() == 0:
+        raise QuantFormatError(f"{where}: x must be [..., K], got a 0-d tensor")
+    check_same_device(x, {"qweight": qweight, "scales": scales, "zeros": zeros, "bias": bias}, where)
     K = _static(x.shape[-1])
     if layout == "spear" and K is not None:
+        packed = _static(qweight.shape[1]) if qweight.dim() == 2 else None
+        if packed is not None and packed * 2 != K:
+            raise QuantFormatError(f"{where}: x has last dim {K} but qweight {tuple(qweight.shape)} packs "
+                                   f"in_features {packed * 2}")
         check_spear_weight(qweight, scales, zeros, group_size, K, where)
     elif layout == "unpacked":
         if qweight.is_floating_point() or qweight.dim() != 2:
             raise QuantFormatError(f"{where}: unpacked qweight must be an integer [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
         if K is not None and _static(qweight.shape[1]) not in (None, K):
             raise QuantFormatError(f"{where}: x has K={K} but qweight has shape {tuple(qweight.shape)}")
+        if K is not None and (group_size < 1 or K % group_size):
+            raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={group_size}")
+        n = _static(qweight.shape[0])
+        for name, t in (("scales", scales), ("zeros", zeros)):
+            if t is not None and K is not None and n is not None and tuple(t.shape) != (n, K // group_size):
+                raise QuantFormatError(f"{where}: {name} has shape {tuple(t.shape)}, expected [N, K/G] = "
+                                       f"[{n}, {K // group_size}] (K={K}, G={group_size})")
     N = _static(out_features(qweight, scales, layout))
     if bias is not None and N is not None and tuple(bias.shape) != (N,):
         raise QuantFormatError(f"{where}: bias has shape {tuple(bias.shape)}, expected ({N},)")
+    if bias is not None and bias.dtype != x.dtype:
+        raise QuantFormatError(f"{where}: bias dtype {bias.dtype} differs from the activation dtype {x.dtype}")
+
+
+def check_same_device(x: Tensor, tensors: dict, where: str) -> None:
+    """Every tensor on x's device: a CPU EC on a CUDA layer (or a meta tensor, whose matmul with a
+    CPU tensor returns uninitialised memory) would otherwise fail deep inside, or not at all."""
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise QuantFormatError(f"{where}: {name} is on {t.device} but x is on {x.device}")
 
 
 def check_ec_shapes(K: int, N: int, A, B, W1, b1, W2, b2, alpha, act: str, where: str) -> None:
@@ -124,6 +148,7 @@ def ec_linear(
 def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering):
     where = "spear::ec_linear"
     check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where)
+    check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
     K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
     if K is not None and N is not None:
         check_ec_shapes(K, N, A, B, W1, b1, W2, b2, alpha, act, where)

@@ -60,6 +60,51 @@ def test_op_rejects_unknown_layout_and_bad_bias():
         torch.ops.spear.w4a16_linear(x, q.qweight, q.scales, q.zeros, 64, torch.zeros(7))
 
 
+def test_op_names_mismatched_inputs():
+    """K of x against the packed weight, the bias dtype, 0-d x, the unpacked layout's group and
+    scales, tensors on another device: each a QuantFormatError naming the problem."""
+    from spear_compile.quant.format import unpack_int4
+
+    q = QuantLinear.from_linear(nn.Linear(64, 32), QuantConfig(group_size=32))
+    op, args = torch.ops.spear.w4a16_linear, (q.qweight, q.scales, q.zeros, 32)
+    with pytest.raises(QuantFormatError, match=r"x has last dim 96 but qweight \(32, 32\) packs in_features 64"):
+        op(torch.randn(3, 96), *args, None)
+    with pytest.raises(QuantFormatError, match="bias dtype torch.float16 differs from the activation dtype torch.float32"):
+        op(torch.randn(3, 64), *args, torch.zeros(32, dtype=torch.float16))
+    with pytest.raises(QuantFormatError, match="0-d tensor"):
+        op(torch.tensor(1.0), *args, None)
+    with pytest.raises(QuantFormatError, match="scales is on meta but x is on cpu"):
+        op(torch.randn(3, 64), q.qweight, q.scales.to("meta"), q.zeros, 32, None)
+    u = unpack_int4(q.qweight)
+    with pytest.raises(QuantFormatError, match="K=64 is not divisible by group_size=7"):
+        op(torch.randn(3, 64), u, q.scales, q.zeros, 7, None, "unpacked")
+    with pytest.raises(QuantFormatError, match=r"scales has shape \(32, 1\), expected \[N, K/G\] = \[32, 2\]"):
+        op(torch.randn(3, 64), u, q.scales[:, :1], q.zeros, 32, None, "unpacked")
+
+
+def test_an_fp32_layer_with_bias_runs_bf16_inputs_like_one_without():
+    """The weight is dequantized to x's dtype; the bias follows it (autocast, mixed models)."""
+    lin = nn.Linear(64, 32)
+    q = QuantLinear.from_linear(lin, QuantConfig())
+    x = torch.randn(3, 64).bfloat16()
+    y = q(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), q(x.float()), rtol=3e-2, atol=3e-2)
+
+
+def test_attach_checks_the_ec_device_and_the_mapping():
+    from spear_compile import ECConfig
+    from spear_compile.compensators.init import random_ecs
+
+    m = spear.quantize_(nn.Sequential(nn.Linear(64, 32)), QuantConfig(), progress=False)
+    ec = random_ecs(m, ECConfig(rank=4))["0"]
+    with pytest.raises(QuantFormatError, match="attach_ 0: the EC is on meta, the layer on cpu"):
+        spear.attach_(m, {"0": ec.to("meta")})
+    with pytest.raises(TypeError, match="ecs must map module names to ErrorCompensators, got list"):
+        spear.attach_(m, [ec])
+    assert m[0].ec is None
+
+
 def test_fake_impl_handles_symbolic_rows():
     q = QuantLinear.from_linear(nn.Linear(64, 24), QuantConfig(group_size=32))
     mode = FakeTensorMode(shape_env=ShapeEnv())
