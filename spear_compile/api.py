@@ -57,8 +57,12 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         warnings.warn(f"quantize_: {type(model).__name__} already holds {already} QuantLinear modules; they keep their "
                       f"own quantization (quantize a fresh copy to change it)", stacklevel=2)
     hessians, clips = {}, {}
-    if cfg.method in ("gptq", "awq") and calib is None:
-        raise ValueError(f"quantize_: method={cfg.method!r} needs calib= (input batches for the model)")
+    if cfg.method in ("gptq", "awq"):
+        given = calib is not None
+        calib = list(calib) if given else []  # also lets a generator be read by every pass
+        if not calib:
+            raise ValueError(f"quantize_: method={cfg.method!r} needs calib= (input batches for the model); "
+                             f"{'it is empty' if given else 'none was given'}")
     if cfg.method == "awq":
         from .quant.awq import apply_awq_
 

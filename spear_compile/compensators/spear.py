@@ -147,9 +147,26 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
     """Select, initialise, attach and train ECs on ``q`` in place; returns (ECs, log)."""
     if seqs.dim() != 2 or seqs.shape[0] < 1:
         raise ValueError(f"fit_spear_: seqs must be [n, T] token ids, got shape {tuple(seqs.shape)}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"fit_spear_: budget_bytes={budget_bytes!r}: expected an integer >= 0")
+    if seqs.is_floating_point() or seqs.is_complex():
+        raise ValueError(f"fit_spear_: seqs must be integer token ids, got {seqs.dtype}")
+    vocab = getattr(getattr(ref, "config", None), "vocab_size", None)
+    if vocab is not None and seqs.numel() and (int(seqs.min()) < 0 or int(seqs.max()) >= vocab):
+        raise ValueError(f"fit_spear_: token ids span [{int(seqs.min())}, {int(seqs.max())}], outside the "
+                         f"vocabulary [0, {vocab})")
     names = [n for n, m in q.named_modules() if isinstance(m, QuantLinear)]
     if not names:
         raise ValueError("fit_spear_: the model has no quantized linears (run quantize_ first)")
+    ref_mods = dict(ref.named_modules())
+    swapped = [n for n in names if isinstance(ref_mods.get(n), QuantLinear)]
+    if swapped:
+        raise ValueError(f"fit_spear_: ref must be the full-precision model, but {swapped[0]!r} is a QuantLinear in "
+                         f"ref (arguments swapped, or ref quantized?)")
+    attached = [n for n in names if q.get_submodule(n).ec is not None]
+    if attached:
+        raise ValueError(f"fit_spear_: {len(attached)} module(s) of the model already carry ECs (e.g. {attached[0]!r}); "
+                         f"a second fit would stack a new plan over the old one's bytes - detach_ first")
     log: dict = {"seconds": {}}
     t = time.time()
     damage = module_damage(ref, q, [seqs[:cfg.damage_seqs]], names=names, progress=progress)

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import spear_compile as spear
+from spear_compile import ECConfig
 from spear_compile.compensators.calibrate import CalibConfig, mean_kl, sample_sequences
+from spear_compile.compensators.init import random_ecs
 from spear_compile.compensators.selection import ec_bytes
 from spear_compile.compensators.spear import SpearConfig, fit_spear_
 from spear_compile.models import tiny_llama
@@ -44,6 +46,18 @@ def test_fit_spear_errors_name_the_problem():
         fit_spear_(ref, copy.deepcopy(ref), seqs, 10_000, progress=False)
     with pytest.raises(ValueError, match="allocation"):
         SpearConfig(allocation="uniform")
+    with pytest.raises(ValueError, match="integer token ids, got torch.float32"):
+        fit_spear_(ref, q, seqs.float(), 10_000, progress=False)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\)"):
+        fit_spear_(ref, q, seqs + 1000, 10_000, progress=False)
+    with pytest.raises(ValueError, match="budget_bytes=-1: expected an integer >= 0"):
+        fit_spear_(ref, q, seqs, -1, progress=False)
+    with pytest.raises(ValueError, match="ref must be the full-precision model"):
+        fit_spear_(q, q, seqs, 10_000, progress=False)
+    name = next(iter(spear.quantized_linears(q)))
+    spear.attach_(q, {name: random_ecs(q, ECConfig(rank=2))[name]})
+    with pytest.raises(ValueError, match=r"1 module\(s\) of the model already carry ECs"):
+        fit_spear_(ref, q, seqs, 10_000, progress=False)
 
 
 def test_spear_config_replace_routes_fields_and_names_unknown_ones():

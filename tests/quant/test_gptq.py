@@ -53,8 +53,10 @@ def test_quantize_gptq_on_a_model_needs_calibration_and_beats_rtn_layer_by_layer
 
     fp = LlamaLike(layers=2)
     x = [torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    with pytest.raises(ValueError, match="needs calib="):
+    with pytest.raises(ValueError, match="needs calib=.*none was given"):
         spear.quantize_(copy.deepcopy(fp), QuantConfig(method="gptq"), progress=False)
+    with pytest.raises(ValueError, match="needs calib=.*it is empty"):
+        spear.quantize_(copy.deepcopy(fp), QuantConfig(method="gptq"), progress=False, calib=iter([]))
     g = spear.quantize_(copy.deepcopy(fp), QuantConfig(method="gptq", group_size=32), progress=False, calib=x)
     r = spear.quantize_(copy.deepcopy(fp), QuantConfig(group_size=32), progress=False)
     stats = collect_input_stats(fp, x, names=list(spear.quantized_linears(g)), full=True,
