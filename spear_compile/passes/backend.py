@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -114,9 +115,15 @@ def _add_ec_inputs(gm: torch.fx.GraphModule, infos: list[InputInfo]):
     return gm, extra, ec_inputs
 
 
-def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None, **_: Any):
-    """Dynamo backend: Inductor with the spear passes as its post-grad custom pass."""
+def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None, **kw: Any):
+    """Dynamo backend: Inductor with the spear passes as its post-grad custom pass.
+    ``torch.compile``'s ``mode`` is not applied (Inductor runs with its defaults plus the spear
+    passes); a mode other than the default warns rather than being dropped silently."""
     from torch._inductor.compile_fx import compile_fx
+
+    if kw.get("mode") not in (None, "default"):
+        warnings.warn(f"backend='spear' ignores torch.compile mode={kw['mode']!r}: Inductor runs with its defaults "
+                      f"plus the spear passes", stacklevel=2)
 
     infos = _input_infos(gm, example_inputs)
     gm, extra, ec_inputs = _add_ec_inputs(gm, infos)

@@ -54,6 +54,14 @@ def test_options_are_validated_and_applied():
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="crossover_m=1"):
         CompileConfig(crossover_m=1)
+    with pytest.raises(Exception, match=r"CompileConfig.crossover_m='32': expected an integer or None"):
+        with torch.no_grad():
+            torch.compile(m, backend="spear", options={"crossover_m": "32"})(x)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="ignores torch.compile mode='max-autotune'"):
+        with torch.no_grad():
+            torch.compile(m, backend="spear", mode="max-autotune")(x)
+    torch._dynamo.reset()
 
 
 def test_uuid_changes_with_config_and_is_stable():
