@@ -48,6 +48,8 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         if not isinstance(m, nn.Linear):
             raise TypeError(f"quantize_: filter selected {fqn!r} of type {type(m).__name__}; only nn.Linear is supported")
         QuantLinear.check_args(m.in_features, cfg.group_size, m.weight.dtype, fqn)
+        if not bool(torch.isfinite(m.weight).all()):
+            raise ValueError(f"quantize_: {fqn}: the weight holds NaN or inf (its scales would be NaN, and so its outputs)")
     already = sum(isinstance(m, QuantLinear) for m in model.modules())
     if not targets and not already:
         hint = (" (a bare nn.Linear: quantize_ replaces submodules, so wrap it in a container)"

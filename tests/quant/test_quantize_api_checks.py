@@ -17,6 +17,12 @@ def test_a_bad_target_leaves_the_whole_model_unquantized():
     with pytest.raises(QuantFormatError, match="1: in_features K=15 must be even"):
         spear.quantize_(seq, spear.QuantConfig(), progress=False)
     assert isinstance(seq[0], nn.Linear)
+    bad = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        bad[1].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="1: the weight holds NaN or inf"):
+        spear.quantize_(bad, spear.QuantConfig(), progress=False)
+    assert isinstance(bad[0], nn.Linear)
     with pytest.raises(QuantFormatError, match="0: dtype torch.float64 is not supported"):
         spear.quantize_(nn.Sequential(nn.Linear(64, 8).double()), spear.QuantConfig(), progress=False)
 
