@@ -17,17 +17,8 @@ sweep 0 330 --variant "nogate:$base,lr=0" --variant "gib4:$base,gate_init_bias=4
 sweep 1 330 --variant "gib2:$base,gate_init_bias=2" --variant "gib0:$base,gate_init_bias=0" &
 wait
 tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
-python3 - "$out" <<'PY'
-import glob, json, sys
-out = sys.argv[1]
-rows = {r["variant"]: r for r in (json.load(open(p)) for p in glob.glob(f"{out}/sweep*/*.json")) if "variant" in r}
-for v, r in sorted(rows.items()):
-    print(v, round(100 * r["gap_recovered"], 2))
-json.dump(rows["nogate"]["overrides"], open(f"{out}/nogate.json", "w"))
-best = max((r for v, r in rows.items() if v != "nogate"), key=lambda r: r["gap_recovered"])
-print("eval with nogate and", best["variant"])
-json.dump(best["overrides"], open(f"{out}/best.json", "w"))
-PY
+pick_best nogate  # the best trained-gate variant; the frozen one is evaluated beside it
+python3 -c "import json; json.dump(json.load(open('$out/sweep0/nogate.json'))['overrides'], open('$out/nogate.json', 'w'))"
 for g in 0 1; do
   s=$([ $g = 0 ] && echo "$out/nogate.json" || echo "$out/best.json")
   [ -f "$s" ] || continue

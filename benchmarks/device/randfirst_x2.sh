@@ -16,16 +16,7 @@ sweep 0 330 --variant "rf0:$base,random_first=0" --variant "rf0.25:$base,random_
 sweep 1 330 --variant "rf0.5:$base,random_first=0.5" --variant "rf1:$base,random_first=1.0" &
 wait
 tail -n 4 "$out/sweep0.log" "$out/sweep1.log"
-python3 - "$out" <<'PY'
-import glob, json, sys
-out = sys.argv[1]
-rows = [json.load(open(p)) for p in glob.glob(f"{out}/sweep*/rf*.json")]
-for r in sorted(rows, key=lambda r: r["variant"]):
-    print(r["variant"], round(100 * r["gap_recovered"], 2))
-best = max((r for r in rows if r["variant"] != "rf0"), key=lambda r: r["gap_recovered"])
-print("eval with", best["variant"], best["overrides"])
-json.dump(best["overrides"], open(f"{out}/best.json", "w"))
-PY
+pick_best rf0  # the preset itself is not the question
 [ -f "$out/best.json" ] || { bash benchmarks/device/pack.sh "$out"; exit 1; }
 bash benchmarks/device/eval_best_x2.sh "$out/best.json" "$out" 240
 bash benchmarks/device/pack.sh "$out"

@@ -18,14 +18,7 @@ for g in 0 1; do
 done
 wait
 tail -n 3 "$out"/sweep*.log
-python3 - "$out" <<'PY'
-import glob, json, sys
-out = sys.argv[1]
-rows = [json.load(open(p)) for p in glob.glob(f"{out}/sweep*/tq*.json")]
-best = max(rows, key=lambda r: r["gap_recovered"])
-print("eval with", best["variant"], best["overrides"])
-json.dump(best["overrides"], open(f"{out}/best.json", "w"))
-PY
+pick_best
 [ -f "$out/best.json" ] || { bash benchmarks/device/pack.sh "$out"; exit 1; }
 bash benchmarks/device/eval_best_x2.sh "$out/best.json" "$out" 250
 bash benchmarks/device/pack.sh "$out"

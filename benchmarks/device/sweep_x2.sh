@@ -16,3 +16,19 @@ sweep() {
   CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
     --out "$out/sweep$gpu" --jobs 2 --deadline-s $((limit - 15)) "${@:3}" > "$out/sweep$gpu.log" 2>&1
 }
+
+# pick_best [EXCLUDED ...]: print every variant's recovery from $out/sweep*/, then write the best
+# variant's overrides (the EXCLUDED names left out of the choice) to $out/best.json.
+pick_best() {
+  python3 - "$out" "$@" <<'PY'
+import glob, json, sys
+out, excluded = sys.argv[1], set(sys.argv[2:])
+rows = [r for r in (json.load(open(p)) for p in sorted(glob.glob(f"{out}/sweep*/*.json")))
+        if isinstance(r, dict) and "variant" in r and "gap_recovered" in r]
+for r in sorted({r["variant"]: r for r in rows}.values(), key=lambda r: r["variant"]):
+    print(r["variant"], round(100 * r["gap_recovered"], 2))
+best = max((r for r in rows if r["variant"] not in excluded), key=lambda r: r["gap_recovered"])
+print("eval with", best["variant"], best["overrides"])
+json.dump(best["overrides"], open(f"{out}/best.json", "w"))
+PY
+}
