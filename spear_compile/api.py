@@ -55,9 +55,9 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         hint = (" (a bare nn.Linear: quantize_ replaces submodules, so wrap it in a container)"
                 if isinstance(model, nn.Linear) else "")
         warnings.warn(f"quantize_: no module selected; {type(model).__name__} is unchanged{hint}", stacklevel=2)
-    if already:
-        warnings.warn(f"quantize_: {type(model).__name__} already holds {already} QuantLinear modules; they keep their "
-                      f"own quantization (quantize a fresh copy to change it)", stacklevel=2)
+    if already and not targets:
+        warnings.warn(f"quantize_: nothing selected; {type(model).__name__} already holds {already} QuantLinear "
+                      f"modules, which keep their own quantization (quantize a fresh copy to change it)", stacklevel=2)
     hessians, clips = {}, {}
     if cfg.method in ("gptq", "awq"):
         given = calib is not None

@@ -11,17 +11,19 @@ An artifact is a directory with two files:
 
 ``load`` checks everything before it returns anything: the JSON parses and names a
 supported version, the config and the tensor file match their checksums (catching
-truncation, corruption and hand edits - an edited EC activation or dtype would otherwise
-load as a different model), the rebuilt skeleton has exactly the recorded tensors with the
+truncation, corruption and a casual edit - an edited EC activation or dtype would otherwise
+load as a different model; the checksums detect accidents, they are not a signature), the rebuilt skeleton has exactly the recorded tensors with the
 recorded shapes and dtypes. Any failure raises :class:`ArtifactError` naming the file,
 module or tensor; nothing is half loaded. Reloading gives bitwise-identical logits.
 
-``save`` replaces an existing artifact atomically, and refuses any other existing path (a
+``save`` writes into a temporary directory and moves it into place (an existing artifact is
+removed just before the move), and refuses any other existing path (a
 directory holding anything but an artifact's two files, a file, the working directory), so a
 mistyped path never deletes a user's files.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -87,12 +89,12 @@ def _check_target(path: str) -> None:
     """Refuse to write over anything that is not an artifact (see the module docstring)."""
     if not path:
         raise ArtifactError("save: empty path")
-    full = os.path.abspath(path)
+    full = os.path.realpath(path)
     if not os.path.exists(full):
         return
     if not os.path.isdir(full):
         raise ArtifactError(f"save: {path} exists and is not a directory; refusing to replace it")
-    cwd = os.path.abspath(os.getcwd())
+    cwd = os.path.realpath(os.getcwd())
     if cwd == full or cwd.startswith(full.rstrip(os.sep) + os.sep):
         raise ArtifactError(f"save: {path} is (or contains) the working directory; refusing to replace it")
     entries = set(os.listdir(full))
@@ -103,7 +105,7 @@ def _check_target(path: str) -> None:
 
 def save(model: nn.Module, path: str) -> str:
     """Write ``model`` as an artifact directory at ``path``: a new or empty directory, or an
-    existing artifact (replaced atomically). A ``torch.compile`` wrapper is saved as the module
+    existing artifact (replaced). A ``torch.compile`` wrapper is saved as the module
     it wraps, so the artifact loads without it."""
     from safetensors.torch import save_file
 
@@ -172,20 +174,52 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+def _in_quantized(name: str, cfg: dict[str, Any]) -> bool:
+    """Whether state-dict key ``name`` belongs to a QuantLinear (or its EC) of the artifact."""
+    return any(name.startswith(fqn + ".") for fqn in cfg["quantized"])
+
+
+def _saved_dtype(cfg: dict[str, Any]) -> Optional[torch.dtype]:
+    """The one floating dtype of the artifact's unquantized tensors (embeddings, norms, head), or
+    None when they mix dtypes: the skeleton is built in it, so a bf16 model reloads as bf16
+    (bitwise), not as an fp32 skeleton the bf16 tensors are cast into."""
+    names = {m["dtype"] for k, m in cfg["tensors"].items() if not _in_quantized(k, cfg)}
+    dtypes = {getattr(torch, n, None) for n in names}
+    floats = {d for d in dtypes if isinstance(d, torch.dtype) and d.is_floating_point}
+    return floats.pop() if len(floats) == 1 else None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]):
+    old = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def _skeleton(cfg: dict[str, Any], model: Optional[nn.Module]) -> nn.Module:
+    dtype = _saved_dtype(cfg)
     if model is not None:
-        return copy.deepcopy(model)
+        skel = copy.deepcopy(model)
+        return skel.to(dtype) if dtype is not None else skel
     src = cfg["model"]
     if src.get("source") == "builtin":
         from .models import load as load_builtin
 
-        return load_builtin(src["name"], **src.get("kwargs", {}))[0]
+        kwargs = dict(src.get("kwargs", {}))
+        if dtype is not None:
+            kwargs["dtype"] = str(dtype).replace("torch.", "")
+        return load_builtin(src["name"], **kwargs)[0]
     if src.get("source") == "hf_config":
         import transformers
 
         hf_cfg = transformers.AutoConfig.for_model(**src["config"])
         cls = getattr(transformers, src.get("class", "AutoModelForCausalLM"))
-        return cls(hf_cfg).eval()
+        with _default_dtype(dtype):  # what from_pretrained(dtype=...) does: buffers it computes stay as it made them
+            return cls(hf_cfg).eval()
     raise ArtifactError(f"artifact model source {src!r} cannot be rebuilt; pass model= (the unquantized architecture)")
 
 
@@ -224,8 +258,9 @@ def load(path: str, model: Optional[nn.Module] = None, map_location: str = "cpu"
     unexpected = [k for k in tensors if k not in expected]
     if missing or unexpected:
         raise ArtifactError(f"{path}: tensors do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for k, v in expected.items():
-        if k in tensors and (tuple(v.shape) != tuple(tensors[k].shape) or v.dtype != tensors[k].dtype):
+    for k, v in expected.items():  # quantized modules and ECs are built in their recorded dtypes: those must match
+        if k in tensors and (tuple(v.shape) != tuple(tensors[k].shape)
+                             or (v.dtype != tensors[k].dtype and _in_quantized(k, cfg))):
             raise ArtifactError(f"{path}: tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, the module "
                                 f"expects {tuple(v.shape)} {v.dtype}")
     skel.load_state_dict(tensors, strict=False)

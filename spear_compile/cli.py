@@ -168,9 +168,7 @@ def _spear_settings(args: argparse.Namespace):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import run_eval
-
-    from .evaluate import check_eval_args
+    from .evaluate import check_eval_args, run_eval
 
     try:
         check_eval_args(args.text, args.group_size, args.method, args.budget, args.seq_len, args.max_tokens)

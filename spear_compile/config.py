@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 from typing import Any, Optional
 
 _GROUP_SIZES = (None, 32, 64, 128, 256)
@@ -38,6 +39,11 @@ def check_types(obj: Any) -> None:
         if v is None and optional:
             continue
         kinds, what = _KINDS[base]
+        if base in ("int", "float") and not isinstance(v, (bool, int, float)):  # numpy / torch scalars
+            abstract = numbers.Integral if base == "int" else numbers.Real
+            if isinstance(v, abstract) and not isinstance(v, bool):
+                v = int(v) if base == "int" else float(v)
+                object.__setattr__(obj, f.name, v)
         ok = isinstance(v, kinds) and (base == "bool" or not isinstance(v, bool))
         if ok and base == "float":
             ok = math.isfinite(v)
@@ -48,9 +54,12 @@ def check_types(obj: Any) -> None:
 
 def check_gate_bias(owner: str, v: float) -> None:
     lo, hi = GATE_BIAS_RANGE
-    if not lo <= v <= hi:
-        raise ValueError(f"{owner}.gate_init_bias={v}: expected {lo} <= bias <= {hi} (alpha = 1 / sigmoid(bias) "
-                         f"must stay finite)")
+    if v < lo:
+        raise ValueError(f"{owner}.gate_init_bias={v}: expected >= {lo} (alpha = 1 / sigmoid(bias) grows as "
+                         f"e^-bias: {v} would make it overflow or swamp the correction)")
+    if v > hi:
+        raise ValueError(f"{owner}.gate_init_bias={v}: expected <= {hi} (a gate that saturated cannot move: "
+                         f"sigmoid's slope there is below 1e-13)")
 
 
 class _Serialisable:
@@ -108,7 +117,7 @@ class QuantConfig(_Serialisable):
     awq_max_shrink: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.group_size == 0 and not isinstance(self.group_size, bool):
+        if self.group_size == 0 and type(self.group_size) is int:  # not 0.0 or False: those fail the type check
             object.__setattr__(self, "group_size", None)
         check_types(self)
         if self.bits != 4:

@@ -126,8 +126,10 @@ class EvalSession:
         whole groups."""
         if not group_size:
             return
+        from .api import default_filter
+
         for name, m in self.ref.named_modules():
-            if isinstance(m, nn.Linear) and not name.endswith("lm_head") and m.in_features % group_size:
+            if name and default_filter(m, name) and m.in_features % group_size:
                 raise ValueError(f"spear eval: --group-size {group_size} does not divide in_features "
                                  f"{m.in_features} of {name} ({self.model_name})")
 
@@ -278,7 +280,7 @@ def check_eval_args(texts: Sequence[str], group_size: int, method: str, budget: 
 
     if method not in METHODS:
         raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
-    if isinstance(group_size, bool) or group_size not in (0, None, 32, 64, 128, 256):
+    if not (group_size is None or type(group_size) is int) or group_size not in (0, None, 32, 64, 128, 256):
         raise ValueError(f"spear eval: --group-size {group_size!r}; expected 0 (per-channel) or one of 32, 64, 128, 256")
     if not isinstance(budget, (int, float)) or not math.isfinite(budget) or not 0 <= budget <= 1:
         raise ValueError(f"spear eval: --budget {budget!r}; expected a fraction of the fp16 model's bytes in [0, 1] "

@@ -193,3 +193,24 @@ def test_custom_architecture_needs_model_argument(tmp_path):
     x = torch.randn(1, 3, 64)
     assert torch.equal(loaded(x), m(x))
     assert isinstance(skeleton.layers[0].q_proj, torch.nn.Linear)  # the argument was left untouched
+
+
+def test_bf16_models_reload_as_bf16_bitwise(tmp_path):
+    """The skeleton is built in the saved dtype: a bf16 Hugging Face model (rebuilt from its config,
+    as from_pretrained(dtype=bf16) builds it) and a built-in model cast to bf16 after loading both
+    come back bf16 with identical logits (they used to come back fp32, or, briefly, not at all)."""
+    import transformers
+
+    from spear_compile.artifacts import _default_dtype
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    with _default_dtype(torch.bfloat16):
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+    builtin = load_builtin("tiny-llama")[0].to(torch.bfloat16)
+    for i, m in enumerate((hf, builtin)):
+        spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
+        loaded = spear.load(spear.save(m, str(tmp_path / f"m{i}")))
+        assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert torch.equal(_logits(loaded), _logits(m)), i
+    assert torch.get_default_dtype() == torch.float32  # restored

@@ -17,9 +17,11 @@ from spear_compile.compensators.spear import SpearConfig, parse_overrides
     (lambda: CalibConfig(temperature=0), "CalibConfig.temperature=0: must be > 0"),
     (lambda: SpearConfig(min_rank=10, max_rank=4), "min_rank=10 exceeds max_rank=4"),
     (lambda: SpearConfig(max_rank=2.5), "SpearConfig.max_rank=2.5: expected an integer"),
-    (lambda: SpearConfig(gate_init_bias=-100), "SpearConfig.gate_init_bias=-100: expected -10.0 <= bias"),
+    (lambda: SpearConfig(gate_init_bias=-100), "SpearConfig.gate_init_bias=-100: expected >= -10.0"),
     (lambda: SpearConfig(calib={"steps": 2}), "expected a CalibConfig"),
     (lambda: ECConfig(rank=2.5), "ECConfig.rank=2.5: expected an integer"),
+    (lambda: ECConfig(gate_init_bias=40), "ECConfig.gate_init_bias=40: expected <= 30.0"),
+    (lambda: QuantConfig(group_size=0.0), r"QuantConfig.group_size=0.0: expected an integer or None"),
     (lambda: ECConfig(gate_init_bias=float("nan")), "ECConfig.gate_init_bias=nan: expected a finite number"),
     (lambda: CompileConfig(crossover_m="32"), "CompileConfig.crossover_m='32': expected an integer or None"),
     (lambda: CompileConfig(fuse_shared_input="no"), "CompileConfig.fuse_shared_input='no': expected True or False"),
@@ -30,6 +32,15 @@ from spear_compile.compensators.spear import SpearConfig, parse_overrides
 def test_wrong_types_and_ranges_fail_at_construction(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    import numpy as np
+
+    c = CalibConfig(steps=np.int64(5), lr=np.float32(0.5))
+    assert type(c.steps) is int and c.steps == 5 and type(c.lr) is float and c.lr == 0.5
+    with pytest.raises(ValueError, match=r"CalibConfig.steps=.*5\.5.*: expected an integer"):
+        CalibConfig(steps=np.float64(5.5))
 
 
 def test_valid_values_still_pass():

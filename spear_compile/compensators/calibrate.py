@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -138,7 +138,7 @@ def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, 
     out = []
     for i in tqdm(range(0, n, batch_size), desc="self-sampling", disable=not progress, leave=False):
         b = min(batch_size, n - i)
-        first = first_tokens(model, range(i, i + b), random_first, seed) if random_first > 0 else None
+        first = first_tokens(model, range(i, i + b), random_first, seed, bos_token_id) if random_first > 0 else None
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + i)
             if sampler == "static":
@@ -157,14 +157,15 @@ def sample_sequences(model: nn.Module, n: int, seq_len: int, bos_token_id: int, 
     return torch.cat(out)
 
 
-def first_tokens(model: nn.Module, rows: range, frac: float, seed: int) -> torch.Tensor:
+def first_tokens(model: nn.Module, rows: range, frac: float, seed: int,
+                 bos_token_id: Optional[int] = None) -> torch.Tensor:
     """[len(rows)] long: for each global row index, a token id drawn uniformly from the vocabulary
-    less BOS / EOS / pad where the row is one of the ``frac`` chosen (row k is chosen when
+    less BOS (``bos_token_id``, the one sampling starts from, and the config's) / EOS / pad where the row is one of the ``frac`` chosen (row k is chosen when
     ``floor((k + 1) frac) > floor(k frac)``: evenly spread, the same whatever the batch size),
     else -1 ("sample it"). A generator of its own, seeded by ``seed`` and the row, so the
     sampling stream is untouched and the draw does not depend on batching."""
     cfg = model.config
-    banned = {cfg.bos_token_id, cfg.pad_token_id, *eos_ids(model)} - {None}
+    banned = {bos_token_id, cfg.bos_token_id, cfg.pad_token_id, *eos_ids(model)} - {None}
     allowed = torch.tensor([t for t in range(cfg.vocab_size) if t not in banned], dtype=torch.long)
     out = torch.full((len(rows),), -1, dtype=torch.long)
     for j, k in enumerate(rows):

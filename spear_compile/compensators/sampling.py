@@ -179,8 +179,8 @@ def sample_static(model: nn.Module, b: int, seq_len: int, bos_token_id: int, tem
     sampled (the draw is still made, so the random stream is the same either way)."""
     if temperature <= 0:
         raise ValueError(f"sample_static: temperature={temperature} must be > 0")
-    if first is not None and tuple(first.shape) != (b,):
-        raise ValueError(f"sample_static: first has shape {tuple(first.shape)}; expected ({b},)")
+    if first is not None and (tuple(first.shape) != (b,) or first.dtype != torch.long):
+        raise ValueError(f"sample_static: first is {first.dtype} {tuple(first.shape)}; expected torch.int64 ({b},)")
     with _attention(model, attention):
         return _sample(model, b, seq_len, bos_token_id, temperature, graph, first)
 

@@ -71,7 +71,11 @@ def check_text(name: str) -> None:
         return
     if os.sep in name or "/" in name or os.path.splitext(name)[1]:
         raise ValueError(f"text file {name!r} does not exist")
-    if name not in _members():
+    try:
+        members = _members()
+    except (OSError, RuntimeError) as e:  # the sdist is not cached and cannot be downloaded
+        raise ValueError(f"no text file {name!r}, and the plays of {SDIST} are not available ({e})") from None
+    if name not in members:
         raise ValueError(f"no text {name!r}: not a file, and not a play in {SDIST} "
                          f"(known: {', '.join(list_texts()[:8])}, ...)")
 

@@ -141,5 +141,10 @@ def test_random_first_tokens_are_forced_spread_evenly_and_seeded():
     assert torch.equal(sample_calibration(ref, cfg, progress=False), mixed)
     with pytest.raises(ValueError, match="random_first=1.5"):
         CalibConfig(random_first=1.5)
-    with pytest.raises(ValueError, match=r"first has shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"first is torch.int64 \(3,\); expected torch.int64 \(2,\)"):
         sample_static(ref, 2, 4, 1, first=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"first is torch.float32 \(2,\)"):
+        sample_static(ref, 2, 4, 1, first=torch.zeros(2))
+    # the BOS sampling starts from is never drawn, even when it is not the config's
+    assert not (first_tokens(ref, range(0, 4096), 1.0, 0, bos_token_id=7) == 7).any()
+    assert (first_tokens(ref, range(0, 4096), 1.0, 0) == 7).any()  # P(never drawn) ~ e^-16
