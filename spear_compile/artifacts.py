@@ -207,8 +207,12 @@ def _skeleton(cfg: dict[str, Any], model: Optional[nn.Module]) -> nn.Module:
         return skel.to(dtype) if dtype is not None else skel
     src = cfg["model"]
     if src.get("source") == "builtin":
+        from .models import BUILTIN
         from .models import load as load_builtin
 
+        if src.get("name") not in BUILTIN:  # models.load would go to the network for any other name
+            raise ArtifactError(f"artifact model {src.get('name')!r} is not a built-in model {BUILTIN}; "
+                                f"pass model= (the unquantized architecture)")
         kwargs = dict(src.get("kwargs", {}))
         if dtype is not None:
             kwargs["dtype"] = str(dtype).replace("torch.", "")

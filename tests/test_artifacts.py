@@ -114,6 +114,7 @@ def test_artifact_without_a_config_checksum_still_loads(artifact):
     (lambda c: c["quantized"]["model.layers.0.mlp.up_proj"].update(dtype="float16"), "expects .* torch.float16"),
     (lambda c: c["ecs"].update({"model.norm": next(iter(c["ecs"].values()))}), "not a quantized module"),
     (lambda c: c.update(tensors=[]), "'tensors' is a list"),
+    (lambda c: c["model"].update(name="nope-model"), "'nope-model' is not a built-in model"),
 ])
 def test_signed_but_inconsistent_config_raises_artifact_error(artifact, edit, match):
     _, _, path = artifact
