@@ -50,14 +50,16 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         QuantLinear.check_args(m.in_features, cfg.group_size, m.weight.dtype, fqn)
         if not bool(torch.isfinite(m.weight).all()):
             raise ValueError(f"quantize_: {fqn}: the weight holds NaN or inf (its scales would be NaN, and so its outputs)")
-    already = sum(isinstance(m, QuantLinear) for m in model.modules())
-    if not targets and not already:
-        hint = (" (a bare nn.Linear: quantize_ replaces submodules, so wrap it in a container)"
-                if isinstance(model, nn.Linear) else "")
-        warnings.warn(f"quantize_: no module selected; {type(model).__name__} is unchanged{hint}", stacklevel=2)
-    if already and not targets:
-        warnings.warn(f"quantize_: nothing selected; {type(model).__name__} already holds {already} QuantLinear "
-                      f"modules, which keep their own quantization (quantize a fresh copy to change it)", stacklevel=2)
+    if not targets:
+        already = sum(isinstance(m, QuantLinear) for m in model.modules())
+        if already:
+            warnings.warn(f"quantize_: nothing selected; {type(model).__name__} already holds {already} QuantLinear "
+                          f"modules, which keep their own quantization (quantize a fresh copy to change it)",
+                          stacklevel=2)
+        else:
+            hint = (" (a bare nn.Linear: quantize_ replaces submodules, so wrap it in a container)"
+                    if isinstance(model, nn.Linear) else "")
+            warnings.warn(f"quantize_: no module selected; {type(model).__name__} is unchanged{hint}", stacklevel=2)
     hessians, clips = {}, {}
     if cfg.method in ("gptq", "awq"):
         given = calib is not None

@@ -49,9 +49,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .models import load
 
     try:
-        check_eval_args([args.text], args.group_size, "spear", args.budget, args.seq_len, args.max_tokens)
+        check_eval_args([args.text], args.group_size, "spear", args.budget, args.seq_len, args.max_tokens,
+                        prog="spear demo")
     except ValueError as e:
-        raise SystemExit(str(e).replace("spear eval:", "spear demo:")) from None
+        raise SystemExit(str(e)) from None
     torch.manual_seed(0)
     t0 = time.time()
     steps = 5 if args.budget <= 0 else 8

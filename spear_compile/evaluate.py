@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import ECConfig, ErrorCompensator, QuantConfig, attach_, quantize_, quantized_linears
+from .config import _GROUP_SIZES
 from .compensators.calibrate import sample_calibration, short_context
 from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
@@ -273,28 +274,32 @@ def run_eval(model_name: str = "smollm2-135m", texts: Sequence[str] = DEFAULT_EV
 
 
 def check_eval_args(texts: Sequence[str], group_size: int, method: str, budget: float, seq_len: int,
-                    max_tokens: Optional[int]) -> None:
-    """Raise ``ValueError`` naming the bad argument before anything is loaded: a mistyped value
-    must not surface as a traceback (or a meaningless 0 %) after minutes of perplexity passes."""
+                    max_tokens: Optional[int], prog: str = "spear eval") -> None:
+    """Raise ``ValueError`` naming the bad argument (messages start with ``prog``) before anything
+    is loaded: a mistyped value must not surface as a traceback (or a meaningless 0 %) after
+    minutes of perplexity passes."""
     from .data.shakespeare import check_text
 
     if method not in METHODS:
-        raise ValueError(f"spear eval: method {method!r}; expected one of {METHODS}")
-    if not (group_size is None or type(group_size) is int) or group_size not in (0, None, 32, 64, 128, 256):
-        raise ValueError(f"spear eval: --group-size {group_size!r}; expected 0 (per-channel) or one of 32, 64, 128, 256")
+        raise ValueError(f"{prog}: method {method!r}; expected one of {METHODS}")
+    try:
+        QuantConfig(group_size=group_size)  # the one rule for group sizes
+    except ValueError:
+        raise ValueError(f"{prog}: --group-size {group_size!r}; expected 0 (per-channel) or one of "
+                         f"{', '.join(map(str, _GROUP_SIZES[1:]))}") from None
     if not isinstance(budget, (int, float)) or not math.isfinite(budget) or not 0 <= budget <= 1:
-        raise ValueError(f"spear eval: --budget {budget!r}; expected a fraction of the fp16 model's bytes in [0, 1] "
+        raise ValueError(f"{prog}: --budget {budget!r}; expected a fraction of the fp16 model's bytes in [0, 1] "
                          f"(0.01 = 1 %)")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"spear eval: --seq-len {seq_len!r}; expected an integer >= 2")
+        raise ValueError(f"{prog}: --seq-len {seq_len!r}; expected an integer >= 2")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < seq_len):
-        raise ValueError(f"spear eval: --max-tokens {max_tokens!r}; expected an integer >= --seq-len ({seq_len}), "
+        raise ValueError(f"{prog}: --max-tokens {max_tokens!r}; expected an integer >= --seq-len ({seq_len}), "
                          f"or none for the whole text")
     if not texts:
-        raise ValueError("spear eval: no --text given")
+        raise ValueError(f"{prog}: no --text given")
     for t in texts:
         try:
             check_text(t)
         except ValueError as e:
-            raise ValueError(f"spear eval: --text: {e}") from None
+            raise ValueError(f"{prog}: --text: {e}") from None

@@ -165,8 +165,10 @@ def first_tokens(model: nn.Module, rows: range, frac: float, seed: int,
     else -1 ("sample it"). A generator of its own, seeded by ``seed`` and the row, so the
     sampling stream is untouched and the draw does not depend on batching."""
     cfg = model.config
-    banned = {bos_token_id, cfg.bos_token_id, cfg.pad_token_id, *eos_ids(model)} - {None}
-    allowed = torch.tensor([t for t in range(cfg.vocab_size) if t not in banned], dtype=torch.long)
+    keep = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    keep[[t for t in {bos_token_id, cfg.bos_token_id, cfg.pad_token_id, *eos_ids(model)} - {None}
+          if 0 <= t < cfg.vocab_size]] = False
+    allowed = keep.nonzero()[:, 0]  # ascending ids, as before
     out = torch.full((len(rows),), -1, dtype=torch.long)
     for j, k in enumerate(rows):
         if math.floor((k + 1) * frac) > math.floor(k * frac):

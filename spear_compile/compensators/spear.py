@@ -155,7 +155,8 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
     if vocab is not None and seqs.numel() and (int(seqs.min()) < 0 or int(seqs.max()) >= vocab):
         raise ValueError(f"fit_spear_: token ids span [{int(seqs.min())}, {int(seqs.max())}], outside the "
                          f"vocabulary [0, {vocab})")
-    names = [n for n, m in q.named_modules() if isinstance(m, QuantLinear)]
+    qmods = {n: m for n, m in q.named_modules() if isinstance(m, QuantLinear)}
+    names = list(qmods)
     if not names:
         raise ValueError("fit_spear_: the model has no quantized linears (run quantize_ first)")
     ref_mods = dict(ref.named_modules())
@@ -163,7 +164,7 @@ def fit_spear_(ref: nn.Module, q: nn.Module, seqs: torch.Tensor, budget_bytes: i
     if swapped:
         raise ValueError(f"fit_spear_: ref must be the full-precision model, but {swapped[0]!r} is a QuantLinear in "
                          f"ref (arguments swapped, or ref quantized?)")
-    attached = [n for n in names if q.get_submodule(n).ec is not None]
+    attached = [n for n, m in qmods.items() if m.ec is not None]
     if attached:
         raise ValueError(f"fit_spear_: {len(attached)} module(s) of the model already carry ECs (e.g. {attached[0]!r}); "
                          f"a second fit would stack a new plan over the old one's bytes - detach_ first")

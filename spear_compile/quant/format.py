@@ -95,6 +95,13 @@ def check_spear_weight(
         raise QuantFormatError(
             f"{where}: packed qweight has shape {tuple(qweight.shape)}, expected [N, K/2] = [N, {K // 2}] for K={K}"
         )
+    check_group_params(scales, zeros, N, K, group_size, where)
+
+
+def check_group_params(scales: torch.Tensor, zeros: Optional[torch.Tensor], N, K: int, group_size: int,
+                       where: str) -> None:
+    """Scales and zero points of an [N, K] weight in groups of ``group_size``: floating point,
+    [N, K/G] each (any layout)."""
     ng = K // group_size
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is None:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..lowering.ec_linear import _ACTS, ec_linear_ref
 from ..lowering.w4a16 import w4a16_linear_ref
-from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_spear_weight
+from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
 
@@ -60,10 +60,8 @@ def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, loweri
         if K is not None and (group_size < 1 or K % group_size):
             raise QuantFormatError(f"{where}: in_features K={K} is not divisible by group_size={group_size}")
         n = _static(qweight.shape[0])
-        for name, t in (("scales", scales), ("zeros", zeros)):
-            if t is not None and K is not None and n is not None and tuple(t.shape) != (n, K // group_size):
-                raise QuantFormatError(f"{where}: {name} has shape {tuple(t.shape)}, expected [N, K/G] = "
-                                       f"[{n}, {K // group_size}] (K={K}, G={group_size})")
+        if K is not None and n is not None:
+            check_group_params(scales, zeros, n, K, group_size, where)
     N = _static(out_features(qweight, scales, layout))
     if bias is not None and N is not None and tuple(bias.shape) != (N,):
         raise QuantFormatError(f"{where}: bias has shape {tuple(bias.shape)}, expected ({N},)")
