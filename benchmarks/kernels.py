@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
 from spear_compile.lowering import w4a16_gemv_gluon as GG
+from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES, ec_overlapped
 from spear_compile.lowering.ec_linear import ec_linear_ref
@@ -175,6 +176,17 @@ def lab_gemv(args) -> None:
             if fastest("gluon_"):
                 row["best_gluon"] = fastest("gluon_")
                 print(f"   gluon best {row['best_gluon']} {row['us'][row['best_gluon']]:.1f} us", flush=True)
+        if args.tma:  # the TMA-ring GEMV (w4a16_gemv_tma.py) in each config
+            for cfg in GT.TMA_CONFIGS:
+                name = f"tma_{'_'.join(map(str, cfg))}"
+                check(name, lambda xx, o: GT.w4a16_gemv_tma(xx, qw.qweight, qw.scales, qw.zeros, G, None,
+                                                            config=cfg, out=o))
+                for i in range(copies):
+                    GT.tma_tiles(ws[i]["qw"].qweight, cfg)
+                timeit(name, lambda i: GT.w4a16_gemv_tma(xs[i], *args_w(i), G, None, config=cfg))
+            if fastest("tma_"):
+                row["best_tma"] = fastest("tma_")
+                print(f"   tma best {row['best_tma']} {row['us'][row['best_tma']]:.1f} us", flush=True)
         best = row["best_v4"] = fastest("v4_")
         if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
             ec = make_ec(N, K, 64)
@@ -223,6 +235,7 @@ def main() -> None:
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
     ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
+    ap.add_argument("--tma", action="store_true", help="--lab gemv: also time the TMA-ring GEMV")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 11: the TMA-ring M = 1 GEMV (lowering/w4a16_gemv_tma.py) on one H200, in one call:
+#   1. its CUDA tests (kernel against fp64 and the reference, every config);
+#   2. benchmarks/kernels.py --lab gemv --tma --gluon: tinygemm, the shipped CUDA-core kernel, the
+#      Gluon register-fed kernel and the TMA ring side by side, all five shapes;
+#   3. benchmarks/read_floor.py: the same-run floor (a plain read of the weight's bytes);
+#   4. the CUDA tests of session 10's robustness changes (lowering, passes, calibration).
+# Usage on the device: PYTHONPATH=$PWD bash benchmarks/device/tma_gemv_h200.sh OUT_DIR  (packed as OUT_DIR.tgz)
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+timeout 120 python -m pytest -q tests/lowering/test_gemv_tma.py > "$out/tests_tma.txt" 2>&1
+tail -n 3 "$out/tests_tma.txt"
+timeout 270 python benchmarks/kernels.py --lab gemv --tma --gluon --nibs biased --out "$out/lab" \
+  > "$out/lab.log" 2>&1
+grep -E "x[0-9]+: tinygemm|best" "$out/lab.log"
+timeout 60 python benchmarks/read_floor.py --out "$out/floor" > "$out/floor.log" 2>&1
+tail -n 6 "$out/floor.log"
+timeout 130 python -m pytest -q -x tests/lowering tests/passes tests/compensators/test_calibrate.py \
+  --deselect tests/lowering/test_gemv_tma.py > "$out/tests_cuda.txt" 2>&1
+tail -n 3 "$out/tests_cuda.txt"
+bash benchmarks/device/pack.sh "$out"

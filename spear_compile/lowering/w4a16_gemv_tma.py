@@ -1,0 +1,264 @@
+"""M = 1 W4A16 GEMV fed by a TMA ring: weight tiles stream into shared memory while the warps compute.
+
+Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the arithmetic is the Gluon mma.sync kernel's
+(``w4a16_gemv_gluon.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments, x as the
+one non-zero column of B, ``s * (D - (128 + z) D_ones)`` per group), mirrored in PyTorch by
+``tiles_emulated`` for the CPU tests (Gluon kernels do not run in Triton's interpreter).
+
+Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, persistent) stalls at
+1.5-1.8x the time of a kernel that only reads the same bytes (benchmarks/NOTES.md, sessions 2-7): each
+program waits for its loads, then computes with nothing in flight, and registers cap how many bytes a
+program can have outstanding. Here one thread issues TMA copies of whole weight tiles into a ring of
+``STAGES`` shared-memory buffers, so ``STAGES - 1`` tiles are in flight while all warps compute the
+current one, and the bytes in flight cost shared memory, not registers.
+
+Layout: the gluon words (``repack_gluon``) are re-tiled once per weight (``repack_tiles``) so that one
+CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous block, stored as
+``[NB, BN, 16]`` words; the TMA copies it as ``[TR, 256]`` int32 rows (no swizzle) and a warp's 32
+lanes read 512 contiguous bytes of it (4 words each): no bank conflicts, and the loaded registers are
+the MMA operand with no layout conversion (asserted at compile time).
+
+Status: experimental (``benchmarks/kernels.py --lab gemv --tma`` times it); not used by the dispatch
+until it beats the CUDA-core kernel on the H200. Constraints: CUDA sm_90+, bf16, K % 128 == 0,
+G a multiple of 128 (or per-channel).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    from .w4a16_gemv_gluon import _pairs
+
+ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
+
+# (WARPS, RB, CH, STAGES): K slices per CTA, row blocks of 16, 128-column chunks per warp and step, ring depth
+TMA_CONFIGS = [(8, 2, 1, 4), (8, 2, 1, 3), (8, 1, 1, 4), (8, 1, 1, 6), (4, 2, 1, 4), (4, 2, 1, 6),
+               (4, 1, 1, 8), (8, 2, 1, 6)]
+
+
+def tile_geometry(config: tuple) -> tuple[int, int, int]:
+    """(BN rows, STEP columns, TR rows of ROW words) of one CTA tile for a config."""
+    warps, rb, ch, _ = config
+    bn, nb = 16 * rb, warps * ch
+    return bn, 128 * nb, nb * bn * 16 // ROW  # BN * 16 = 256 RB words: always whole rows
+
+
+def tile_layout_bases(warps: int, rb: int, ch: int) -> tuple[list, list, list]:
+    """``word_layout_bases`` mapped from [NB, BN, 16] (j, n, w) to the tile's [TR, ROW] view: the flat
+    word index ``j BN 16 + n 16 + w`` split into (row, column). A reshape of the loaded [TR, ROW]
+    tensor to [NB, BN, 16] is then exactly the MMA word layout."""
+    bn = 16 * rb
+
+    def flat(b):
+        f = b[0] * bn * 16 + b[1] * 16 + b[2]
+        return [f // ROW, f % ROW]
+
+    return tuple([flat(b) for b in bases] for bases in word_layout_bases(warps, rb, ch))
+
+
+def repack_tiles(qweight: torch.Tensor, config: tuple) -> torch.Tensor:
+    """spear-packed uint8 [N, K/2] -> int32 [tiles * TR, ROW]: tile (row block b, K step t) at rows
+    ``(b KT + t) TR``, as [NB, BN, 16] words; N and K are zero-padded to whole tiles (padded columns meet
+    x = 0, padded rows are never stored)."""
+    bn, step, _ = tile_geometry(config)
+    nb = step // 128
+    words = repack_gluon(qweight)  # [N, K/8]
+    N, KW = words.shape
+    Np, KWp = -(-N // bn) * bn, -(-KW // (step // 8)) * (step // 8)
+    if (Np, KWp) != (N, KW):
+        words = torch.nn.functional.pad(words, (0, KWp - KW, 0, Np - N))
+    t = words.view(Np // bn, bn, KWp // (step // 8), nb, 16).permute(0, 2, 3, 1, 4)
+    return t.contiguous().view(-1, ROW)
+
+
+def tiles_emulated(x2, tiles, scales, zeros, G: int, bias, N: int, config: tuple) -> torch.Tensor:
+    """Undo ``repack_tiles`` and run the Gluon kernel's emulation: the CPU check that the tiling keeps
+    every word where the kernel's layout expects it."""
+    from .w4a16_gemv_gluon import gemv_gluon_emulated
+
+    bn, step, _ = tile_geometry(config)
+    nb = step // 128
+    K = x2.shape[1]
+    KWp = -(-K // step) * (step // 8)
+    t = tiles.view(-1, KWp // (step // 8), nb, bn, 16).permute(0, 3, 1, 2, 4)
+    words = t.reshape(-1, KWp)[:N, : K // 8]
+    return gemv_gluon_emulated(x2, words, scales, zeros, G, bias)
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _w4a16_gemv_tma_kernel(X, desc, S, Z, BIAS, Y, N, K, NG,
+                               WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+                               RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr,
+                               PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
+        thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
+        buffer from being refilled while a slower warp still reads it."""
+        BN: gl.constexpr = 16 * RB
+        NB: gl.constexpr = WARPS * CH
+        STEP: gl.constexpr = 128 * NB
+        TR: gl.constexpr = NB * BN * 16 // 256
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        pid = gl.program_id(0)
+        KT = gl.cdiv(K, STEP)
+        row0 = pid * KT * TR
+        smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES - 1):
+            mbarrier.expect(bars.index(i), desc.block_type.nbytes, pred=i < KT)
+            tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i), pred=i < KT)
+        # x [NB, 128, 8]: entry j's 128 activations in column 0 (the other columns' lanes are masked off)
+        xj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb)))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
+        xc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
+        x_k = gl.expand_dims(gl.expand_dims(xj * 128, 1) + gl.expand_dims(xk, 0), 2)  # [NB, 128, 1]
+        x_c0 = gl.expand_dims(gl.expand_dims(xc == 0, 0), 1)  # [1, 1, 8]
+        # scales / zeros [NB, BN] in the accumulator's row layout
+        sj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        sn = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        s_row = gl.expand_dims(sn, 0)
+        s_k = gl.expand_dims(sj * 128, 1)
+        ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
+        zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        for t in range(KT):
+            k0 = t * STEP
+            gl.thread_barrier()  # tile t - 1's buffer, refilled below, has been read by every warp
+            nt = t + STAGES - 1
+            mbarrier.expect(bars.index(nt % STAGES), desc.block_type.nbytes, pred=nt < KT)
+            tma.async_copy_global_to_shared(desc, [row0 + nt * TR, 0], bars.index(nt % STAGES),
+                                            smem.index(nt % STAGES), pred=nt < KT)
+            xb = gl.load(X + k0 + x_k + x_c0 * 0, mask=x_c0 & (k0 + x_k < K), other=0.0)
+            if not PER_CHANNEL:  # issued before the wait: their latency hides behind it
+                gp = (k0 + s_k) // G
+                ms = (s_row < N) & (k0 + s_k < K)
+                sc = gl.load(S + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
+                zz = gl.full([NB, BN], 128.0, gl.float32, layout=gl.SliceLayout(2, mma))
+                if HAS_Z:
+                    zz += gl.load(Z + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
+            mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+            w2 = smem.index(t % STAGES).load(TL)
+            w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
+            w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
+            o00, o01, o10, o11, o20, o21, o30, o31 = _pairs(w6)
+            v = gl.join(gl.join(gl.join(o00, o01), gl.join(o10, o11)),
+                        gl.join(gl.join(o20, o21), gl.join(o30, o31)))  # [j, n, t, i1, i0, h, s0, s1]
+            v = gl.permute(v, [0, 1, 3, 4, 7, 6, 2, 5])  # [j, n, i1, i0, s1, s0, t, h]: k order
+            a = gl.convert_layout(gl.reshape(v, [NB, BN, 128]), la, assert_trivial=True)
+            if PER_CHANNEL:
+                acc = mma_v2(a, xb, acc)
+                acc1 = mma_v2(ones, xb, acc1)
+            else:
+                d = mma_v2(a, xb, zero)
+                d1 = mma_v2(ones, xb, zero)
+                acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
+            acc = acc - 128.0 * acc1
+        tot = gl.sum(acc, axis=0)  # [BN, 8]: the entries' K slices meet
+        col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))
+        c0 = gl.expand_dims(col == 0, 0)
+        out = gl.sum(gl.where(c0, tot, 0.0), axis=1)  # [BN]
+        on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
+        mo = on < N
+        if PER_CHANNEL:
+            if HAS_Z:
+                sx = gl.sum(gl.where(c0, gl.sum(acc1, axis=0), 0.0), axis=1)
+                out -= gl.load(Z + on, mask=mo, other=0.0).to(gl.float32) * sx
+            out *= gl.load(S + on, mask=mo, other=0.0).to(gl.float32)
+        if HAS_BIAS:
+            out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
+        gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
+
+
+def _layouts(config: tuple):
+    from .w4a16_gemv_gluon import word_layout
+
+    warps, rb, ch, _ = config
+    _, _, tr = tile_geometry(config)
+    reg, lane, warp = tile_layout_bases(warps, rb, ch)
+    tl_ = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                     shape=[tr, ROW])
+    smem = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return word_layout(warps, rb, ch), tl_, smem
+
+
+def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict:
+    """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
+    cubin) so registers, shared memory and the trivial layout conversions are checked offline."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    warps, rb, ch, stages = config
+    _, _, tr = tile_geometry(config)
+    wl, tl_, smem = _layouts(config)
+    k = _w4a16_gemv_tma_kernel
+    types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
+                 Y="*bf16", N="i32", K="i32", NG="i32")
+    consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, PER_CHANNEL=per_channel,
+                  HAS_Z=True, HAS_BIAS=True)
+    sig = dict(types, **{c: "constexpr" for c in consts})
+    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types if a != "desc"}
+    src = gluon._runtime.GluonASTSource(
+        fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
+
+
+_TILES: dict = {}
+
+
+def tma_tiles(qweight: torch.Tensor, config: tuple):
+    """(tiles, TMA descriptor) for a weight and config, built once per weight storage and version."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .w4a16_triton import derived_cached
+
+    _, _, tr = tile_geometry(config)
+
+    def build():
+        t = repack_tiles(qweight, config)
+        return t, TensorDescriptor(t, list(t.shape), list(t.stride()), [tr, ROW], _layouts(config)[2])
+
+    return derived_cached(_TILES.setdefault(tuple(config), {}), [qweight], build)
+
+
+def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                   G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES)."""
+    M, K = x2.shape
+    if not gluon_ok(M, K, G, x2.dtype):
+        raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
+                         f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
+    config = tuple(config or TMA_CONFIGS[0])
+    _, desc = tma_tiles(qweight, config)
+    N = qweight.shape[0]
+    bn, _, _ = tile_geometry(config)
+    wl, tl_, _ = _layouts(config)
+    warps, rb, ch, stages = config
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    _w4a16_gemv_tma_kernel[(-(-N // bn),)](
+        x2, desc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        N, K, scales.shape[1],
+        WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, PER_CHANNEL=G >= K,
+        HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
+    )
+    return y

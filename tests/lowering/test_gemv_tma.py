@@ -1,0 +1,77 @@
+"""The TMA-ring M = 1 GEMV (``lowering/w4a16_gemv_tma.py``).
+
+Gluon kernels do not run in Triton's interpreter: on CPU the re-tiling is checked by undoing it and
+running the Gluon kernel's emulation against fp64 (odd N and K that need padding included), and the
+kernel is compiled for sm_90 (every layout conversion in it is asserted free). On a GPU the kernel
+runs against fp64 and the reference.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spear_compile.lowering.w4a16 import w4a16_linear_ref
+
+from .test_gemv_gluon import _case, _exact
+
+gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
+pytestmark = pytest.mark.skipif(not gt.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
+
+
+@pytest.mark.parametrize("config", [(8, 2, 1, 4), (4, 1, 1, 8)])
+def test_tiles_round_trip_through_the_emulation(config):
+    """N = 45 and K = 640 are not whole tiles: the padding must not move a word or add a product."""
+    N, K, G = 45, 640, 128
+    x, q, qw, s, z, b = _case(N, K, G)
+    tiles = gt.repack_tiles(qw, config)
+    bn, step, tr = gt.tile_geometry(config)
+    assert tiles.shape == (-(-N // bn) * -(-K // step) * tr, gt.ROW)
+    y = gt.tiles_emulated(x, tiles, s, z, G, b, N, config)
+    ex = _exact(x, q, s, z, G, b)
+    assert ((y.double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_tile_layout_is_contiguous_per_warp():
+    """A warp's 32 lanes x 4 words cover 128 consecutive words of the tile (no bank conflicts)."""
+    reg, lane, warp = gt.tile_layout_bases(8, 2, 1)
+    flat = [r * gt.ROW + c for r, c in lane]
+    assert sorted(flat) == [4, 8, 16, 32, 64]
+    assert [r * gt.ROW + c for r, c in reg[:2]] == [1, 2]
+
+
+def test_repack_errors():
+    with pytest.raises(ValueError, match="K=200"):
+        gt.repack_tiles(torch.zeros(4, 100, dtype=torch.uint8), (8, 1, 1, 4))
+
+
+def test_kernel_compiles_for_sm90_with_free_layout_conversions():
+    """Compiling is the check (``assert_trivial`` on both conversions); TMA loads and mma.sync must be
+    in the PTX. A separate process: the interpreter (on for these tests) cannot compile."""
+    code = ("from spear_compile.lowering.w4a16_gemv_tma import TMA_CONFIGS, compile_sm90\n"
+            "for cfg in TMA_CONFIGS[:3]:\n"
+            "    for pc in (False, True):\n"
+            "        ptx = compile_sm90(cfg, per_channel=pc)['ptx']\n"
+            "        assert 'cp.async.bulk.tensor.2d' in ptx and 'mma.sync.aligned.m16n8k16' in ptx, cfg\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="runs the kernel: TMA needs CUDA sm_90+")
+@pytest.mark.parametrize("G", [128, None])
+@pytest.mark.parametrize("config", gt.TMA_CONFIGS)
+def test_kernel_matches_reference_on_gpu(G, config):
+    N, K = 200, 1280  # neither a whole number of row blocks nor of K steps
+    Gs = G or K
+    x, q, qw, s, z, b = _case(N, K, Gs)
+    x, qw, s, z, b = (t.cuda() for t in (x, qw, s, z, b))
+    for zz, bb in ((z, b), (None, None)):
+        y = gt.w4a16_gemv_tma(x, qw, s, zz, Gs, bb, config=config)
+        ex = _exact(x.cpu(), q, s.cpu(), zz.cpu() if zz is not None else None, Gs, bb.cpu() if bb is not None else None)
+        assert ((y.cpu().double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-5).all()
+        ref = w4a16_linear_ref(x, qw, s, zz, Gs, bb)
+        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
