@@ -40,14 +40,18 @@ if HAS_GLUON:
 
 ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
-# (WARPS, RB, CH, STAGES): K slices per CTA, row blocks of 16, 128-column chunks per warp and step, ring depth
-TMA_CONFIGS = [(8, 2, 1, 4), (8, 2, 1, 3), (8, 1, 1, 4), (8, 1, 1, 6), (4, 2, 1, 4), (4, 2, 1, 6),
-               (4, 1, 1, 8), (8, 2, 1, 6)]
+# (WARPS, RB, CH, STAGES, OPS): K slices per CTA, row blocks of 16, 128-column chunks per warp and step,
+# ring depth, and where each step's x and scales come from: OPS_GLOBAL loads them from global memory
+# before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during this
+# step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile (TMA).
+OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
+TMA_CONFIGS = [(8, 2, 1, 3, 2), (8, 2, 1, 4, 2), (8, 2, 1, 2, 2), (4, 2, 1, 4, 2), (8, 1, 1, 4, 2), (4, 1, 1, 4, 2),
+               (4, 2, 1, 3, 2), (8, 2, 1, 3, 0), (8, 2, 1, 3, 1), (4, 2, 1, 4, 1)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
     """(BN rows, STEP columns, TR rows of ROW words) of one CTA tile for a config."""
-    warps, rb, ch, _ = config
+    warps, rb, ch = config[:3]
     bn, nb = 16 * rb, warps * ch
     return bn, 128 * nb, nb * bn * 16 // ROW  # BN * 16 = 256 RB words: always whole rows
 
@@ -80,6 +84,23 @@ def repack_tiles(qweight: torch.Tensor, config: tuple) -> torch.Tensor:
     return t.contiguous().view(-1, ROW)
 
 
+def repack_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int, K: int, config: tuple):
+    """bf16 scales and zero points [N, K/G] -> int32 [tiles, NB BN]: tile (row block b, K step t) holds,
+    for slice j and row n, the (scale, zero) bf16 pair (scale in the low half) of the group of
+    column ``t STEP + 128 j`` - what the kernel's TMA brings beside the weight tile (OPS_SMEM)."""
+    bn, step, _ = tile_geometry(config)
+    nb = step // 128
+    N = scales.shape[0]
+    Np, KT = -(-N // bn) * bn, -(-K // step)
+    grp = ((torch.arange(KT, device=scales.device).view(KT, 1) * step
+            + 128 * torch.arange(nb, device=scales.device).view(1, nb)) // G).clamp_max(scales.shape[1] - 1)
+    lo = scales.view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = (zeros.view(torch.int16).to(torch.int32) << 16) if zeros is not None else torch.zeros_like(lo)
+    pair = torch.nn.functional.pad(lo | hi, (0, 0, 0, Np - N))  # [Np, NG]
+    t = pair[:, grp.flatten()].view(Np // bn, bn, KT, nb).permute(0, 2, 3, 1)  # [b, t, j, n]
+    return t.contiguous().view(-1, nb * bn)
+
+
 def tiles_emulated(x2, tiles, scales, zeros, G: int, bias, N: int, config: tuple) -> torch.Tensor:
     """Undo ``repack_tiles`` and run the Gluon kernel's emulation: the CPU check that the tiling keeps
     every word where the kernel's layout expects it."""
@@ -97,37 +118,71 @@ def tiles_emulated(x2, tiles, scales, zeros, G: int, bias, N: int, config: tuple
 if HAS_GLUON:
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, S, Z, BIAS, Y, N, K, NG,
+    def _step_operands(X, S, Z, N, K, NG, k0, x_k, x_c0, s_row, s_k, G: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                       HAS_Z: gl.constexpr):
+        """One K step's x (as the [NB, 128, 8] B operand, column 0) and, for groups, its scales and
+        128 + zero points ([NB, BN], fp32; zeros when per-channel: applied after the loop)."""
+        xb = gl.load(X + k0 + x_k + x_c0 * 0, mask=x_c0 & (k0 + x_k < K), other=0.0)
+        zz = gl.full([s_k.shape[0], s_row.shape[1]], 128.0, gl.float32, layout=s_row.type.layout)
+        sc = zz
+        if not PER_CHANNEL:
+            gp = (k0 + s_k) // G
+            ms = (s_row < N) & (k0 + s_k < K)
+            sc = gl.load(S + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
+            if HAS_Z:
+                zz += gl.load(Z + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
+        return xb, sc, zz
+
+    @gluon.jit
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, N, K, NG,
                                WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
-                               RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr,
-                               PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+                               RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
+                               KP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                               HAS_BIAS: gl.constexpr):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
-        buffer from being refilled while a slower warp still reads it."""
+        buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
         TR: gl.constexpr = NB * BN * 16 // 256
+        KT: gl.constexpr = KP // STEP
+        SZ_TMA: gl.constexpr = OPS == 2 and not PER_CHANNEL
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
                                                       instr_shape=[1, 16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         pid = gl.program_id(0)
-        KT = gl.cdiv(K, STEP)
         row0 = pid * KT * TR
         smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
+        if SZ_TMA:  # (scale, zero) bf16 pairs of the tile's [NB, BN] groups
+            ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
+            nbytes: gl.constexpr = desc.block_type.nbytes + sdesc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = desc.block_type.nbytes
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
-            mbarrier.expect(bars.index(i), desc.block_type.nbytes, pred=i < KT)
-            tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i), pred=i < KT)
+            if i < KT:
+                mbarrier.expect(bars.index(i), nbytes)
+                tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i))
+                if SZ_TMA:
+                    tma.async_copy_global_to_shared(sdesc, [pid * KT + i, 0], bars.index(i), ssmem.index(i))
         # x [NB, 128, 8]: entry j's 128 activations in column 0 (the other columns' lanes are masked off)
         xj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb)))
         xk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
         xc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
         x_k = gl.expand_dims(gl.expand_dims(xj * 128, 1) + gl.expand_dims(xk, 0), 2)  # [NB, 128, 1]
         x_c0 = gl.expand_dims(gl.expand_dims(xc == 0, 0), 1)  # [1, 1, 8]
+        if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
+            xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+            xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
+                  + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
+            xsmem = gl.allocate_shared_memory(gl.bfloat16, [KT, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            for i in gl.static_range(KT):
+                xsmem.index(i).store(gl.load(X + i * STEP + xo, mask=i * STEP + xo < K, other=0.0))
+            gl.thread_barrier()
         # scales / zeros [NB, BN] in the accumulator's row layout
         sj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
         sn = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
@@ -137,22 +192,31 @@ if HAS_GLUON:
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        if OPS == 1:
+            xb, sc, zz = _step_operands(X, S, Z, N, K, NG, 0, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
         for t in range(KT):
             k0 = t * STEP
             gl.thread_barrier()  # tile t - 1's buffer, refilled below, has been read by every warp
             nt = t + STAGES - 1
-            mbarrier.expect(bars.index(nt % STAGES), desc.block_type.nbytes, pred=nt < KT)
-            tma.async_copy_global_to_shared(desc, [row0 + nt * TR, 0], bars.index(nt % STAGES),
-                                            smem.index(nt % STAGES), pred=nt < KT)
-            xb = gl.load(X + k0 + x_k + x_c0 * 0, mask=x_c0 & (k0 + x_k < K), other=0.0)
-            if not PER_CHANNEL:  # issued before the wait: their latency hides behind it
-                gp = (k0 + s_k) // G
-                ms = (s_row < N) & (k0 + s_k < K)
-                sc = gl.load(S + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
-                zz = gl.full([NB, BN], 128.0, gl.float32, layout=gl.SliceLayout(2, mma))
-                if HAS_Z:
-                    zz += gl.load(Z + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
+            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < KT)
+            tma.async_copy_global_to_shared(desc, [row0 + nt * TR, 0], bars.index(nt % STAGES), smem.index(nt % STAGES),
+                                            pred=nt < KT)
+            if SZ_TMA:
+                tma.async_copy_global_to_shared(sdesc, [pid * KT + nt, 0], bars.index(nt % STAGES),
+                                                ssmem.index(nt % STAGES), pred=nt < KT)
+            if OPS == 1:  # the next step's x, scales and zeros are in flight while this step computes
+                xn, scn, zzn = _step_operands(X, S, Z, N, K, NG, k0 + STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL,
+                                              HAS_Z)
+            elif OPS == 0:  # this step's, issued before the wait so that their latency hides behind it
+                xb, sc, zz = _step_operands(X, S, Z, N, K, NG, k0, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
             mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+            if OPS == 2:
+                xv = xsmem.index(t).load(gl.SliceLayout(2, lb))
+                xb = gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+                if SZ_TMA:
+                    szw = ssmem.index(t % STAGES).reshape([NB, BN]).load(gl.SliceLayout(2, mma))
+                    sc = (szw << 16).to(gl.float32, bitcast=True)
+                    zz = 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
             w2 = smem.index(t % STAGES).load(TL)
             w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
             w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
@@ -168,6 +232,8 @@ if HAS_GLUON:
                 d = mma_v2(a, xb, zero)
                 d1 = mma_v2(ones, xb, zero)
                 acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
+            if OPS == 1:
+                xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
@@ -191,7 +257,7 @@ if HAS_GLUON:
 def _layouts(config: tuple):
     from .w4a16_gemv_gluon import word_layout
 
-    warps, rb, ch, _ = config
+    warps, rb, ch = config[:3]
     _, _, tr = tile_geometry(config)
     reg, lane, warp = tile_layout_bases(warps, rb, ch)
     tl_ = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
@@ -200,65 +266,88 @@ def _layouts(config: tuple):
     return word_layout(warps, rb, ch), tl_, smem
 
 
-def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict:
+def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    warps, rb, ch, stages = config
+    warps, rb, ch, stages, ops = config
     _, _, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
     k = _w4a16_gemv_tma_kernel
-    types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
+    bn, step, _ = tile_geometry(config)
+    types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
+                 sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", N="i32", K="i32", NG="i32")
-    consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, PER_CHANNEL=per_channel,
-                  HAS_Z=True, HAS_BIAS=True)
+    consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
+                  PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
     sig = dict(types, **{c: "constexpr" for c in consts})
-    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types if a != "desc"}
+    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types if "desc" not in a}
     src = gluon._runtime.GluonASTSource(
         fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
 
 
 _TILES: dict = {}
+_SCALE_TILES: dict = {}
+
+
+def _descriptor(t: torch.Tensor, block: list):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 def tma_tiles(qweight: torch.Tensor, config: tuple):
     """(tiles, TMA descriptor) for a weight and config, built once per weight storage and version."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .w4a16_triton import derived_cached
 
     _, _, tr = tile_geometry(config)
 
     def build():
         t = repack_tiles(qweight, config)
-        return t, TensorDescriptor(t, list(t.shape), list(t.stride()), [tr, ROW], _layouts(config)[2])
+        return t, _descriptor(t, [tr, ROW])
 
-    return derived_cached(_TILES.setdefault(tuple(config), {}), [qweight], build)
+    return derived_cached(_TILES.setdefault(tuple(config[:3]), {}), [qweight], build)
+
+
+def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int, K: int, config: tuple):
+    """(scale tiles, TMA descriptor), cached like ``tma_tiles`` (OPS_SMEM, groups only)."""
+    from .w4a16_triton import derived_cached
+
+    bn, step, _ = tile_geometry(config)
+
+    def build():
+        t = repack_scale_tiles(scales, zeros, G, K, config)
+        return t, _descriptor(t, [1, step // 128 * bn])
+
+    return derived_cached(_SCALE_TILES.setdefault((tuple(config[:3]), G, K), {}), [scales, zeros], build)
 
 
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES)."""
+    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
                          f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
     config = tuple(config or TMA_CONFIGS[0])
+    warps, rb, ch, stages, ops = config
+    per_channel = G >= K
     _, desc = tma_tiles(qweight, config)
+    sdesc = tma_scale_tiles(scales, zeros, G, K, config)[1] if ops == OPS_SMEM and not per_channel else desc
     N = qweight.shape[0]
-    bn, _, _ = tile_geometry(config)
+    bn, step, _ = tile_geometry(config)
     wl, tl_, _ = _layouts(config)
-    warps, rb, ch, stages = config
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _w4a16_gemv_tma_kernel[(-(-N // bn),)](
-        x2, desc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         N, K, scales.shape[1],
-        WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, PER_CHANNEL=G >= K,
-        HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
+        WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
+        PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
     )
     return y

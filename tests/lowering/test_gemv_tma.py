@@ -20,7 +20,7 @@ gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 pytestmark = pytest.mark.skipif(not gt.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
 
 
-@pytest.mark.parametrize("config", [(8, 2, 1, 4), (4, 1, 1, 8)])
+@pytest.mark.parametrize("config", [(8, 2, 1, 4, 1), (4, 1, 1, 8, 0)])
 def test_tiles_round_trip_through_the_emulation(config):
     """N = 45 and K = 640 are not whole tiles: the padding must not move a word or add a product."""
     N, K, G = 45, 640, 128
@@ -33,6 +33,28 @@ def test_tiles_round_trip_through_the_emulation(config):
     assert ((y.double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-6).all()
 
 
+@pytest.mark.parametrize("G", [128, 256])
+def test_scale_tiles_hold_each_slices_group(G):
+    """Tile (b, t), slice j, row n holds (scale, zero) of row b BN + n at column t STEP + 128 j."""
+    config = (8, 1, 1, 4, 2)
+    N, K = 45, 1280
+    _, _, _, s, z, _ = _case(N, K, G)
+    bn, step, _ = gt.tile_geometry(config)
+    nb, kt = step // 128, -(-K // step)
+    tiles = gt.repack_scale_tiles(s, z, G, K, config).view(-1, kt, nb, bn)
+    sv, zv = s.view(torch.int16).to(torch.int32) & 0xFFFF, z.view(torch.int16).to(torch.int32) & 0xFFFF
+    for b in range(tiles.shape[0]):
+        for t in range(kt):
+            for j in range(nb):
+                col = t * step + 128 * j
+                rows = torch.arange(b * bn, min(b * bn + bn, N))
+                if col >= K:
+                    continue
+                got = tiles[b, t, j, : len(rows)]
+                assert torch.equal(got & 0xFFFF, sv[rows, col // G]) and torch.equal((got >> 16) & 0xFFFF, zv[rows, col // G])
+    assert torch.equal(gt.repack_scale_tiles(s, None, G, K, config) >> 16, torch.zeros_like(tiles.view(-1, nb * bn)))
+
+
 def test_tile_layout_is_contiguous_per_warp():
     """A warp's 32 lanes x 4 words cover 128 consecutive words of the tile (no bank conflicts)."""
     reg, lane, warp = gt.tile_layout_bases(8, 2, 1)
@@ -43,7 +65,7 @@ def test_tile_layout_is_contiguous_per_warp():
 
 def test_repack_errors():
     with pytest.raises(ValueError, match="K=200"):
-        gt.repack_tiles(torch.zeros(4, 100, dtype=torch.uint8), (8, 1, 1, 4))
+        gt.repack_tiles(torch.zeros(4, 100, dtype=torch.uint8), (8, 1, 1, 4, 1))
 
 
 def test_kernel_compiles_for_sm90_with_free_layout_conversions():
@@ -62,7 +84,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                     reason="runs the kernel: TMA needs CUDA sm_90+")
-@pytest.mark.parametrize("G", [128, None])
+@pytest.mark.parametrize("G", [128, 256, None])
 @pytest.mark.parametrize("config", gt.TMA_CONFIGS)
 def test_kernel_matches_reference_on_gpu(G, config):
     N, K = 200, 1280  # neither a whole number of row blocks nor of K steps
