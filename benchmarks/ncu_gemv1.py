@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, make_weights  # noqa: E402
 
 from spear_compile.lowering import w4a16_gemv_gluon as GG  # noqa: E402
+from spear_compile.lowering import w4a16_gemv_tma as GT  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 
 
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"])
     ap.add_argument("--gluon", nargs="*", default=[], help="also the Gluon tensor-core GEMV in these configs "
                     "(WARPS,RB,CH,PREFETCH, e.g. 8,2,1,1)")
+    ap.add_argument("--tma", nargs="*", default=[], help="also the TMA-ring GEMV in these configs "
+                    "(WARPS,RB,CH,STAGES,OPS, e.g. 8,2,1,2,2)")
     args = ap.parse_args()
     runs = []
     for sh in args.shapes:
@@ -46,6 +49,10 @@ def main() -> None:
         for cfg in args.gluon:
             c = tuple(int(v) for v in cfg.split(","))
             runs.append((f"{sh} gluon_{cfg}", lambda x=x, qw=qw, c=c: GG.w4a16_gemv_gluon(
+                x, qw.qweight, qw.scales, qw.zeros, G, None, config=c)))
+        for cfg in args.tma:
+            c = tuple(int(v) for v in cfg.split(","))
+            runs.append((f"{sh} tma_{cfg}", lambda x=x, qw=qw, c=c: GT.w4a16_gemv_tma(
                 x, qw.qweight, qw.scales, qw.zeros, G, None, config=c)))
     for _, fn in runs:  # compile, tune-table lookups, GEMV layout: all before profiling
         fn()
