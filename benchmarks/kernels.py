@@ -212,6 +212,12 @@ def lab_gemv(args) -> None:
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
+        # the TMA kernel serves this shape (M = 1, no EC) only where it measured faster than the best v4
+        bt = row.get("best_tma")
+        if bt and row["us"][bt] < row["us"][best]:
+            T.tuned_table()[GT.tma_key(N, K, G)] = [int(v) for v in bt.split("_")[1:]]
+        elif args.tma:
+            T.tuned_table().pop(GT.tma_key(N, K, G), None)
         T.tuned_table().setdefault(T.gemv1_key(N, K, G, True), [int(v) for v in best.split("_")[2:]])
         res["rows"].append(row)
         tg = row["us"]["tinygemm"]

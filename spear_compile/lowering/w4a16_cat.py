@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
+_CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
 
 
 def concatenated(qweights, scales, zeros, biases) -> tuple:
@@ -47,10 +48,41 @@ def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
             and len({z is None for z in zeros}) == 1)
 
 
+def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: tuple) -> tuple:
+    """((weight descriptor, scale descriptor or None), the tiles they point into, scales, zeros or None,
+    bias or None) of the parts for the TMA kernel, cached like ``concatenated`` (the concatenated
+    packed weight itself is not kept)."""
+    from .w4a16_gemv_tma import OPS_SMEM, _descriptor, repack_scale_tiles, repack_tiles, tile_geometry
+    from .w4a16_triton import derived_cached
+
+    def make() -> tuple:
+        K = qweights[0].shape[1] * 2
+        bn, step, tr = tile_geometry(config)
+        t = repack_tiles(torch.cat(list(qweights)), config)
+        z = torch.cat(list(zeros)) if zeros[0] is not None else None
+        s = torch.cat(list(scales))
+        st = repack_scale_tiles(s, z, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
+        sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
+        b = None
+        if any(x is not None for x in biases):
+            ref = next(x for x in biases if x is not None)
+            b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
+        return (_descriptor(t, [tr, 256]), sd), (t, st), s, z, b
+
+    return derived_cached(_CAT_TMA.setdefault(tuple(config), {}), [*qweights, *scales, *zeros, *biases], make)
+
+
 def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=None) -> torch.Tensor:
-    """Y[1, sum N] through one M = 1 GEMV over the concatenated parts."""
+    """Y[1, sum N] through one M = 1 GEMV over the concatenated parts: the TMA kernel where the tuned
+    table measured it faster for the concatenated shape, else the CUDA-core kernel."""
+    from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
     from .w4a16_triton import w4a16_gemv1
 
+    N, K = sum(q.shape[0] for q in qweights), x2.shape[1]
+    cfg = tma_config(N, K, group_size, x2)
+    if cfg is not None:
+        descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
+        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs)
     words, s, z, b = concatenated(qweights, scales, zeros, biases)
     return w4a16_gemv1(x2, None, s, z, group_size, b, words=words, out=out)
 

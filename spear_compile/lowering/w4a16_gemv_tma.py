@@ -18,9 +18,11 @@ CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous
 lanes read 512 contiguous bytes of it (4 words each): no bank conflicts, and the loaded registers are
 the MMA operand with no layout conversion (asserted at compile time).
 
-Status: experimental (``benchmarks/kernels.py --lab gemv --tma`` times it); not used by the dispatch
-until it beats the CUDA-core kernel on the H200. Constraints: CUDA sm_90+, bf16, K % 128 == 0,
-G a multiple of 128 (or per-channel).
+Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV of ``w4a16_cat``)
+takes this kernel at M = 1 without an EC for the shapes where ``benchmarks/kernels.py --lab gemv --tma``
+measured it faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table,
+``tma_config``); elsewhere the CUDA-core kernel runs. Constraints: CUDA sm_90+ (TMA), bf16 activations,
+K % 128 == 0, G a multiple of 128 (or per-channel).
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during this
 # step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile (TMA).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
-TMA_CONFIGS = [(4, 2, 2, 2, 2), (4, 1, 4, 2, 2), (4, 1, 2, 2, 2), (8, 1, 2, 2, 2), (8, 1, 4, 2, 2), (2, 2, 2, 2, 2),
-               (4, 1, 4, 3, 2), (2, 1, 4, 2, 2), (4, 2, 2, 3, 2), (8, 2, 2, 2, 2), (8, 2, 1, 3, 0)]
+TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (4, 2, 2, 3, 2), (8, 2, 1, 2, 2), (4, 2, 1, 2, 2), (2, 2, 2, 2, 2),
+               (8, 2, 1, 3, 0)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
@@ -293,6 +295,32 @@ _TILES: dict = {}
 _SCALE_TILES: dict = {}
 
 
+def tma_key(N: int, K: int, G: int) -> str:
+    """Tuned-table key of the TMA config measured fastest (and faster than the CUDA-core kernel)."""
+    return f"gemv1tma|{N}|{K}|{G}"
+
+
+def tma_config(N: int, K: int, G: int, x2: torch.Tensor, table: Optional[dict] = None) -> Optional[tuple]:
+    """The TMA config to run Y[1, N] = x2 W^T with, or None (the CUDA-core kernel then runs): only
+    where the tuned table has a measured win for (N, K, G) and the kernel can run here (CUDA sm_90+,
+    Gluon, bf16, K and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off
+    (the CUDA-core kernel everywhere: for A/B measurements and as an escape hatch)."""
+    import os
+
+    if os.environ.get("SPEAR_NO_TMA_GEMV", "0") not in ("", "0"):
+        return None
+    if table is None:
+        from .w4a16_triton import tuned_table
+
+        table = tuned_table()
+    cfg = table.get(tma_key(N, K, G))
+    if cfg is None or not x2.is_cuda or not gluon_ok(x2.shape[0], K, G, x2.dtype):
+        return None
+    if torch.cuda.get_device_capability(x2.device)[0] < 9:
+        return None
+    return tuple(cfg)
+
+
 def _descriptor(t: torch.Tensor, block: list):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -328,8 +356,10 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
 
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS)."""
+                   out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None) -> torch.Tensor:
+    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS).
+    ``descs``: (weight descriptor, scale descriptor or None) made by the caller (``w4a16_cat``'s
+    concatenations; ``qweight`` is then not read: N comes from ``scales``)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
@@ -337,9 +367,13 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     config = tuple(config or TMA_CONFIGS[0])
     warps, rb, ch, stages, ops = config
     per_channel = G >= K
-    _, desc = tma_tiles(qweight, config)
-    sdesc = tma_scale_tiles(scales, zeros, G, K, config)[1] if ops == OPS_SMEM and not per_channel else desc
-    N = qweight.shape[0]
+    if descs is None:
+        desc = tma_tiles(qweight, config)[1]
+        sdesc = tma_scale_tiles(scales, zeros, G, K, config)[1] if ops == OPS_SMEM and not per_channel else None
+    else:
+        desc, sdesc = descs
+    sdesc = desc if sdesc is None else sdesc  # unused by the kernel then
+    N = scales.shape[0]
     bn, step, _ = tile_geometry(config)
     wl, tl_, _ = _layouts(config)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)

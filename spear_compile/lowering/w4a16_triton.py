@@ -754,6 +754,12 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
             if pdl_ok(x2.device):  # producers + PDL-launched GEMV: 1.09-1.26x W4 vs 1.16-1.98x (NOTES.md, run 2)
                 cfg = tuple(tuned_table().get(gemv1_key(N, K, G, False), GEMV1_CONFIGS[0]))
                 return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out)
+        if ec is None:
+            from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
+
+            cfg = tma_config(N, K, G, x2)
+            if cfg is not None:  # measured faster than the CUDA-core kernel for this shape on this GPU
+                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
         return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))

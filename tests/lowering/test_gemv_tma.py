@@ -17,6 +17,7 @@ from spear_compile.lowering.w4a16 import w4a16_linear_ref
 from .test_gemv_gluon import _case, _exact
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not gt.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
 
 
@@ -97,3 +98,54 @@ def test_kernel_matches_reference_on_gpu(G, config):
         assert ((y.cpu().double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-5).all()
         ref = w4a16_linear_ref(x, qw, s, zz, Gs, bb)
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
+
+
+def test_tma_config_selects_only_measured_shapes_that_can_run_here(monkeypatch):
+    """The dispatch takes the TMA kernel only from a tuned-table entry, and never where it cannot run
+    (CPU tensors, fp16, K or G not multiples of 128)."""
+    table = {gt.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]}
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16, device=DEV)
+    assert gt.tma_config(256, 2048, 128, x, table) is None  # no entry for this shape
+    assert gt.tma_config(256, 1024, 64, x, table) is None
+    assert gt.tma_config(256, 1024, 128, x.half(), table) is None
+    assert gt.tma_config(256, 1024, 128, x.cpu(), table) is None
+    on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert (gt.tma_config(256, 1024, 128, x, table) == (4, 2, 2, 2, 2)) == on_hopper
+    monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
+    assert gt.tma_config(256, 1024, 128, x, table) is None
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="runs the kernel: TMA needs CUDA sm_90+")
+@pytest.mark.parametrize("G", [128, None])
+def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, monkeypatch):
+    """w4a16_gemv and the concatenated GEMV (q/k/v-style parts, one without a bias) take the TMA
+    kernel for a shape with a table entry and match the reference; without the entry they do not."""
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    K = 1280
+    Gs = G or K
+    parts = [_case(n, K, Gs, seed=n) for n in (96, 40, 120)]
+    x = parts[0][0].cuda()
+    qs = [p[2].cuda() for p in parts]
+    ss = [p[3].cuda() for p in parts]
+    zs = [p[4].cuda() for p in parts]
+    bs = [parts[0][5].cuda(), None, parts[2][5].cuda()]
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k["config"]) or real(*a, **k))
+    table = dict(T.tuned_table())
+    table[gt.tma_key(96, K, Gs)] = [4, 2, 2, 2, 2]
+    table[gt.tma_key(256, K, Gs)] = [8, 2, 1, 2, 2]
+    monkeypatch.setattr(T, "_TABLE", table)
+    y = T.w4a16_gemv(x, qs[0], ss[0], zs[0], Gs, bs[0])
+    ref = w4a16_linear_ref(x, qs[0], ss[0], zs[0], Gs, bs[0])
+    assert calls == [(4, 2, 2, 2, 2)]
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
+    y = C.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs)
+    ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)
+    assert calls[-1] == (8, 2, 1, 2, 2) and len(calls) == 2
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
+    T.w4a16_gemv(x, qs[1], ss[1], zs[1], Gs, None)  # 40 rows: no entry, the CUDA-core kernel
+    assert len(calls) == 2
