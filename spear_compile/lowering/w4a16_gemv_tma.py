@@ -300,11 +300,18 @@ def tma_key(N: int, K: int, G: int) -> str:
     return f"gemv1tma|{N}|{K}|{G}"
 
 
-def tma_config(N: int, K: int, G: int, x2: torch.Tensor, table: Optional[dict] = None) -> Optional[tuple]:
-    """The TMA config to run Y[1, N] = x2 W^T with, or None (the CUDA-core kernel then runs): only
-    where the tuned table has a measured win for (N, K, G) and the kernel can run here (CUDA sm_90+,
-    Gluon, bf16, K and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off
-    (the CUDA-core kernel everywhere: for A/B measurements and as an escape hatch)."""
+def _tma_capable(device: torch.device) -> bool:
+    """TMA needs a Hopper-class GPU (sm_90+)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.device,
+                   table: Optional[dict] = None) -> Optional[tuple]:
+    """The TMA config for Y[1, N] = x W^T (x of ``dtype`` on ``device``), or None (the CUDA-core kernel
+    then runs): only where the tuned table has a measured win for (N, K, G) and the kernel can run
+    here (CUDA sm_90+, Gluon, bf16, K and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the
+    environment turns it off (the CUDA-core kernel everywhere: for A/B measurements and as an escape
+    hatch). Also what the inspection report names (``passes/phase_dispatch.kernel_for``)."""
     import os
 
     if os.environ.get("SPEAR_NO_TMA_GEMV", "0") not in ("", "0"):
@@ -314,11 +321,16 @@ def tma_config(N: int, K: int, G: int, x2: torch.Tensor, table: Optional[dict] =
 
         table = tuned_table()
     cfg = table.get(tma_key(N, K, G))
-    if cfg is None or not x2.is_cuda or not gluon_ok(x2.shape[0], K, G, x2.dtype):
-        return None
-    if torch.cuda.get_device_capability(x2.device)[0] < 9:
+    if cfg is None or not gluon_ok(1, K, G, dtype) or not _tma_capable(device):
         return None
     return tuple(cfg)
+
+
+def tma_config(N: int, K: int, G: int, x2: torch.Tensor, table: Optional[dict] = None) -> Optional[tuple]:
+    """``tma_config_for`` for an activation ``x2`` [M, K]: None unless M == 1."""
+    if x2.shape[0] != 1:
+        return None
+    return tma_config_for(N, K, G, x2.dtype, x2.device, table)
 
 
 def _descriptor(t: torch.Tensor, block: list):

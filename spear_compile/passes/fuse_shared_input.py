@@ -31,7 +31,7 @@ from .phase_dispatch import m_range
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 SLICE = torch.ops.aten.slice.Tensor
-KERNEL = "one triton GEMV (M = 1) over the weights concatenated with the other linears of this input"
+KERNEL = "one {gemv} over the weights concatenated with the other linears of this input"
 
 
 class FuseSharedInput(SpearPass):
@@ -73,6 +73,11 @@ class FuseSharedInput(SpearPass):
                 "biases": [kw["bias"] for _, kw in members], "layout": "spear"})
         copy_meta(first, cat)
         dim = cat.meta["val"].dim() - 1
+        from .phase_dispatch import gemv_name
+
+        x_val = x.meta["val"]
+        total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
+        kernel = KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val))
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])
@@ -81,12 +86,12 @@ class FuseSharedInput(SpearPass):
             copy_meta(n, sl)
             info = dict(n.meta.get(META_KEY, {}))
             weights.append(info.get("weight", n.name))
-            members_info.append({**info, "node": n.name, "op": str(n.target), "fused_into": cat.name, "kernel": KERNEL})
+            members_info.append({**info, "node": n.name, "op": str(n.target), "fused_into": cat.name, "kernel": kernel})
             n.replace_all_uses_with(sl)
             graph.erase_node(n)
             off += N
             sizes.append(N)
         # the inspection report lists each member linear from here (the nodes themselves are gone)
         record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=int(x.meta["val"].shape[-1]),
-               group_size=G, kernel=KERNEL, members=members_info)
+               group_size=G, kernel=kernel, members=members_info)
         return len(members)

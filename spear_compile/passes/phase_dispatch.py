@@ -26,6 +26,7 @@ this GPU and weight shape by ``benchmarks/kernels.py``; ``default_crossover_m``.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -56,8 +57,20 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
     return str(expr), int(lo), hi_f
 
 
-def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool) -> str:
-    """Which implementation will run this node (for the inspection report)."""
+def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor) -> str:
+    """The M = 1 GEMV that runs an [N, K] weight without an EC: the TMA-fed Gluon kernel where the
+    tuned table measured it faster on this GPU, else the CUDA-core Triton kernel."""
+    from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
+
+    if N is not None and G is not None and HAS_GLUON and tma_config_for(N, K, G, x_val.dtype, x_val.device):
+        return "gluon TMA-ring GEMV (M = 1; measured faster than the triton GEMV for this shape)"
+    return "triton GEMV (M = 1)"
+
+
+def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N: Optional[int] = None,
+               G: Optional[int] = None) -> str:
+    """Which implementation will run this node (for the inspection report); N and G (the weight's
+    rows and group size) name the M = 1 GEMV exactly."""
     from ..lowering._triton import HAS_TRITON
 
     if not (x_val.device.type == "cuda" and HAS_TRITON and layout == "spear"
@@ -67,7 +80,8 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool) ->
 
     gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
-    fused = f"{producers} triton GEMV with EC epilogue" if has_ec else f"triton GEMV (M = 1) / {gemm}"
+    K = int(x_val.shape[-1])
+    fused = f"{producers} triton GEMV with EC epilogue" if has_ec else f"{gemv_name(N, K, G, x_val)} / {gemm}"
     over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
             "side stream, or first and into the GEMM's C operand" if has_ec else gemm)
     return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
@@ -89,6 +103,12 @@ def decide(lo: int, hi: float, crossover: int) -> tuple[str, str]:
     return "dispatch", f"M in [{lo}, {hi_s}] straddles crossover {crossover}: runtime branch"
 
 
+def _rows(kwargs: dict) -> Optional[int]:
+    """The weight's rows N from its fake value, when the graph carries one."""
+    val = getattr(kwargs.get("qweight"), "meta", {}).get("val")
+    return int(val.shape[0]) if val is not None else None
+
+
 class PhaseDispatch(SpearPass):
     name = "phase_dispatch"
 
@@ -108,7 +128,8 @@ class PhaseDispatch(SpearPass):
             node.kwargs = {}
             record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason,
                    crossover=crossover, crossover_source=source,
-                   kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16))
+                   kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16,
+                                     N=_rows(kwargs), G=kwargs.get("group_size")))
             count += 1
         return count
 

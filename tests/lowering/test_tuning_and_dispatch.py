@@ -42,11 +42,17 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemm", "ecstruct")
+                assert kind in ("gemv", "gemv1", "gemv1tma", "gemm", "ecstruct")
                 if kind == "ecstruct":  # the measured prefill EC structure
                     from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES
 
                     assert val in OVERLAP_STRUCTURES and val != "auto"
+                    continue
+                if kind == "gemv1tma":  # (WARPS, RB, CH, STAGES, OPS) of w4a16_gemv_tma, measured faster than gemv1
+                    from spear_compile.lowering.w4a16_gemv_tma import OPS_SMEM
+
+                    assert len(val) == 5 and all(isinstance(v, int) and v > 0 for v in val[:4]) and 0 <= val[4] <= OPS_SMEM
+                    assert val[3] >= 2 and len(key.split("|")) == 4
                     continue
                 if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
@@ -96,6 +102,30 @@ def test_kernel_for_cuda_nodes():
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
     assert kernel_for(x, "tinygemm_cuda", "fused", False) == "pytorch reference"
+
+
+def test_report_names_the_tma_gemv_only_where_the_table_picks_it(monkeypatch):
+    """``gemv_name``: the TMA-fed kernel for a shape with a ``gemv1tma`` entry on a Hopper-class GPU
+    (faked here: the check is the table and the kernel's constraints, not a launch), else the
+    triton GEMV; the env switch turns it off."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from spear_compile.lowering import w4a16_gemv_tma as GT
+    from spear_compile.lowering import w4a16_triton as T
+    from spear_compile.passes.phase_dispatch import gemv_name
+
+    if not GT.HAS_GLUON:
+        pytest.skip("needs Triton with Gluon")
+    with FakeTensorMode():
+        x = torch.empty(1, 1024, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(T, "_TABLE", {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    monkeypatch.setattr(GT, "_tma_capable", lambda device: True)
+    assert gemv_name(512, 1024, 128, x).startswith("gluon TMA-ring GEMV")
+    assert gemv_name(256, 1024, 128, x) == "triton GEMV (M = 1)"  # no entry for this shape
+    assert gemv_name(512, 1024, 128, x.to(torch.float16)) == "triton GEMV (M = 1)"
+    assert gemv_name(None, 1024, 128, x) == "triton GEMV (M = 1)"
+    monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
+    assert gemv_name(512, 1024, 128, x) == "triton GEMV (M = 1)"
 
 
 def test_ec_structure_follows_the_measured_table(monkeypatch):
