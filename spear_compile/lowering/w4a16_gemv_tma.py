@@ -47,8 +47,8 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during this
 # step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile (TMA).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
-TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (4, 2, 2, 3, 2), (8, 2, 1, 2, 2), (4, 2, 1, 2, 2), (2, 2, 2, 2, 2),
-               (8, 2, 1, 3, 0)]
+TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
+               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
