@@ -90,6 +90,50 @@ if HAS_GLUON:
             "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1)
 
     @gluon.jit
+    def _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr,
+                   PER_CHANNEL: gl.constexpr):
+        """One K step of the tensor-core GEMV: words [NB, BN, 16] (``word_layout``) -> bf16 ``128 + q``
+        A fragments (no layout conversion, asserted), D = A x and D_ones = 1 x by mma.sync. Per-channel:
+        both accumulate raw (``_store_rows`` applies 128, z and s once); groups: ``acc += s (D - zz
+        D_ones)`` with zz = 128 + z per [NB, BN] entry. Shared by the register-fed and TMA-fed kernels."""
+        w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
+        o00, o01, o10, o11, o20, o21, o30, o31 = _pairs(w6)
+        v = gl.join(gl.join(gl.join(o00, o01), gl.join(o10, o11)),
+                    gl.join(gl.join(o20, o21), gl.join(o30, o31)))  # [j, n, t, i1, i0, h, s0, s1]
+        v = gl.permute(v, [0, 1, 3, 4, 7, 6, 2, 5])  # [j, n, i1, i0, s1, s0, t, h]: k order
+        a = gl.convert_layout(gl.reshape(v, [NB, BN, 128]), la, assert_trivial=True)
+        if PER_CHANNEL:
+            acc = mma_v2(a, xb, acc)
+            acc1 = mma_v2(ones, xb, acc1)
+        else:
+            d = mma_v2(a, xb, zero)
+            d1 = mma_v2(ones, xb, zero)
+            acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
+        return acc, acc1
+
+    @gluon.jit
+    def _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr,
+                    PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Epilogue: the NB entries' K slices meet, column 0 of the MMA result is y; per-channel zero
+        point and scale, bias; store the CTA's BN rows."""
+        if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
+            acc = acc - 128.0 * acc1
+        tot = gl.sum(acc, axis=0)  # [BN, 8]: the entries' K slices meet
+        col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))
+        c0 = gl.expand_dims(col == 0, 0)
+        out = gl.sum(gl.where(c0, tot, 0.0), axis=1)  # [BN]
+        on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
+        mo = on < N
+        if PER_CHANNEL:
+            if HAS_Z:
+                sx = gl.sum(gl.where(c0, gl.sum(acc1, axis=0), 0.0), axis=1)
+                out -= gl.load(Z + on, mask=mo, other=0.0).to(gl.float32) * sx
+            out *= gl.load(S + on, mask=mo, other=0.0).to(gl.float32)
+        if HAS_BIAS:
+            out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
+        gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
+
+    @gluon.jit
     def _w4a16_gemv_gluon_kernel(X, QW, S, Z, BIAS, Y, N, K, KW, NG,
                                  WL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr, RB: gl.constexpr,
                                  CH: gl.constexpr, PREFETCH: gl.constexpr, PER_CHANNEL: gl.constexpr,
@@ -136,43 +180,19 @@ if HAS_GLUON:
             else:
                 w = gl.load(wp + k0 // 8, mask=w_nok & (k0 // 8 + w_col < KW), other=0, eviction_policy="evict_first")
             xb = gl.load(X + k0 + x_k + x_c0 * 0, mask=x_c0 & (k0 + x_k < K), other=0.0)
-            w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
-            o00, o01, o10, o11, o20, o21, o30, o31 = _pairs(w6)
-            v = gl.join(gl.join(gl.join(o00, o01), gl.join(o10, o11)),
-                        gl.join(gl.join(o20, o21), gl.join(o30, o31)))  # [j, n, t, i1, i0, h, s0, s1]
-            v = gl.permute(v, [0, 1, 3, 4, 7, 6, 2, 5])  # [j, n, i1, i0, s1, s0, t, h]: k order
-            a = gl.convert_layout(gl.reshape(v, [NB, BN, 128]), la, assert_trivial=True)
             if PER_CHANNEL:
-                acc = mma_v2(a, xb, acc)
-                acc1 = mma_v2(ones, xb, acc1)
+                acc, acc1 = _mma_words(w, xb, 0.0, 0.0, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
             else:
-                d = mma_v2(a, xb, zero)
-                d1 = mma_v2(ones, xb, zero)
                 gp = (k0 + s_k) // G
                 ms = (s_row < N) & (k0 + s_k < K)
                 sc = gl.load(S + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
                 zz = gl.full([NB, BN], 128.0, gl.float32, layout=gl.SliceLayout(2, mma))
                 if HAS_Z:
                     zz += gl.load(Z + s_row * NG + gp, mask=ms, other=0.0).to(gl.float32)
-                acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
+                acc, acc1 = _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
             if PREFETCH:
                 w = wnext
-        if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
-            acc = acc - 128.0 * acc1
-        tot = gl.sum(acc, axis=0)  # [BN, 8]: the entries' K slices meet
-        col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))
-        c0 = gl.expand_dims(col == 0, 0)
-        out = gl.sum(gl.where(c0, tot, 0.0), axis=1)  # [BN]
-        on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
-        mo = on < N
-        if PER_CHANNEL:
-            if HAS_Z:
-                sx = gl.sum(gl.where(c0, gl.sum(acc1, axis=0), 0.0), axis=1)
-                out -= gl.load(Z + on, mask=mo, other=0.0).to(gl.float32) * sx
-            out *= gl.load(S + on, mask=mo, other=0.0).to(gl.float32)
-        if HAS_BIAS:
-            out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
-        gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
+        _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
 
 # (WARPS = K slices per CTA, RB row blocks of 16, CH 128-column chunks per warp and step, PREFETCH)

@@ -35,10 +35,9 @@ from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, rep
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .w4a16_gemv_gluon import _pairs
+    from .w4a16_gemv_gluon import _mma_words, _store_rows
 
 ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
@@ -196,6 +195,9 @@ if HAS_GLUON:
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         if OPS == 1:
             xb, sc, zz = _step_operands(X, S, Z, N, K, NG, 0, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
+        if OPS == 2 and PER_CHANNEL:  # unused: per-channel scales apply once, in _store_rows
+            sc = 0.0
+            zz = 0.0
         for t in range(KT):
             k0 = t * STEP
             gl.thread_barrier()  # tile t - 1's buffer, refilled below, has been read by every warp
@@ -221,40 +223,12 @@ if HAS_GLUON:
                     zz = 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
             w2 = smem.index(t % STAGES).load(TL)
             w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
-            w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
-            o00, o01, o10, o11, o20, o21, o30, o31 = _pairs(w6)
-            v = gl.join(gl.join(gl.join(o00, o01), gl.join(o10, o11)),
-                        gl.join(gl.join(o20, o21), gl.join(o30, o31)))  # [j, n, t, i1, i0, h, s0, s1]
-            v = gl.permute(v, [0, 1, 3, 4, 7, 6, 2, 5])  # [j, n, i1, i0, s1, s0, t, h]: k order
-            a = gl.convert_layout(gl.reshape(v, [NB, BN, 128]), la, assert_trivial=True)
-            if PER_CHANNEL:
-                acc = mma_v2(a, xb, acc)
-                acc1 = mma_v2(ones, xb, acc1)
-            else:
-                d = mma_v2(a, xb, zero)
-                d1 = mma_v2(ones, xb, zero)
-                acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
+            acc, acc1 = _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
             if OPS == 1:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
-            acc = acc - 128.0 * acc1
-        tot = gl.sum(acc, axis=0)  # [BN, 8]: the entries' K slices meet
-        col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))
-        c0 = gl.expand_dims(col == 0, 0)
-        out = gl.sum(gl.where(c0, tot, 0.0), axis=1)  # [BN]
-        on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
-        mo = on < N
-        if PER_CHANNEL:
-            if HAS_Z:
-                sx = gl.sum(gl.where(c0, gl.sum(acc1, axis=0), 0.0), axis=1)
-                out -= gl.load(Z + on, mask=mo, other=0.0).to(gl.float32) * sx
-            out *= gl.load(S + on, mask=mo, other=0.0).to(gl.float32)
-        if HAS_BIAS:
-            out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
-        gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
-
+        _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
 def _layouts(config: tuple):
     from .w4a16_gemv_gluon import word_layout
