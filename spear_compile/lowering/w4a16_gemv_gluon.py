@@ -90,6 +90,25 @@ if HAS_GLUON:
             "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1)
 
     @gluon.jit
+    def _x_index(NB: gl.constexpr, lb: gl.constexpr):
+        """x as the [NB, 128, 8] B operand: column offsets [NB, 128, 1] of entry j's 128 activations
+        and the column-0 mask [1, 1, 8] (the other columns' lanes load nothing)."""
+        xj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb)))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
+        xc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
+        x_k = gl.expand_dims(gl.expand_dims(xj * 128, 1) + gl.expand_dims(xk, 0), 2)
+        x_c0 = gl.expand_dims(gl.expand_dims(xc == 0, 0), 1)
+        return x_k, x_c0
+
+    @gluon.jit
+    def _scale_index(pid, NB: gl.constexpr, BN: gl.constexpr, mma: gl.constexpr):
+        """Rows [1, BN] and entry column offsets [NB, 1] of the scales / zeros, in the accumulator's
+        row layout."""
+        sj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        sn = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        return gl.expand_dims(sn, 0), gl.expand_dims(sj * 128, 1)
+
+    @gluon.jit
     def _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr,
                    PER_CHANNEL: gl.constexpr):
         """One K step of the tensor-core GEMV: words [NB, BN, 16] (``word_layout``) -> bf16 ``128 + q``
@@ -157,17 +176,8 @@ if HAS_GLUON:
         w_col = gl.expand_dims(gl.expand_dims(wj * 16, 1), 2) + gl.expand_dims(gl.expand_dims(ww, 0), 1)
         wp = QW + w_row * KW + w_col
         w_nok = w_row < N
-        # x [NB, 128, 8]: entry j's 128 activations in column 0 (the other columns' lanes are masked off)
-        xj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb)))
-        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
-        xc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
-        x_k = gl.expand_dims(gl.expand_dims(xj * 128, 1) + gl.expand_dims(xk, 0), 2)  # [NB, 128, 1]
-        x_c0 = gl.expand_dims(gl.expand_dims(xc == 0, 0), 1)  # [1, 1, 8]
-        # scales / zeros [NB, BN] in the accumulator's row layout
-        sj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-        sn = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-        s_row = gl.expand_dims(sn, 0)
-        s_k = gl.expand_dims(sj * 128, 1)
+        x_k, x_c0 = _x_index(NB, lb)
+        s_row, s_k = _scale_index(pid, NB, BN, mma)
         ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)

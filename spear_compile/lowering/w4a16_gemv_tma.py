@@ -37,7 +37,7 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .w4a16_gemv_gluon import _mma_words, _store_rows
+    from .w4a16_gemv_gluon import _mma_words, _scale_index, _store_rows, _x_index
 
 ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
@@ -170,12 +170,7 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i))
                 if SZ_TMA:
                     tma.async_copy_global_to_shared(sdesc, [pid * KT + i, 0], bars.index(i), ssmem.index(i))
-        # x [NB, 128, 8]: entry j's 128 activations in column 0 (the other columns' lanes are masked off)
-        xj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb)))
-        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
-        xc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
-        x_k = gl.expand_dims(gl.expand_dims(xj * 128, 1) + gl.expand_dims(xk, 0), 2)  # [NB, 128, 1]
-        x_c0 = gl.expand_dims(gl.expand_dims(xc == 0, 0), 1)  # [1, 1, 8]
+        x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
             xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
             xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
@@ -184,11 +179,7 @@ if HAS_GLUON:
             for i in gl.static_range(KT):
                 xsmem.index(i).store(gl.load(X + i * STEP + xo, mask=i * STEP + xo < K, other=0.0))
             gl.thread_barrier()
-        # scales / zeros [NB, BN] in the accumulator's row layout
-        sj = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-        sn = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-        s_row = gl.expand_dims(sn, 0)
-        s_k = gl.expand_dims(sj * 128, 1)
+        s_row, s_k = _scale_index(pid, NB, BN, mma)
         ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
