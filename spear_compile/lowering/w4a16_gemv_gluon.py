@@ -3,12 +3,13 @@
 Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the data flow is mirrored in PyTorch by
 ``gemv_gluon_emulated`` (what the CPU tests check: Gluon kernels do not run in Triton's interpreter).
 
-Status: experimental, not used by the dispatch. It is the library's lowest-instruction M = 1 GEMV
-(2.1-2.7 SASS instructions per weight against the CUDA-core kernel's 3.7, no shared memory) but on the
-H200 it runs at the CUDA-core kernel's speed (8192^2 17.6 vs 17.2-17.6 us, 28672x8192 50.5 vs 52 us;
-slower on 4096-row shapes): fewer instructions did not buy time (benchmarks/NOTES.md, session 7).
-It is kept as the base for the next attempt at load concurrency; ``benchmarks/kernels.py --lab gemv
---gluon`` times it. Every thread loads, in one 16-byte load per row and 128 columns, exactly the
+Status: this register-fed kernel is not dispatched (on the H200 it runs at the CUDA-core kernel's
+speed: 8192^2 17.6 vs 17.2-17.6 us; benchmarks/NOTES.md, session 7); ``benchmarks/kernels.py --lab gemv
+--gluon`` times it. Its K-step arithmetic (``_mma_words``), index setup and epilogue (``_store_rows``)
+are shared with the TMA-fed kernel of ``w4a16_gemv_tma.py``, which *is* dispatched at M = 1 where it
+measured faster (session 11).
+
+Every thread loads, in one 16-byte load per row and 128 columns, exactly the
 nibbles that its ``mma.sync.m16n8k16`` A fragments hold, so the dequantized registers *are* the MMA
 operand:
 
