@@ -132,10 +132,11 @@ if HAS_GLUON:
         return acc, acc1
 
     @gluon.jit
-    def _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr,
-                    PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """Epilogue: the NB entries' K slices meet, column 0 of the MMA result is y; per-channel zero
-        point and scale, bias; store the CTA's BN rows."""
+    def _rows_out(acc, acc1, S, Z, N, pid, BN: gl.constexpr, mma: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                  HAS_Z: gl.constexpr):
+        """(y [BN] without bias, row indices, row mask): the NB entries' K slices meet, column 0 of the
+        MMA result is y; per-channel zero point and scale applied (linear in the K range, so a K-split
+        CTA's partial comes out right too)."""
         if PER_CHANNEL:  # D - 128 D_ones per entry; the zero point and scale once, below
             acc = acc - 128.0 * acc1
         tot = gl.sum(acc, axis=0)  # [BN, 8]: the entries' K slices meet
@@ -149,6 +150,13 @@ if HAS_GLUON:
                 sx = gl.sum(gl.where(c0, gl.sum(acc1, axis=0), 0.0), axis=1)
                 out -= gl.load(Z + on, mask=mo, other=0.0).to(gl.float32) * sx
             out *= gl.load(S + on, mask=mo, other=0.0).to(gl.float32)
+        return out, on, mo
+
+    @gluon.jit
+    def _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr,
+                    PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Epilogue: ``_rows_out``, bias, store the CTA's BN rows."""
+        out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
         if HAS_BIAS:
             out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
         gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)

@@ -37,17 +37,20 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .w4a16_gemv_gluon import _mma_words, _scale_index, _store_rows, _x_index
+    from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
 
 ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
-# (WARPS, RB, CH, STAGES, OPS): K slices per CTA, row blocks of 16, 128-column chunks per warp and step,
-# ring depth, and where each step's x and scales come from: OPS_GLOBAL loads them from global memory
-# before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during this
-# step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile (TMA).
+# (WARPS, RB, CH, STAGES, OPS[, SPLIT]): K slices per CTA, row blocks of 16, 128-column chunks per warp
+# and step, ring depth, where each step's x and scales come from (OPS_GLOBAL loads them from global
+# memory before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during
+# this step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile by
+# TMA), and SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid
+# where the row blocks alone fill half the GPU - written in session 11, not yet measured).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
-               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0)]
+               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 4, 2, 2, 2), (8, 2, 2, 2, 2, 2),
+               (4, 2, 1, 2, 2, 2)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
@@ -135,26 +138,53 @@ if HAS_GLUON:
         return xb, sc, zz
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, N, K, NG,
+    def _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN: gl.constexpr, mma: gl.constexpr,
+                     SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """K-split epilogue: each of the row block's SPLIT programs adds its partial rows into the fp32
+        workspace (SPLIT = 2: a + b is the same either way round, so the result is deterministic), and
+        the last to arrive (acq_rel counter) adds the bias, stores Y and zeroes the workspace rows and
+        the counter for the next launch."""
+        out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
+        gl.atomic_add(WS + on, out, mask=mo, sem="relaxed")
+        gl.thread_barrier()  # every thread's partial is in before the CTA's arrival is published
+        old = gl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = gl.load(WS + on, mask=mo, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
+            gl.store(Y + on, tot.to(Y.dtype.element_ty), mask=mo)
+            gl.store(WS + on, gl.zeros_like(tot), mask=mo)
+            gl.atomic_xchg(CNT + pid, 0)
+
+    @gluon.jit
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, N, K, NG,
                                WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
-                               KP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
-                               HAS_BIAS: gl.constexpr):
+                               KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                               HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
-        buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps."""
+        buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
+        SPLIT > 1: program (pid, ps) takes the ps-th of SPLIT equal runs of K steps (twice the CTAs for
+        SPLIT = 2, for shapes whose row blocks alone leave the GPU half empty); the partial rows meet
+        in ``_split_store``."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
         TR: gl.constexpr = NB * BN * 16 // 256
-        KT: gl.constexpr = KP // STEP
+        KT: gl.constexpr = KP // STEP  # K steps of the whole row
+        KTS: gl.constexpr = KT // SPLIT  # this program's
         SZ_TMA: gl.constexpr = OPS == 2 and not PER_CHANNEL
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
                                                       instr_shape=[1, 16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         pid = gl.program_id(0)
-        row0 = pid * KT * TR
+        if SPLIT == 1:
+            t0 = 0
+        else:
+            t0 = gl.program_id(1) * KTS  # first K step of this program
+        row0 = (pid * KT + t0) * TR
         smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
         if SZ_TMA:  # (scale, zero) bf16 pairs of the tile's [NB, BN] groups
             ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
@@ -165,19 +195,20 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
-            if i < KT:
+            if i < KTS:
                 mbarrier.expect(bars.index(i), nbytes)
                 tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i))
                 if SZ_TMA:
-                    tma.async_copy_global_to_shared(sdesc, [pid * KT + i, 0], bars.index(i), ssmem.index(i))
+                    tma.async_copy_global_to_shared(sdesc, [pid * KT + t0 + i, 0], bars.index(i), ssmem.index(i))
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
             xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
             xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
                   + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
-            xsmem = gl.allocate_shared_memory(gl.bfloat16, [KT, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            for i in gl.static_range(KT):
-                xsmem.index(i).store(gl.load(X + i * STEP + xo, mask=i * STEP + xo < K, other=0.0))
+            xsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            for i in gl.static_range(KTS):
+                xk0 = (t0 + i) * STEP
+                xsmem.index(i).store(gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0))
             gl.thread_barrier()
         s_row, s_k = _scale_index(pid, NB, BN, mma)
         ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
@@ -185,20 +216,20 @@ if HAS_GLUON:
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         if OPS == 1:
-            xb, sc, zz = _step_operands(X, S, Z, N, K, NG, 0, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
+            xb, sc, zz = _step_operands(X, S, Z, N, K, NG, t0 * STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
         if OPS == 2 and PER_CHANNEL:  # unused: per-channel scales apply once, in _store_rows
             sc = 0.0
             zz = 0.0
-        for t in range(KT):
-            k0 = t * STEP
+        for t in range(KTS):
+            k0 = (t0 + t) * STEP
             gl.thread_barrier()  # tile t - 1's buffer, refilled below, has been read by every warp
             nt = t + STAGES - 1
-            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < KT)
+            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < KTS)
             tma.async_copy_global_to_shared(desc, [row0 + nt * TR, 0], bars.index(nt % STAGES), smem.index(nt % STAGES),
-                                            pred=nt < KT)
+                                            pred=nt < KTS)
             if SZ_TMA:
-                tma.async_copy_global_to_shared(sdesc, [pid * KT + nt, 0], bars.index(nt % STAGES),
-                                                ssmem.index(nt % STAGES), pred=nt < KT)
+                tma.async_copy_global_to_shared(sdesc, [pid * KT + t0 + nt, 0], bars.index(nt % STAGES),
+                                                ssmem.index(nt % STAGES), pred=nt < KTS)
             if OPS == 1:  # the next step's x, scales and zeros are in flight while this step computes
                 xn, scn, zzn = _step_operands(X, S, Z, N, K, NG, k0 + STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL,
                                               HAS_Z)
@@ -219,7 +250,10 @@ if HAS_GLUON:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
+        if SPLIT == 1:
+            _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
+        else:
+            _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
 def _layouts(config: tuple):
     from .w4a16_gemv_gluon import word_layout
@@ -239,16 +273,16 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     import triton
     from triton.backends.compiler import GPUTarget
 
-    warps, rb, ch, stages, ops = config
+    warps, rb, ch, stages, ops, split = unpack_config(config)
     _, _, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
     k = _w4a16_gemv_tma_kernel
     bn, step, _ = tile_geometry(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
-                 Y="*bf16", N="i32", K="i32", NG="i32")
+                 Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", NG="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
-                  PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
+                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
     sig = dict(types, **{c: "constexpr" for c in consts})
     attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types if "desc" not in a}
     src = gluon._runtime.GluonASTSource(
@@ -258,6 +292,31 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
 
 _TILES: dict = {}
 _SCALE_TILES: dict = {}
+_SPLIT_WS: dict = {}
+_SPLIT_WS_ALL: list = []  # every workspace ever made: a CUDA graph may hold a pointer to an outgrown one
+
+
+def unpack_config(config: tuple) -> tuple:
+    """(WARPS, RB, CH, STAGES, OPS, SPLIT): SPLIT (K runs per row block) defaults to 1."""
+    if len(config) not in (5, 6):
+        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT])")
+    return tuple(config) + (1,) * (6 - len(config))
+
+
+def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K-split epilogue's fp32 row sums and int32 arrival counters, zeroed once per device and kept
+    zero by the kernel (the last program of each row block resets its rows). Grown when a larger
+    shape comes; shared by launches on the device, which serialize on one stream (as the decode
+    GEMVs do), so two split launches must not run concurrently on different streams."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    have = _SPLIT_WS.get(idx)
+    if have is None or have[0].numel() < rows or have[1].numel() < row_blocks:
+        n = max(rows, have[0].numel() if have else 0)
+        r = max(row_blocks, have[1].numel() if have else 0)
+        have = (torch.zeros(n, dtype=torch.float32, device=device), torch.zeros(r, dtype=torch.int32, device=device))
+        _SPLIT_WS[idx] = have
+        _SPLIT_WS_ALL.append(have)
+    return have
 
 
 def tma_key(N: int, K: int, G: int) -> str:
@@ -334,7 +393,7 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                    out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None) -> torch.Tensor:
-    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS).
+    """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS[, SPLIT]).
     ``descs``: (weight descriptor, scale descriptor or None) made by the caller (``w4a16_cat``'s
     concatenations; ``qweight`` is then not read: N comes from ``scales``)."""
     M, K = x2.shape
@@ -342,7 +401,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
                          f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
     config = tuple(config or TMA_CONFIGS[0])
-    warps, rb, ch, stages, ops = config
+    warps, rb, ch, stages, ops, split = unpack_config(config)
     per_channel = G >= K
     if descs is None:
         desc = tma_tiles(qweight, config)[1]
@@ -352,13 +411,18 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     sdesc = desc if sdesc is None else sdesc  # unused by the kernel then
     N = scales.shape[0]
     bn, step, _ = tile_geometry(config)
+    kt, rows = -(-K // step), -(-N // bn)
+    if kt % split:
+        raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
+                         f"of {step} columns")
     wl, tl_, _ = _layouts(config)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    _w4a16_gemv_tma_kernel[(-(-N // bn),)](
+    ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
+    _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
-        N, K, scales.shape[1],
-        WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
+        ws, cnt, N, K, scales.shape[1],
+        WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
     )
     return y

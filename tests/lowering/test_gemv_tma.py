@@ -64,6 +64,18 @@ def test_tile_layout_is_contiguous_per_warp():
     assert [r * gt.ROW + c for r, c in reg[:2]] == [1, 2]
 
 
+def test_config_unpacking_and_split_errors():
+    assert gt.unpack_config((4, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 1)
+    assert gt.unpack_config((4, 2, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 2)
+    with pytest.raises(ValueError, match="expected"):
+        gt.unpack_config((4, 2, 2, 2))
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        return
+    x, q, qw, s, z, b = _case(64, 1280, 128)  # 1280 columns = 2 steps of 1024 (padded): 3 runs cannot split them
+    with pytest.raises(ValueError, match="splits K into 3 runs"):
+        gt.w4a16_gemv_tma(x.cuda(), qw.cuda(), s.cuda(), z.cuda(), 128, None, config=(4, 2, 2, 2, 2, 3))
+
+
 def test_repack_errors():
     with pytest.raises(ValueError, match="K=200"):
         gt.repack_tiles(torch.zeros(4, 100, dtype=torch.uint8), (8, 1, 1, 4, 1))
@@ -88,11 +100,12 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
 @pytest.mark.parametrize("G", [128, 256, None])
 @pytest.mark.parametrize("config", gt.TMA_CONFIGS)
 def test_kernel_matches_reference_on_gpu(G, config):
-    N, K = 200, 1280  # neither a whole number of row blocks nor of K steps
+    """Twice per config: a K-split config must leave its workspace zeroed for the next launch."""
+    N, K = 200, 3840  # neither a whole number of row blocks nor of K steps; every config's SPLIT divides them
     Gs = G or K
     x, q, qw, s, z, b = _case(N, K, Gs)
     x, qw, s, z, b = (t.cuda() for t in (x, qw, s, z, b))
-    for zz, bb in ((z, b), (None, None)):
+    for zz, bb in ((z, b), (None, None), (z, b)):
         y = gt.w4a16_gemv_tma(x, qw, s, zz, Gs, bb, config=config)
         ex = _exact(x.cpu(), q, s.cpu(), zz.cpu() if zz is not None else None, Gs, bb.cpu() if bb is not None else None)
         assert ((y.cpu().double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-5).all()

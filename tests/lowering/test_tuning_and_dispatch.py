@@ -48,11 +48,12 @@ def test_shipped_tables_are_well_formed():
 
                     assert val in OVERLAP_STRUCTURES and val != "auto"
                     continue
-                if kind == "gemv1tma":  # (WARPS, RB, CH, STAGES, OPS) of w4a16_gemv_tma, measured faster than gemv1
-                    from spear_compile.lowering.w4a16_gemv_tma import OPS_SMEM
+                if kind == "gemv1tma":  # (WARPS, RB, CH, STAGES, OPS[, SPLIT]) of w4a16_gemv_tma, faster than gemv1
+                    from spear_compile.lowering.w4a16_gemv_tma import OPS_SMEM, unpack_config
 
-                    assert len(val) == 5 and all(isinstance(v, int) and v > 0 for v in val[:4]) and 0 <= val[4] <= OPS_SMEM
-                    assert val[3] >= 2 and len(key.split("|")) == 4
+                    warps, rb, ch, stages, ops, split = unpack_config(val)
+                    assert all(isinstance(v, int) and v > 0 for v in (warps, rb, ch, stages, split))
+                    assert 0 <= ops <= OPS_SMEM and stages >= 2 and len(key.split("|")) == 4
                     continue
                 if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
