@@ -324,9 +324,17 @@ def tma_key(N: int, K: int, G: int) -> str:
     return f"gemv1tma|{N}|{K}|{G}"
 
 
+_CAPABLE: dict = {}  # device index -> sm_90+ (asked once: the M = 1 dispatch runs this per call)
+
+
 def _tma_capable(device: torch.device) -> bool:
     """TMA needs a Hopper-class GPU (sm_90+)."""
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABLE:
+        _CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _CAPABLE[idx]
 
 
 def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.device,
