@@ -79,7 +79,7 @@ def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=No
     from .w4a16_triton import w4a16_gemv1
 
     N, K = sum(q.shape[0] for q in qweights), x2.shape[1]
-    cfg = tma_config(N, K, group_size, x2)
+    cfg = tma_config(N, K, group_size, x2, params=(*scales, *zeros))
     if cfg is not None:
         descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
         return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs)

@@ -22,7 +22,8 @@ Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV 
 takes this kernel at M = 1 without an EC for the shapes where ``benchmarks/kernels.py --lab gemv --tma``
 measured it faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table,
 ``tma_config``); elsewhere the CUDA-core kernel runs. Constraints: CUDA sm_90+ (TMA), bf16 activations,
-K % 128 == 0, G a multiple of 128 (or per-channel).
+bf16 scales and zero points (the shared-memory mode reads them as bf16 pairs), K % 128 == 0, G a
+multiple of 128 (or per-channel).
 """
 from __future__ import annotations
 
@@ -92,6 +93,10 @@ def repack_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: i
     """bf16 scales and zero points [N, K/G] -> int32 [tiles, NB BN]: tile (row block b, K step t) holds,
     for slice j and row n, the (scale, zero) bf16 pair (scale in the low half) of the group of
     column ``t STEP + 128 j`` - what the kernel's TMA brings beside the weight tile (OPS_SMEM)."""
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and t.dtype != torch.bfloat16:
+            raise ValueError(f"repack_scale_tiles: {name} are {t.dtype}; the TMA kernel's shared-memory mode reads "
+                             "bf16 (scale, zero) pairs (tma_config_for declines other dtypes)")
     bn, step, _ = tile_geometry(config)
     nb = step // 128
     N = scales.shape[0]
@@ -269,7 +274,9 @@ def _layouts(config: tuple):
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
-    cubin) so registers, shared memory and the trivial layout conversions are checked offline."""
+    cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
+    integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
+    shape like N = 200 compiles a slightly different variant)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -300,7 +307,12 @@ def unpack_config(config: tuple) -> tuple:
     """(WARPS, RB, CH, STAGES, OPS, SPLIT): SPLIT (K runs per row block) defaults to 1."""
     if len(config) not in (5, 6):
         raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT])")
-    return tuple(config) + (1,) * (6 - len(config))
+    warps, rb, ch, stages, ops, split = tuple(int(v) for v in config) + (1,) * (6 - len(config))
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (warps, rb, ch))
+    if not pow2 or stages < 1 or ops not in (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM) or split not in (1, 2):
+        raise ValueError(f"TMA GEMV config {config}: WARPS, RB and CH must be powers of two, STAGES >= 1, OPS in "
+                         f"{{0, 1, 2}} and SPLIT 1 or 2 (two partials add up the same in either order)")
+    return warps, rb, ch, stages, ops, split
 
 
 def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +323,10 @@ def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[t
     idx = device.index if device.index is not None else torch.cuda.current_device()
     have = _SPLIT_WS.get(idx)
     if have is None or have[0].numel() < rows or have[1].numel() < row_blocks:
+        if torch.cuda.is_current_stream_capturing():  # a memset captured, not run: garbage counters
+            raise RuntimeError(f"split_workspace: the K-split GEMV needs a larger workspace ({rows} rows, "
+                               f"{row_blocks} counters) while a CUDA graph is being captured; run the model "
+                               "once eagerly before capturing (the usual warm-up does)")
         n = max(rows, have[0].numel() if have else 0)
         r = max(row_blocks, have[1].numel() if have else 0)
         have = (torch.zeros(n, dtype=torch.float32, device=device), torch.zeros(r, dtype=torch.int32, device=device))
@@ -338,12 +354,13 @@ def _tma_capable(device: torch.device) -> bool:
 
 
 def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.device,
-                   table: Optional[dict] = None) -> Optional[tuple]:
+                   table: Optional[dict] = None, param_dtypes: tuple = ()) -> Optional[tuple]:
     """The TMA config for Y[1, N] = x W^T (x of ``dtype`` on ``device``), or None (the CUDA-core kernel
     then runs): only where the tuned table has a measured win for (N, K, G) and the kernel can run
-    here (CUDA sm_90+, Gluon, bf16, K and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the
-    environment turns it off (the CUDA-core kernel everywhere: for A/B measurements and as an escape
-    hatch). Also what the inspection report names (``passes/phase_dispatch.kernel_for``)."""
+    here (CUDA sm_90+, Gluon, bf16 activations and bf16 scales / zero points - ``param_dtypes`` - K
+    and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off (the CUDA-core
+    kernel everywhere: for A/B measurements and as an escape hatch). Also what the inspection report
+    names (``passes/phase_dispatch.kernel_for``)."""
     import os
 
     if os.environ.get("SPEAR_NO_TMA_GEMV", "0") not in ("", "0"):
@@ -355,14 +372,18 @@ def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.dev
     cfg = table.get(tma_key(N, K, G))
     if cfg is None or not gluon_ok(1, K, G, dtype) or not _tma_capable(device):
         return None
+    if any(d != torch.bfloat16 for d in param_dtypes):
+        return None
     return tuple(cfg)
 
 
-def tma_config(N: int, K: int, G: int, x2: torch.Tensor, table: Optional[dict] = None) -> Optional[tuple]:
-    """``tma_config_for`` for an activation ``x2`` [M, K]: None unless M == 1."""
+def tma_config(N: int, K: int, G: int, x2: torch.Tensor, params: tuple = (), table: Optional[dict] = None
+               ) -> Optional[tuple]:
+    """``tma_config_for`` for an activation ``x2`` [M, K] and the weight's scales / zero points
+    ``params`` (tensors or None): None unless M == 1."""
     if x2.shape[0] != 1:
         return None
-    return tma_config_for(N, K, G, x2.dtype, x2.device, table)
+    return tma_config_for(N, K, G, x2.dtype, x2.device, table, tuple(p.dtype for p in params if p is not None))
 
 
 def _descriptor(t: torch.Tensor, block: list):
@@ -411,18 +432,29 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     config = tuple(config or TMA_CONFIGS[0])
     warps, rb, ch, stages, ops, split = unpack_config(config)
     per_channel = G >= K
+    N = scales.shape[0]
+    if scales.dim() != 2 or scales.shape[1] != (1 if per_channel else K // G):
+        raise ValueError(f"w4a16_gemv_tma: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
+    if zeros is not None and zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_gemv_tma: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
+    if qweight is not None and tuple(qweight.shape) != (N, K // 2):
+        raise ValueError(f"w4a16_gemv_tma: packed weight {tuple(qweight.shape)} does not match x's K={K} and "
+                         f"the scales' N={N} (expected {(N, K // 2)})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"w4a16_gemv_tma: bias {tuple(bias.shape)} != ({N},)")
+    bn, step, _ = tile_geometry(config)
+    kt, rows = -(-K // step), -(-N // bn)
+    if kt % split:
+        raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
+                         f"of {step} columns")
+    if not _tma_capable(x2.device):
+        raise ValueError(f"w4a16_gemv_tma: needs a CUDA GPU with TMA (sm_90+); x is on {x2.device}")
     if descs is None:
         desc = tma_tiles(qweight, config)[1]
         sdesc = tma_scale_tiles(scales, zeros, G, K, config)[1] if ops == OPS_SMEM and not per_channel else None
     else:
         desc, sdesc = descs
     sdesc = desc if sdesc is None else sdesc  # unused by the kernel then
-    N = scales.shape[0]
-    bn, step, _ = tile_geometry(config)
-    kt, rows = -(-K // step), -(-N // bn)
-    if kt % split:
-        raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
-                         f"of {step} columns")
     wl, tl_, _ = _layouts(config)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

@@ -757,7 +757,7 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         if ec is None:
             from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
 
-            cfg = tma_config(N, K, G, x2)
+            cfg = tma_config(N, K, G, x2, params=(scales, zeros))
             if cfg is not None:  # measured faster than the CUDA-core kernel for this shape on this GPU
                 return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
         return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out)

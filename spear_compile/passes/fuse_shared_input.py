@@ -73,11 +73,12 @@ class FuseSharedInput(SpearPass):
                 "biases": [kw["bias"] for _, kw in members], "layout": "spear"})
         copy_meta(first, cat)
         dim = cat.meta["val"].dim() - 1
-        from .phase_dispatch import gemv_name
+        from .phase_dispatch import _dtypes, gemv_name
 
         x_val = x.meta["val"]
         total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
-        kernel = KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val))
+        params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
+        kernel = KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val, params))
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])

@@ -57,18 +57,20 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
     return str(expr), int(lo), hi_f
 
 
-def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor) -> str:
+def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = ()) -> str:
     """The M = 1 GEMV that runs an [N, K] weight without an EC: the TMA-fed Gluon kernel where the
-    tuned table measured it faster on this GPU, else the CUDA-core Triton kernel."""
+    tuned table measured it faster on this GPU (and the scales / zero points, ``param_dtypes``, are
+    bf16), else the CUDA-core Triton kernel."""
     from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
 
-    if N is not None and G is not None and HAS_GLUON and tma_config_for(N, K, G, x_val.dtype, x_val.device):
+    if (N is not None and G is not None and HAS_GLUON
+            and tma_config_for(N, K, G, x_val.dtype, x_val.device, param_dtypes=param_dtypes)):
         return "gluon TMA-ring GEMV (M = 1; measured faster than the triton GEMV for this shape)"
     return "triton GEMV (M = 1)"
 
 
 def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N: Optional[int] = None,
-               G: Optional[int] = None) -> str:
+               G: Optional[int] = None, param_dtypes: tuple = ()) -> str:
     """Which implementation will run this node (for the inspection report); N and G (the weight's
     rows and group size) name the M = 1 GEMV exactly."""
     from ..lowering._triton import HAS_TRITON
@@ -81,7 +83,8 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N:
     gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
     K = int(x_val.shape[-1])
-    fused = f"{producers} triton GEMV with EC epilogue" if has_ec else f"{gemv_name(N, K, G, x_val)} / {gemm}"
+    fused = (f"{producers} triton GEMV with EC epilogue" if has_ec
+             else f"{gemv_name(N, K, G, x_val, param_dtypes)} / {gemm}")
     over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
             "side stream, or first and into the GEMM's C operand" if has_ec else gemm)
     return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
@@ -109,6 +112,12 @@ def _rows(kwargs: dict) -> Optional[int]:
     return int(val.shape[0]) if val is not None else None
 
 
+def _dtypes(*nodes) -> tuple:
+    """dtypes of the fake values of graph nodes (None and nodes without one are skipped)."""
+    vals = [getattr(n, "meta", {}).get("val") for n in nodes]
+    return tuple(v.dtype for v in vals if v is not None)
+
+
 class PhaseDispatch(SpearPass):
     name = "phase_dispatch"
 
@@ -129,7 +138,8 @@ class PhaseDispatch(SpearPass):
             record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason,
                    crossover=crossover, crossover_source=source,
                    kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16,
-                                     N=_rows(kwargs), G=kwargs.get("group_size")))
+                                     N=_rows(kwargs), G=kwargs.get("group_size"),
+                                     param_dtypes=_dtypes(kwargs.get("scales"), kwargs.get("zeros"))))
             count += 1
         return count
 

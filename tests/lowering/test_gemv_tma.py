@@ -64,16 +64,53 @@ def test_tile_layout_is_contiguous_per_warp():
     assert [r * gt.ROW + c for r, c in reg[:2]] == [1, 2]
 
 
-def test_config_unpacking_and_split_errors():
+def test_config_unpacking_and_host_errors():
+    """Configs are validated, and shapes that do not fit raise before any launch (on CPU too)."""
     assert gt.unpack_config((4, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 1)
     assert gt.unpack_config((4, 2, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 2)
-    with pytest.raises(ValueError, match="expected"):
-        gt.unpack_config((4, 2, 2, 2))
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
-        return
-    x, q, qw, s, z, b = _case(64, 1280, 128)  # 1280 columns = 2 steps of 1024 (padded): 3 runs cannot split them
-    with pytest.raises(ValueError, match="splits K into 3 runs"):
-        gt.w4a16_gemv_tma(x.cuda(), qw.cuda(), s.cuda(), z.cuda(), 128, None, config=(4, 2, 2, 2, 2, 3))
+    for bad in ((4, 2, 2, 2), (4, 2, 3, 2, 2), (4, 2, 2, 0, 2), (4, 2, 2, 2, 3), (4, 2, 2, 2, 2, 3)):
+        with pytest.raises(ValueError, match="expected|powers of two"):
+            gt.unpack_config(bad)
+    x, q, qw, s, z, b = _case(64, 2560, 128)  # 2560 columns = 3 steps of 1024 (padded): SPLIT 2 cannot share them
+    with pytest.raises(ValueError, match="splits K into 2 runs"):
+        gt.w4a16_gemv_tma(x, qw, s, z, 128, None, config=(4, 2, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="packed weight"):
+        gt.w4a16_gemv_tma(x, qw[:, :640], s, z, 128, None, config=(4, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="scales"):
+        gt.w4a16_gemv_tma(x, qw, s[:, :10], z, 128, None, config=(4, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="bias"):
+        gt.w4a16_gemv_tma(x, qw, s, z, 128, b[:10], config=(4, 2, 2, 2, 2))
+    if not gt._tma_capable(torch.device(DEV)):
+        with pytest.raises(ValueError, match="sm_90"):
+            gt.w4a16_gemv_tma(x, qw, s, z, 128, None, config=(4, 2, 2, 2, 2))
+
+
+def test_scale_tiles_need_bf16():
+    _, _, _, s, z, _ = _case(32, 1024, 128)
+    for ss, zz in ((s.half(), z), (s, z.float())):
+        with pytest.raises(ValueError, match="bf16"):
+            gt.repack_scale_tiles(ss, zz, 128, 1024, (4, 2, 2, 2, 2))
+
+
+@pytest.mark.parametrize("G", [128, 512, None])
+def test_concatenated_tiles_equal_the_parts(G):
+    """``w4a16_cat.concatenated_tma``: one set of tiles over the parts (a part without a bias adds
+    zeros) computes, through the emulation, what the parts' references compute."""
+    from spear_compile.lowering import w4a16_cat as C
+
+    K = 1024
+    Gs = G or K
+    parts = [_case(n, K, Gs, seed=n) for n in (40, 24, 59)]
+    x = parts[0][0]
+    qs, ss, zs = [p[2] for p in parts], [p[3] for p in parts], [p[4] for p in parts]
+    bs = [parts[0][5], None, parts[2][5]]
+    cfg = (4, 2, 2, 2, 2)
+    _, (tiles, stiles), s, z, b = C.concatenated_tma(qs, ss, zs, bs, Gs, cfg)
+    assert (stiles is None) == (G is None)
+    y = gt.tiles_emulated(x, tiles, s, z, Gs, b, 123, cfg)
+    ref = torch.cat([w4a16_linear_ref(x, q, sc, zp, Gs, bb) for q, sc, zp, bb in zip(qs, ss, zs, bs)], -1)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
+    assert C.concatenated_tma(qs, ss, zs, bs, Gs, cfg)[1][0] is tiles  # cached
 
 
 def test_repack_errors():
@@ -85,7 +122,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
     """Compiling is the check (``assert_trivial`` on both conversions); TMA loads and mma.sync must be
     in the PTX. A separate process: the interpreter (on for these tests) cannot compile."""
     code = ("from spear_compile.lowering.w4a16_gemv_tma import TMA_CONFIGS, compile_sm90\n"
-            "for cfg in TMA_CONFIGS[:3]:\n"
+            "for cfg in TMA_CONFIGS:\n"
             "    for pc in (False, True):\n"
             "        ptx = compile_sm90(cfg, per_channel=pc)['ptx']\n"
             "        assert 'cp.async.bulk.tensor.2d' in ptx and 'mma.sync.aligned.m16n8k16' in ptx, cfg\n"
@@ -100,7 +137,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
 @pytest.mark.parametrize("G", [128, 256, None])
 @pytest.mark.parametrize("config", gt.TMA_CONFIGS)
 def test_kernel_matches_reference_on_gpu(G, config):
-    """Twice per config: a K-split config must leave its workspace zeroed for the next launch."""
+    """Three launches per config: a K-split config must leave its workspace zeroed for the next one."""
     N, K = 200, 3840  # neither a whole number of row blocks nor of K steps; every config's SPLIT divides them
     Gs = G or K
     x, q, qw, s, z, b = _case(N, K, Gs)
@@ -115,17 +152,22 @@ def test_kernel_matches_reference_on_gpu(G, config):
 
 def test_tma_config_selects_only_measured_shapes_that_can_run_here(monkeypatch):
     """The dispatch takes the TMA kernel only from a tuned-table entry, and never where it cannot run
-    (CPU tensors, fp16, K or G not multiples of 128)."""
+    (no sm_90+ GPU, fp16 activations, non-bf16 scales, K or G not multiples of 128, M > 1)."""
     table = {gt.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]}
     x = torch.zeros(1, 1024, dtype=torch.bfloat16, device=DEV)
-    assert gt.tma_config(256, 2048, 128, x, table) is None  # no entry for this shape
-    assert gt.tma_config(256, 1024, 64, x, table) is None
-    assert gt.tma_config(256, 1024, 128, x.half(), table) is None
-    assert gt.tma_config(256, 1024, 128, x.cpu(), table) is None
-    on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    assert (gt.tma_config(256, 1024, 128, x, table) == (4, 2, 2, 2, 2)) == on_hopper
+    sb = torch.zeros(256, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(gt, "_tma_capable", lambda device: False)
+    assert gt.tma_config(256, 1024, 128, x, table=table) is None
+    monkeypatch.setattr(gt, "_tma_capable", lambda device: True)  # the rest as on a Hopper GPU
+    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb), table=table) == (4, 2, 2, 2, 2)
+    assert gt.tma_config(256, 2048, 128, x, table=table) is None  # no entry for this shape
+    assert gt.tma_config(256, 1024, 64, x, table=table) is None
+    assert gt.tma_config(256, 1024, 128, x.half(), table=table) is None
+    assert gt.tma_config(256, 1024, 128, x.repeat(2, 1), table=table) is None
+    assert gt.tma_config(256, 1024, 128, x, params=(sb.half(), None), table=table) is None
+    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb.float()), table=table) is None
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
-    assert gt.tma_config(256, 1024, 128, x, table) is None
+    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb), table=table) is None
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
