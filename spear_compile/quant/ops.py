@@ -35,7 +35,10 @@ def out_features(qweight: Tensor, scales: Tensor, layout: str) -> int:
     return scales.shape[1] if layout == "tinygemm_cuda" else qweight.shape[0]
 
 
-def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where) -> None:
+def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover=16) -> None:
+    if isinstance(crossover, bool) or not isinstance(crossover, int) or crossover < 1:
+        raise QuantFormatError(f"{where}: crossover={crossover!r} must be an int >= 1 (rows M below it take the "
+                               "fused decode path)")
     if layout not in LAYOUTS:
         raise QuantFormatError(f"{where}: unknown layout {layout!r}; expected one of {LAYOUTS}")
     if lowering not in LOWERINGS:
@@ -108,13 +111,13 @@ def w4a16_linear(
     crossover: int = 16,
 ) -> Tensor:
     """4-bit-weight linear, ``x [..., K] -> [..., N]``; see module docstring."""
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear")
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear", crossover)
     return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
 
 
 @w4a16_linear.register_fake
 def _(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto", crossover=16):
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear")
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear", crossover)
     return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
 
 
@@ -139,13 +142,15 @@ def ec_linear(
     crossover: int = 16,
 ) -> Tensor:
     """W4A16 linear plus a gated low-rank error compensator; see module docstring."""
-    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering)
+    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
+                 crossover)
     return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
 
 
-def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering):
+def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
+                 crossover=16):
     where = "spear::ec_linear"
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where)
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover)
     check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
     K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
     if K is not None and N is not None:
@@ -155,7 +160,8 @@ def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
 @ec_linear.register_fake
 def _(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu", layout="spear",
       lowering="auto", crossover=16):
-    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering)
+    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
+                 crossover)
     return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
 
 

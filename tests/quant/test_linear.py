@@ -58,6 +58,9 @@ def test_op_rejects_unknown_layout_and_bad_bias():
         torch.ops.spear.w4a16_linear(x, q.qweight, q.scales, q.zeros, 64, None, "int3")
     with pytest.raises(QuantFormatError, match=r"bias has shape \(7,\), expected \(8,\)"):
         torch.ops.spear.w4a16_linear(x, q.qweight, q.scales, q.zeros, 64, torch.zeros(7))
+    for bad in (0, -3):
+        with pytest.raises(QuantFormatError, match=f"crossover={bad} must be an int >= 1"):
+            torch.ops.spear.w4a16_linear(x, q.qweight, q.scales, q.zeros, 64, None, "spear", "dispatch", bad)
 
 
 def test_op_names_mismatched_inputs():
