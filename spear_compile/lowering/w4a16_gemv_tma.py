@@ -51,7 +51,7 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
                (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 4, 2, 2, 2), (8, 2, 2, 2, 2, 2),
-               (4, 2, 1, 2, 2, 2)]
+               (4, 2, 1, 2, 2, 2), (2, 2, 2, 2, 2, 2)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
