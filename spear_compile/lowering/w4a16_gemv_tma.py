@@ -10,7 +10,12 @@ Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, per
 program waits for its loads, then computes with nothing in flight, and registers cap how many bytes a
 program can have outstanding. Here one thread issues TMA copies of whole weight tiles into a ring of
 ``STAGES`` shared-memory buffers, so ``STAGES - 1`` tiles are in flight while all warps compute the
-current one, and the bytes in flight cost shared memory, not registers.
+current one, and the bytes in flight cost shared memory, not registers. What the H200 said (NOTES.md,
+session 11): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
+per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
+brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
+wait overhead). Best: 0.65x tinygemm at 28672x8192, 0.74-0.76x at 8192x8192, where 256 row blocks are
+half a wave (the K-split configs are for that).
 
 Layout: the gluon words (``repack_gluon``) are re-tiled once per weight (``repack_tiles``) so that one
 CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous block, stored as
