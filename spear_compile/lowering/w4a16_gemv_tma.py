@@ -38,12 +38,19 @@ import torch
 
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 
+HAS_TMA = False
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
+
+    try:  # Hopper TMA and mbarriers in Gluon (Triton 3.5+); without them the dispatch never picks this kernel
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+        HAS_TMA = True
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
 
 ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
@@ -129,7 +136,7 @@ def tiles_emulated(x2, tiles, scales, zeros, G: int, bias, N: int, config: tuple
     return gemv_gluon_emulated(x2, words, scales, zeros, G, bias)
 
 
-if HAS_GLUON:
+if HAS_TMA:
 
     @gluon.jit
     def _step_operands(X, S, Z, N, K, NG, k0, x_k, x_c0, s_row, s_k, G: gl.constexpr, PER_CHANNEL: gl.constexpr,
@@ -375,7 +382,7 @@ def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.dev
 
         table = tuned_table()
     cfg = table.get(tma_key(N, K, G))
-    if cfg is None or not gluon_ok(1, K, G, dtype) or not _tma_capable(device):
+    if cfg is None or not HAS_TMA or not gluon_ok(1, K, G, dtype) or not _tma_capable(device):
         return None
     if any(d != torch.bfloat16 for d in param_dtypes):
         return None

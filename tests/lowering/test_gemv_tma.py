@@ -18,7 +18,7 @@ from .test_gemv_gluon import _case, _exact
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not gt.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
+pytestmark = pytest.mark.skipif(not gt.HAS_TMA, reason="needs Triton with Gluon and its Hopper TMA ops (>= 3.5)")
 
 
 @pytest.mark.parametrize("config", [(8, 2, 1, 4, 1), (4, 1, 1, 8, 0)])
