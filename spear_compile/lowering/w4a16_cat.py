@@ -18,6 +18,7 @@ import torch
 
 _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
 _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
+_CAT_EC: dict = {}  # block-diagonal concatenations of ECs sharing an input
 
 
 def concatenated(qweights, scales, zeros, biases) -> tuple:
@@ -46,6 +47,36 @@ def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
     K = x2.shape[1]
     return (all(gemv1_ok(x2.shape[0], K, group_size, q) for q in qweights)
             and len({z is None for z in zeros}) == 1)
+
+
+def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas) -> tuple:
+    """One EC equal to several ECs that share an input, for one GEMV over their concatenated weights:
+    ``(A, B, W1, b1, W2, b2, alpha)`` with A stacked ([sum R, K]), the gate block-diagonal (W1 [sum D,
+    sum R], W2 [sum R, sum D], biases stacked: each part's gate sees only its own h), B block-diagonal
+    ([sum N, sum R]: part i's rows read only part i's g * h) with each part's alpha folded into its
+    rows (in fp32, then B's dtype), and alpha = 1. Through ``ec_linear_ref`` or the fused EC kernels
+    it computes what the parts compute separately (up to the rounding of alpha * B). Cached while
+    every part lives and is unchanged, like ``concatenated``.
+
+    Written for EC-aware shared-input fusion (q/k/v or gate/up with ECs as one GEMV + one EC);
+    not yet used by a pass: benchmarks/NOTES.md, session 11."""
+    from .w4a16_triton import derived_cached
+
+    def make() -> tuple:
+        A = torch.cat(list(As))
+        R = [a.shape[0] for a in As]
+        N = [b.shape[0] for b in Bs]
+        B = Bs[0].new_zeros(sum(N), sum(R))
+        r0 = n0 = 0
+        for b, al, r, n in zip(Bs, alphas, R, N):
+            B[n0:n0 + n, r0:r0 + r] = (al.float() * b.float()).to(B.dtype)
+            r0, n0 = r0 + r, n0 + n
+        W1 = torch.block_diag(*W1s)
+        W2 = torch.block_diag(*W2s)
+        alpha = torch.ones((), dtype=alphas[0].dtype, device=alphas[0].device)
+        return A, B, W1, torch.cat(list(b1s)), W2, torch.cat(list(b2s)), alpha
+
+    return derived_cached(_CAT_EC, [*As, *Bs, *W1s, *b1s, *W2s, *b2s, *alphas], make)
 
 
 def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: tuple) -> tuple:
