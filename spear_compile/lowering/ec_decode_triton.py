@@ -69,9 +69,11 @@ def pdl_ok(device: torch.device) -> bool:
 
 def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
                        config: Optional[tuple] = None, out: Optional[torch.Tensor] = None,
-                       nib: Optional[str] = None, producers: Optional[int] = None) -> torch.Tensor:
+                       nib: Optional[str] = None, producers: Optional[int] = None,
+                       words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
-    ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch)."""
+    ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch); ``words``: the GEMV layout
+    itself (``qweight`` unused), as ``w4a16_gemv1`` takes it (``w4a16_cat``'s concatenations)."""
     from ._triton import ACT_CODES
     from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace, w4a16_gemv1
 
@@ -92,4 +94,4 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
     )
     # EC_PARTS: 8 = the B (g h) epilogue, 16 = griddepcontrol.wait before it (GPU only)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, nib=nib,
-                       ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl)
+                       ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl, words=words)

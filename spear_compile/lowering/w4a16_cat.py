@@ -58,8 +58,8 @@ def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas) -> tuple:
     it computes what the parts compute separately (up to the rounding of alpha * B). Cached while
     every part lives and is unchanged, like ``concatenated``.
 
-    Written for EC-aware shared-input fusion (q/k/v or gate/up with ECs as one GEMV + one EC);
-    not yet used by a pass: benchmarks/NOTES.md, session 11."""
+    Used by ``spear::ec_linear_cat`` (``fuse_shared_input`` with ``CompileConfig.fuse_shared_input_ec``:
+    q/k/v or gate/up with ECs as one GEMV + one EC; opt-in until measured on a GPU, NOTES.md session 11)."""
     from .w4a16_triton import derived_cached
 
     def make() -> tuple:
@@ -127,3 +127,33 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return torch.cat([w4a16_linear_cuda(x, q, s, z, group_size, b, layout)
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
+
+
+def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
+                 act: str = "silu", out=None) -> torch.Tensor:
+    """Y[1, sum N] of several EC-compensated linears sharing x: one M = 1 GEMV over the concatenated
+    weights with one block-diagonal EC (``concatenated_ecs``), through the same fused-EC kernels as a
+    single ``ec_linear`` (the PDL producer + GEMV pair on Hopper, else the single launch)."""
+    from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
+    from .w4a16_triton import GEMV1_CONFIGS, gemv1_key, tuned_table, w4a16_gemv1
+
+    words, s, z, b = concatenated(qweights, scales, zeros, biases)
+    ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
+    if pdl_ok(x2.device):
+        cfg = tuple(tuned_table().get(gemv1_key(words.shape[0], x2.shape[1], group_size, False), GEMV1_CONFIGS[0]))
+        return w4a16_gemv1_ec_pdl(x2, None, s, z, group_size, b, ec, act=act, config=cfg, out=out, words=words)
+    return w4a16_gemv1(x2, None, s, z, group_size, b, ec=ec, act=act, out=out, words=words)
+
+
+def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
+                       act="silu", layout="spear"):
+    from .dispatch import _triton_ok, ec_linear_cuda
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
+        y = ec_gemv1_cat(x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
+                         alphas, act)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return torch.cat([ec_linear_cuda(x, q, s, z, group_size, b, A, B, W1, b1, W2, b2, al, act, layout)
+                      for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s,
+                                                                       b1s, W2s, b2s, alphas)], dim=-1)

@@ -15,7 +15,10 @@ Example graph:
 
 Why only M == 1: there the GPU runs one GEMV over the concatenation (``lowering/w4a16_cat.py``);
 at M > 1 the GEMMs are already large and the concatenation would only add a copy. Linears with an
-EC keep their own fused kernel. On by default (``CompileConfig.fuse_shared_input``): Llama-2-7B-shaped
+EC keep their own fused kernel, unless ``CompileConfig.fuse_shared_input_ec`` is on: then EC linears
+sharing an input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one
+block-diagonal EC (``w4a16_cat.concatenated_ecs``). Opt-in: written in session 11, not yet measured
+on a GPU. On by default (``CompileConfig.fuse_shared_input``): Llama-2-7B-shaped
 decode at batch 1 on one H200 went 2.82 -> 2.60 ms/token (predicted ~2.64, benchmarks/NOTES.md).
 """
 from __future__ import annotations
@@ -26,12 +29,15 @@ import torch
 import torch.fx as fx
 
 from .base import SpearPass
-from .common import META_KEY, W4A16, bind, call, call_op, copy_meta, record
+from .common import EC_LINEAR, META_KEY, W4A16, bind, call, call_op, copy_meta, record
 from .phase_dispatch import m_range
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
+EC_CAT = torch.ops.spear.ec_linear_cat.default
 SLICE = torch.ops.aten.slice.Tensor
 KERNEL = "one {gemv} over the weights concatenated with the other linears of this input"
+EC_KERNEL = ("one triton GEMV with EC epilogue over the weights concatenated with the other EC linears of this "
+             "input, their ECs as one block-diagonal EC")
 
 
 class FuseSharedInput(SpearPass):
@@ -42,8 +48,9 @@ class FuseSharedInput(SpearPass):
             return 0
         order = {n: i for i, n in enumerate(graph.nodes)}
         groups: dict[tuple, list[tuple[fx.Node, dict]]] = collections.defaultdict(list)
+        with_ec = self.ctx.config.fuse_shared_input_ec
         for n in graph.nodes:
-            if n.op != "call_function" or n.target is not W4A16:
+            if n.op != "call_function" or not (n.target is W4A16 or (with_ec and n.target is EC_LINEAR)):
                 continue
             kw = bind(n)
             x = kw["x"]
@@ -51,10 +58,10 @@ class FuseSharedInput(SpearPass):
             if xv is None or kw["layout"] != "spear":
                 continue
             _, lo, hi = m_range(xv)
-            if lo == hi == 1:
-                groups[(x, kw["group_size"], tuple(xv.shape))].append((n, kw))
+            if lo == hi == 1:  # linears with ECs group apart from plain ones (and by gate activation)
+                groups[(x, kw["group_size"], tuple(xv.shape), kw.get("act"))].append((n, kw))
         count = 0
-        for (x, G, _), members in groups.items():
+        for (x, G, _, _), members in groups.items():
             if len(members) < 2:
                 continue
             first = members[0][0]  # graph order
@@ -66,11 +73,17 @@ class FuseSharedInput(SpearPass):
 
     def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
         first = members[0][0]
-        with graph.inserting_before(first):
-            cat = call_op(graph, W4A16_CAT, {
-                "x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
+        args = {"x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
                 "zeros": [kw["zeros"] for _, kw in members], "group_size": G,
-                "biases": [kw["bias"] for _, kw in members], "layout": "spear"})
+                "biases": [kw["bias"] for _, kw in members], "layout": "spear"}
+        has_ec = first.target is EC_LINEAR
+        if has_ec:
+            for name, key in (("As", "A"), ("Bs", "B"), ("W1s", "W1"), ("b1s", "b1"), ("W2s", "W2"), ("b2s", "b2"),
+                              ("alphas", "alpha")):
+                args[name] = [kw[key] for _, kw in members]
+            args["act"] = members[0][1]["act"]
+        with graph.inserting_before(first):
+            cat = call_op(graph, EC_CAT if has_ec else W4A16_CAT, args)
         copy_meta(first, cat)
         dim = cat.meta["val"].dim() - 1
         from .phase_dispatch import _dtypes, gemv_name
@@ -78,7 +91,7 @@ class FuseSharedInput(SpearPass):
         x_val = x.meta["val"]
         total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
         params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
-        kernel = KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val, params))
+        kernel = (EC_KERNEL if has_ec else KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val, params)))
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])

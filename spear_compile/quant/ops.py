@@ -148,8 +148,7 @@ def ec_linear(
 
 
 def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
-                 crossover=16):
-    where = "spear::ec_linear"
+                 crossover=16, where="spear::ec_linear"):
     check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover)
     check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
     K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
@@ -195,6 +194,60 @@ def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
 @w4a16_linear_cat.register_fake
 def _(x, qweights, scales, zeros, group_size, biases, layout="spear"):
     _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
+    n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("spear::ec_linear_cat", mutates_args=())
+def ec_linear_cat(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    biases: list[Optional[Tensor]],
+    As: list[Tensor],
+    Bs: list[Tensor],
+    W1s: list[Tensor],
+    b1s: list[Tensor],
+    W2s: list[Tensor],
+    b2s: list[Tensor],
+    alphas: list[Tensor],
+    act: str = "silu",
+    layout: str = "spear",
+) -> Tensor:
+    """Several EC-compensated 4-bit linears that read the same ``x``, outputs concatenated along the
+    last dim: ``cat([ec_linear(x, qweights[i], ..., As[i], ...) for i], -1)``. Made by the
+    ``fuse_shared_input`` pass when ``CompileConfig.fuse_shared_input_ec`` is on, so that a GPU runs
+    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``)."""
+    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+                      _ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
+                     dim=-1)
+
+
+def _ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas):
+    """Per part: (qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha)."""
+    return [(q, s, z, group_size, b, A, B, W1, b1, W2, b2, al)
+            for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s, b1s,
+                                                               W2s, b2s, alphas)]
+
+
+def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act,
+                  layout) -> None:
+    lists = (qweights, scales, zeros, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
+    if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
+        raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
+                               f"got {[len(v) for v in lists]}")
+    for i, part in enumerate(_ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
+                                       alphas)):
+        _check_ec_op(x, *part, act, layout, "auto", where=f"spear::ec_linear_cat (part {i})")
+
+
+@ec_linear_cat.register_fake
+def _(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu",
+      layout="spear"):
+    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
     n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
     return x.new_empty((*x.shape[:-1], n))
 

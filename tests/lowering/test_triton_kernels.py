@@ -328,3 +328,7 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     _close(ec_linear_ref(x, q, s, z, G, b, *cat_ec), ref, dtype)
     _close(w4a16_gemv(x, q, s, z, G, b, ec=cat_ec), ref, dtype)
     assert C.concatenated_ecs(*[list(t) for t in zip(*ecs)]) is cat_ec  # cached
+    # spear::ec_linear_cat's CUDA path end to end (concatenated words + block-diagonal EC), interpreted here
+    y = C.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
+                       *[list(t) for t in zip(*ecs)])
+    _close(y, ref, dtype)

@@ -73,3 +73,68 @@ def test_cat_op_checks_its_lists_and_matches_its_parts():
         torch.ops.spear.w4a16_linear_cat(x, qs, ss[:1], zs, 32, [None, None])
     with pytest.raises(spear.QuantFormatError, match=r"part 1"):
         torch.ops.spear.w4a16_linear_cat(x, qs, [ss[0], ss[0]], zs, 32, [None, None])
+
+
+FUSE_EC = CompileConfig(fuse_shared_input=True, fuse_shared_input_ec=True)
+
+
+def _ec(d_in, d_out, rank, seed):
+    torch.manual_seed(seed)
+    ec = spear.ErrorCompensator(d_in, d_out, spear.ECConfig(rank=rank, gate_hidden=4))
+    with torch.no_grad():  # a non-trivial EC: B is zero at init, alpha and the gate bias away from their defaults
+        for p in ec.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return ec
+
+
+def _llama_with_ecs():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    names = {"q_proj": 64, "k_proj": 64, "v_proj": 64, "gate_proj": 128, "up_proj": 128, "o_proj": 64}
+    spear.attach_(m, {f"layers.0.{n}": _ec(64, d, 4 + i, i) for i, (n, d) in enumerate(names.items())})
+    return m
+
+
+def test_ec_linears_sharing_an_input_fuse_only_when_asked():
+    m = _llama_with_ecs()
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=FUSE))
+    assert "spear.ec_linear_cat.default" not in ops and ops["spear.ec_linear.default"] == 6, ops  # the default
+    rep = capture(m, (torch.randn(1, 1, 64),), config=FUSE_EC)
+    ops = spear_ops_after(rep)
+    # q/k/v -> one, gate/up -> one; o (EC, alone on its input) and down (no EC) stay
+    assert ops["spear.ec_linear_cat.default"] == 2 and ops["spear.ec_linear.default"] == 1, ops
+    assert ops["spear.w4a16_linear.default"] == 1, ops
+    fused = [r for r in rep.linears if r.get("fused_into")]
+    assert len(fused) == 5 and all("block-diagonal EC" in r["kernel"] for r in fused)
+    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE_EC))  # prefill: untouched
+    assert "spear.ec_linear_cat.default" not in ops and ops["spear.ec_linear.default"] == 6, ops
+
+
+def test_fused_ec_decode_step_equals_eager():
+    m = _llama_with_ecs()
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad(), spear.compile_config(FUSE_EC):
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_ec_cat_op_checks_its_lists_and_matches_its_parts():
+    from spear_compile import QuantConfig
+    from spear_compile.quant import quantize_rtn
+
+    parts = [quantize_rtn(torch.randn(n, 64) * 0.05, QuantConfig(group_size=32)) for n in (16, 8)]
+    ecs = [_ec(64, n, r, r) for n, r in ((16, 4), (8, 2))]
+    x = torch.randn(3, 64)
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    b = torch.randn(8)
+    ec_lists = [[getattr(e, k) for e in ecs] for k in ("A", "B", "W1", "b1", "W2", "b2", "alpha")]
+    with torch.no_grad():
+        y = torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *ec_lists)
+        parts_y = [torch.ops.spear.ec_linear(x, qs[i], ss[i], zs[i], 32, [None, b][i],
+                                             *[lst[i] for lst in ec_lists]) for i in range(2)]
+    torch.testing.assert_close(y, torch.cat(parts_y, -1), rtol=0, atol=0)
+    with pytest.raises(spear.QuantFormatError, match="one length"):
+        torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *ec_lists[:-1], ec_lists[-1][:1])
+    with pytest.raises(spear.QuantFormatError, match=r"part 1"):
+        torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], ec_lists[0][:1] * 2, *ec_lists[1:])
