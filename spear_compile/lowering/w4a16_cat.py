@@ -29,15 +29,28 @@ def concatenated(qweights, scales, zeros, biases) -> tuple:
     """
     from .w4a16_triton import derived_cached, repack_gemv
 
-    def make() -> tuple:
-        z = torch.cat(list(zeros)) if zeros[0] is not None else None
-        b = None
-        if any(x is not None for x in biases):
-            ref = next(x for x in biases if x is not None)
-            b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
-        return torch.cat([repack_gemv(q) for q in qweights]), torch.cat(list(scales)), z, b
+    return derived_cached(_CAT, [*qweights, *scales, *zeros, *biases],
+                          lambda: (torch.cat([repack_gemv(q) for q in qweights]),
+                                   *_cat_params(qweights, scales, zeros, biases)))
 
-    return derived_cached(_CAT, [*qweights, *scales, *zeros, *biases], make)
+
+def _cat_params(qweights, scales, zeros, biases) -> tuple:
+    """(scales, zeros or None, bias or None) of the parts, concatenated (a part without a bias
+    contributes zeros when another part has one)."""
+    z = torch.cat(list(zeros)) if zeros[0] is not None else None
+    b = None
+    if any(x is not None for x in biases):
+        ref = next(x for x in biases if x is not None)
+        b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
+    return torch.cat(list(scales)), z, b
+
+
+def ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas) -> list:
+    """Per part of an ``ec_linear_cat``: the ``(qweight, scales, zeros, group_size, bias, A, B, W1, b1,
+    W2, b2, alpha)`` arguments of its ``ec_linear`` (the op's checks, reference and fallback)."""
+    return [(q, s, z, group_size, b, A, B, W1, b1, W2, b2, al)
+            for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s, b1s,
+                                                               W2s, b2s, alphas)]
 
 
 def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
@@ -90,14 +103,9 @@ def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: t
         K = qweights[0].shape[1] * 2
         bn, step, tr = tile_geometry(config)
         t = repack_tiles(torch.cat(list(qweights)), config)
-        z = torch.cat(list(zeros)) if zeros[0] is not None else None
-        s = torch.cat(list(scales))
+        s, z, b = _cat_params(qweights, scales, zeros, biases)
         st = repack_scale_tiles(s, z, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
         sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
-        b = None
-        if any(x is not None for x in biases):
-            ref = next(x for x in biases if x is not None)
-            b = torch.cat([x if x is not None else ref.new_zeros(q.shape[0]) for x, q in zip(biases, qweights)])
         return (_descriptor(t, [tr, 256]), sd), (t, st), s, z, b
 
     return derived_cached(_CAT_TMA.setdefault(tuple(config), {}), [*qweights, *scales, *zeros, *biases], make)
@@ -134,15 +142,11 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
     """Y[1, sum N] of several EC-compensated linears sharing x: one M = 1 GEMV over the concatenated
     weights with one block-diagonal EC (``concatenated_ecs``), through the same fused-EC kernels as a
     single ``ec_linear`` (the PDL producer + GEMV pair on Hopper, else the single launch)."""
-    from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
-    from .w4a16_triton import GEMV1_CONFIGS, gemv1_key, tuned_table, w4a16_gemv1
+    from .w4a16_triton import gemv1_ec
 
     words, s, z, b = concatenated(qweights, scales, zeros, biases)
     ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
-    if pdl_ok(x2.device):
-        cfg = tuple(tuned_table().get(gemv1_key(words.shape[0], x2.shape[1], group_size, False), GEMV1_CONFIGS[0]))
-        return w4a16_gemv1_ec_pdl(x2, None, s, z, group_size, b, ec, act=act, config=cfg, out=out, words=words)
-    return w4a16_gemv1(x2, None, s, z, group_size, b, ec=ec, act=act, out=out, words=words)
+    return gemv1_ec(x2, None, s, z, group_size, b, ec, act, out=out, words=words)
 
 
 def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
@@ -154,6 +158,5 @@ def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W
         y = ec_gemv1_cat(x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
                          alphas, act)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    return torch.cat([ec_linear_cuda(x, q, s, z, group_size, b, A, B, W1, b1, W2, b2, al, act, layout)
-                      for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s,
-                                                                       b1s, W2s, b2s, alphas)], dim=-1)
+    return torch.cat([ec_linear_cuda(x, *part, act, layout) for part in
+                      ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)], dim=-1)

@@ -257,19 +257,27 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict
     """Compile the kernel for sm_90 without a GPU (Triton's own ptxas) and return its ``asm`` dict
     (ttgir, ptx, cubin): the offline check that every layout conversion in it is free, and the
     source of the SASS counts in benchmarks/NOTES.md. Needs TRITON_INTERPRET unset."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     warps, rb, ch, pf = config
-    k = _w4a16_gemv_gluon_kernel
     types = dict(X="*bf16", QW="*i32", S="*bf16", Z="*bf16", BIAS="*bf16", Y="*bf16", N="i32", K="i32", KW="i32",
                  NG="i32")
     consts = dict(WL=word_layout(warps, rb, ch), G=G, WARPS=warps, RB=rb, CH=ch, PREFETCH=bool(pf),
                   PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
+    return compile_gluon_sm90(_w4a16_gemv_gluon_kernel, types, consts, warps)
+
+
+def compile_gluon_sm90(kernel, types: dict, consts: dict, warps: int) -> dict:
+    """Compile a Gluon kernel for sm_90 without a GPU: ``types`` maps runtime arguments to Triton
+    signature strings, ``consts`` constexpr arguments to values. Pointer and integer arguments are
+    marked divisible by 16, as a GPU launch with such values specialises them (tensor descriptors
+    take no such mark). Returns the compiled kernel's ``asm`` dict (ttgir, ptx, cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     sig = dict(types, **{c: "constexpr" for c in consts})
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in types.items()
+             if not t.startswith("tensordesc")}
     src = gluon._runtime.GluonASTSource(
-        fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()},
-        attrs={(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types})  # as the GPU run specialises
+        fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
 
 

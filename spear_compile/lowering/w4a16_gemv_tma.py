@@ -289,24 +289,17 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
     shape like N = 200 compiles a slightly different variant)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    from .w4a16_gemv_gluon import compile_gluon_sm90
 
     warps, rb, ch, stages, ops, split = unpack_config(config)
-    _, _, tr = tile_geometry(config)
+    bn, step, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
-    k = _w4a16_gemv_tma_kernel
-    bn, step, _ = tile_geometry(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", NG="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
-    sig = dict(types, **{c: "constexpr" for c in consts})
-    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in types if "desc" not in a}
-    src = gluon._runtime.GluonASTSource(
-        fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
+    return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
 
 
 _TILES: dict = {}

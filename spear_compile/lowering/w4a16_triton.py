@@ -740,6 +740,20 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     return y
 
 
+def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
+             out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: the producer launch + PDL-launched GEMV on Hopper
+    (1.09-1.26x W4 against 1.16-1.98x for the single launch, NOTES.md), else the single launch.
+    ``words``: the GEMV layout itself (``qweight`` unused; ``w4a16_cat``'s concatenations)."""
+    from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
+
+    if pdl_ok(x2.device):
+        N = words.shape[0] if words is not None else qweight.shape[0]
+        cfg = tuple(tuned_table().get(gemv1_key(N, x2.shape[1], G, False), GEMV1_CONFIGS[0]))
+        return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
+    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)
+
+
 def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                config: Optional[tuple] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for M <= GEMV_MAX_M, optionally with the EC fused (ec = (A, B, W1, b1, W2, b2, alpha))."""
@@ -749,18 +763,13 @@ def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = N
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     if config is None and gemv1_ok(M, K, G, qweight):
         if ec is not None:
-            from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
+            return gemv1_ec(x2, qweight, scales, zeros, G, bias, ec, act, out=out)
+        from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
 
-            if pdl_ok(x2.device):  # producers + PDL-launched GEMV: 1.09-1.26x W4 vs 1.16-1.98x (NOTES.md, run 2)
-                cfg = tuple(tuned_table().get(gemv1_key(N, K, G, False), GEMV1_CONFIGS[0]))
-                return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out)
-        if ec is None:
-            from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
-
-            cfg = tma_config(N, K, G, x2, params=(scales, zeros))
-            if cfg is not None:  # measured faster than the CUDA-core kernel for this shape on this GPU
-                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
-        return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out)
+        cfg = tma_config(N, K, G, x2, params=(scales, zeros))
+        if cfg is not None:  # measured faster than the CUDA-core kernel for this shape on this GPU
+            return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
+        return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, out=out)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
     bk, tg = _tiles(bk, G, K)

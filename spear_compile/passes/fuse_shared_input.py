@@ -86,12 +86,16 @@ class FuseSharedInput(SpearPass):
             cat = call_op(graph, EC_CAT if has_ec else W4A16_CAT, args)
         copy_meta(first, cat)
         dim = cat.meta["val"].dim() - 1
-        from .phase_dispatch import _dtypes, gemv_name
-
         x_val = x.meta["val"]
-        total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
-        params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
-        kernel = (EC_KERNEL if has_ec else KERNEL.format(gemv=gemv_name(total, int(x_val.shape[-1]), G, x_val, params)))
+        K = int(x_val.shape[-1])
+        if has_ec:
+            kernel = EC_KERNEL
+        else:
+            from .phase_dispatch import _dtypes, gemv_name
+
+            total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
+            params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
+            kernel = KERNEL.format(gemv=gemv_name(total, K, G, x_val, params))
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])
@@ -106,6 +110,6 @@ class FuseSharedInput(SpearPass):
             off += N
             sizes.append(N)
         # the inspection report lists each member linear from here (the nodes themselves are gone)
-        record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=int(x.meta["val"].shape[-1]),
+        record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=K,
                group_size=G, kernel=kernel, members=members_info)
         return len(members)

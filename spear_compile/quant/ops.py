@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..lowering.ec_linear import _ACTS, ec_linear_ref
 from ..lowering.w4a16 import w4a16_linear_ref
+from ..lowering.w4a16_cat import ec_parts
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
@@ -222,15 +223,8 @@ def ec_linear_cat(
     one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``)."""
     _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
     return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
-                      _ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
+                      ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
                      dim=-1)
-
-
-def _ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas):
-    """Per part: (qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha)."""
-    return [(q, s, z, group_size, b, A, B, W1, b1, W2, b2, al)
-            for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s, b1s,
-                                                               W2s, b2s, alphas)]
 
 
 def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act,
@@ -239,7 +233,7 @@ def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b
     if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
         raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
                                f"got {[len(v) for v in lists]}")
-    for i, part in enumerate(_ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
+    for i, part in enumerate(ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
                                        alphas)):
         _check_ec_op(x, *part, act, layout, "auto", where=f"spear::ec_linear_cat (part {i})")
 
