@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, final call: the TMA GEMV wired into the M = 1 dispatch, on one H200:
+# Session 11 final call (re-run in session 12 for the K-split configs and the EC concatenation): the TMA GEMV wired into the M = 1 dispatch, on one H200:
 #   1. its CUDA tests (kernel, table-driven dispatch of w4a16_gemv and the concatenated GEMV);
 #   2. kernels.py --lab gemv --tma on the decode shapes of the E2E model (its q/k/v and gate/up
 #      concatenations and lm_head included): writes the tuned table's gemv1 / gemv1tma entries;
@@ -10,7 +10,7 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out"
-timeout 120 python -m pytest -q tests/lowering/test_gemv_tma.py > "$out/tests_tma.txt" 2>&1
+timeout 160 python -m pytest -q tests/lowering/test_gemv_tma.py tests/lowering/test_triton_kernels.py -k "tma or cat" > "$out/tests_tma.txt" 2>&1
 tail -n 3 "$out/tests_tma.txt"
 timeout 200 python benchmarks/kernels.py --lab gemv --tma --nibs biased --out "$out/lab" \
   --shapes 4096x4096 11008x4096 4096x11008 8192x8192 28672x8192 12288x4096 22016x4096 32000x4096 \
