@@ -15,7 +15,8 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
                     at M = 1, q/k/v and gate/up (those without an EC) as one GEMV each
   ours_w4_nocat, spear_ec25_nocat   the same with fuse_shared_input=False
   spear_ec25_ecfused  spear_ec25 with CompileConfig(fuse_shared_input_ec=True): q/k/v and gate/up
-                    *with* ECs as one GEMV + one block-diagonal EC each (written in session 11)
+                    *with* ECs as one GEMV + one block-diagonal EC each (the default since session 12)
+  spear_ec25_ecsep  spear_ec25 with fuse_shared_input_ec=False: EC linears keep one GEMV + EC each
                     (plain ours_w4 / spear_ec* take the library default, which is True since
                     2026-11-30; the 2026-11-29 and earlier JSONs' plain rows are unfused)
 
@@ -134,7 +135,8 @@ def build(variant, batch, base_state):
         return m, "inductor"
     spear.quantize_(m, QuantConfig(group_size=G), progress=False)
     frac = {"spear_ec10": 0.1, "spear_ec25": 0.25, "spear_ec100": 1.0, "unfused_ec25": 0.25,
-            "spear_ec25_fused": 0.25, "spear_ec25_nocat": 0.25, "spear_ec25_ecfused": 0.25}.get(variant, 0.0)
+            "spear_ec25_fused": 0.25, "spear_ec25_nocat": 0.25, "spear_ec25_ecfused": 0.25,
+            "spear_ec25_ecsep": 0.25}.get(variant, 0.0)
     ecs = {}
     if frac:
         all_ecs = random_ecs(m, ECConfig(rank=64, gate_hidden=16), seed=1)
@@ -152,8 +154,8 @@ def time_variant(variant, batch, base_state, reps=50):
     model, backend = build(variant, batch, base_state)
     n_ec = sum(1 for mod in model.modules() if getattr(mod, "ec", None) is not None)
     opts = {"options": {"fuse_shared_input": variant.endswith("_fused")}} if variant.endswith(("_fused", "_nocat")) else {}
-    if variant.endswith("_ecfused"):
-        opts = {"options": {"fuse_shared_input_ec": True}}
+    if variant.endswith(("_ecfused", "_ecsep")):
+        opts = {"options": {"fuse_shared_input_ec": variant.endswith("_ecfused")}}
     for layer in model.layers:  # one compiled graph per layer structure, shared by the 32 layers
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False, **opts)
     ids = torch.randint(0, V, (batch, 1), device="cuda")

@@ -175,8 +175,9 @@ class CompileConfig(_Serialisable):
         (``passes/fuse_shared_input.py``). On by default: Llama-2-7B-shaped decode on one H200,
         batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode_NVIDIA_H200.json``).
     fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
-        GEMV with one block-diagonal EC (``spear::ec_linear_cat``). Off by default: correct on CPU
-        and in Triton's interpreter, not yet measured on a GPU (benchmarks/NOTES.md, session 11).
+        GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
+        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; benchmarks/NOTES.md,
+        session 12).
     """
 
     crossover_m: Optional[int] = None
@@ -185,7 +186,7 @@ class CompileConfig(_Serialisable):
     enable_int4pack_match: bool = True
     enable_phase_dispatch: bool = True
     fuse_shared_input: bool = True
-    fuse_shared_input_ec: bool = False
+    fuse_shared_input_ec: bool = True
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -94,10 +94,11 @@ def _llama_with_ecs():
     return m
 
 
-def test_ec_linears_sharing_an_input_fuse_only_when_asked():
+def test_ec_linears_sharing_an_input_fuse_unless_turned_off():
     m = _llama_with_ecs()
-    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=FUSE))
-    assert "spear.ec_linear_cat.default" not in ops and ops["spear.ec_linear.default"] == 6, ops  # the default
+    assert CompileConfig().fuse_shared_input_ec  # the default
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_shared_input_ec=False)))
+    assert "spear.ec_linear_cat.default" not in ops and ops["spear.ec_linear.default"] == 6, ops
     rep = capture(m, (torch.randn(1, 1, 64),), config=FUSE_EC)
     ops = spear_ops_after(rep)
     # q/k/v -> one, gate/up -> one; o (EC, alone on its input) and down (no EC) stay
