@@ -17,6 +17,8 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
   spear_ec25_ecfused  spear_ec25 with CompileConfig(fuse_shared_input_ec=True): q/k/v and gate/up
                     *with* ECs as one GEMV + one block-diagonal EC each (the default since session 12)
   spear_ec25_ecsep  spear_ec25 with fuse_shared_input_ec=False: EC linears keep one GEMV + EC each
+  *_noglu, *_nofold, *_s11   without fuse_glu (silu(gate) * up in the gate / up GEMV's epilogue), without
+                    fold_residual_add (the residual add as the GEMV's bias), without both (session 12)
                     (plain ours_w4 / spear_ec* take the library default, which is True since
                     2026-11-30; the 2026-11-29 and earlier JSONs' plain rows are unfused)
 
@@ -120,6 +122,23 @@ class TinyGemmLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+# variant name suffix -> CompileConfig options of that A/B variant (the plain name takes the defaults)
+OPTION_SUFFIXES = {
+    "fused": {"fuse_shared_input": True}, "nocat": {"fuse_shared_input": False},
+    "ecfused": {"fuse_shared_input_ec": True}, "ecsep": {"fuse_shared_input_ec": False},
+    "noglu": {"fuse_glu": False}, "nofold": {"fold_residual_add": False},
+    "s11": {"fuse_glu": False, "fold_residual_add": False},  # the decode fusions of session 11 only
+}
+
+
+def ec_fraction(variant: str) -> float:
+    """Fraction of layers with ECs: spear_ec25_* / unfused_ec25 -> 0.25; ours_w4*, bf16, tinygemm -> 0."""
+    head = variant.split("_")
+    if head[0] in ("spear", "unfused") and len(head) > 1 and head[1].startswith("ec"):
+        return int(head[1][2:]) / 100
+    return 0.0
+
+
 def ec_names(model, frac):
     n_layers = round(L * frac)
     return [f"layers.{i}.{n}" for i in range(n_layers) for n in LINEARS]
@@ -134,9 +153,7 @@ def build(variant, batch, base_state):
     if variant == "bf16":
         return m, "inductor"
     spear.quantize_(m, QuantConfig(group_size=G), progress=False)
-    frac = {"spear_ec10": 0.1, "spear_ec25": 0.25, "spear_ec100": 1.0, "unfused_ec25": 0.25,
-            "spear_ec25_fused": 0.25, "spear_ec25_nocat": 0.25, "spear_ec25_ecfused": 0.25,
-            "spear_ec25_ecsep": 0.25}.get(variant, 0.0)
+    frac = ec_fraction(variant)
     ecs = {}
     if frac:
         all_ecs = random_ecs(m, ECConfig(rank=64, gate_hidden=16), seed=1)
@@ -153,9 +170,7 @@ def build(variant, batch, base_state):
 def time_variant(variant, batch, base_state, reps=50):
     model, backend = build(variant, batch, base_state)
     n_ec = sum(1 for mod in model.modules() if getattr(mod, "ec", None) is not None)
-    opts = {"options": {"fuse_shared_input": variant.endswith("_fused")}} if variant.endswith(("_fused", "_nocat")) else {}
-    if variant.endswith(("_ecfused", "_ecsep")):
-        opts = {"options": {"fuse_shared_input_ec": variant.endswith("_ecfused")}}
+    opts = {"options": OPTION_SUFFIXES[variant.rsplit("_", 1)[-1]]} if variant.rsplit("_", 1)[-1] in OPTION_SUFFIXES else {}
     for layer in model.layers:  # one compiled graph per layer structure, shared by the 32 layers
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False, **opts)
     ids = torch.randint(0, V, (batch, 1), device="cuda")

@@ -42,7 +42,8 @@ def kind_of(name: str) -> str:
 
 def profile_variant(variant: str, base_state: dict, steps: int) -> dict:
     model, backend = E.build(variant, 1, base_state)
-    opts = {"options": {"fuse_shared_input_ec": True}} if variant.endswith("_ecfused") else {}
+    suffix = variant.rsplit("_", 1)[-1]
+    opts = {"options": E.OPTION_SUFFIXES[suffix]} if suffix in E.OPTION_SUFFIXES else {}
     for layer in model.layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False, **opts)
     ids = torch.randint(0, E.V, (1, 1), device="cuda")

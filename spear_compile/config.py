@@ -178,6 +178,11 @@ class CompileConfig(_Serialisable):
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
         ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; benchmarks/NOTES.md,
         session 12).
+    fuse_glu: at decode, ``silu(gate(h)) * up(h)`` over the concatenated gate / up GEMV becomes one
+        ``spear::w4a16_linear_glu`` whose epilogue applies the gate (``passes/fuse_glu.py``; on a GPU
+        only where that kernel runs).
+    fold_residual_add: at decode, fold ``x + linear(h)`` into the linear as its bias, so the GEMV's
+        epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
     """
 
     crossover_m: Optional[int] = None
@@ -187,6 +192,8 @@ class CompileConfig(_Serialisable):
     enable_phase_dispatch: bool = True
     fuse_shared_input: bool = True
     fuse_shared_input_ec: bool = True
+    fuse_glu: bool = True
+    fold_residual_add: bool = True
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -62,6 +62,12 @@ def use_fused(lowering: str, M: int, crossover: int) -> bool:
     return M < crossover  # "dispatch" / "auto": the runtime branch
 
 
+def _dense(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The kernels read the bias as N consecutive values; a bias folded in from a residual
+    (``passes/fold_residual_add.py``) is a view of an activation and may have any stride."""
+    return bias.contiguous() if bias is not None else None
+
+
 def _triton_ok(x: torch.Tensor, layout: str) -> bool:
     return HAS_TRITON and x.is_cuda and layout == "spear" and x.dtype in _TRITON_DTYPES
 
@@ -73,6 +79,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear
     from .w4a16_triton import w4a16_gemm, w4a16_gemv
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    bias = _dense(bias)
     if x2.shape[0] <= W4_GEMV_MAX_M:
         y = w4a16_gemv(x2, qweight, scales, zeros, group_size, bias)
     else:
@@ -87,6 +94,7 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     from .w4a16_triton import w4a16_gemv
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    bias = _dense(bias)
     if use_fused(lowering, x2.shape[0], crossover):
         y = w4a16_gemv(x2, qweight, scales, zeros, group_size, bias, ec=(A, B, W1, b1, W2, b2, alpha), act=act)
     else:
@@ -140,8 +148,9 @@ def register_cuda_kernels() -> None:
         return
     torch.library.register_kernel("spear::w4a16_linear", "cuda", w4a16_linear_cuda)
     torch.library.register_kernel("spear::ec_linear", "cuda", ec_linear_cuda)
-    from .w4a16_cat import ec_linear_cat_cuda, w4a16_linear_cat_cuda
+    from .w4a16_cat import ec_linear_cat_cuda, w4a16_linear_cat_cuda, w4a16_linear_glu_cuda
 
     torch.library.register_kernel("spear::w4a16_linear_cat", "cuda", w4a16_linear_cat_cuda)
     torch.library.register_kernel("spear::ec_linear_cat", "cuda", ec_linear_cat_cuda)
+    torch.library.register_kernel("spear::w4a16_linear_glu", "cuda", w4a16_linear_glu_cuda)
     register_cuda_kernels._done = True  # type: ignore[attr-defined]

@@ -14,11 +14,24 @@ concatenates, so the op is never slower than its parts by more than that copy.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
 _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
 _CAT_EC: dict = {}  # block-diagonal concatenations of ECs sharing an input
+_CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for the GLU epilogue
+GLU_ACTS = ("silu",)  # gate activations of spear::w4a16_linear_glu (the epilogue computes silu)
+
+
+def glu_of(y2: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` of a gate / up concatenation ``y2 [..., 2F]``, rounded as the unfused graph
+    rounds (what Inductor computes for ``F.silu(g) * u``): silu in fp32, rounded to y2's dtype, times up."""
+    if act not in GLU_ACTS:
+        raise ValueError(f"glu_of: unknown gate activation {act!r}; expected one of {GLU_ACTS}")
+    g, u = y2.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g.float()).to(y2.dtype) * u
 
 
 def concatenated(qweights, scales, zeros, biases) -> tuple:
@@ -160,3 +173,64 @@ def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return torch.cat([ec_linear_cuda(x, *part, act, layout) for part in
                       ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)], dim=-1)
+
+
+def concatenated_glu_tma(qweights, scales, zeros, group_size: int, config: tuple) -> tuple:
+    """((weight descriptor, scale descriptor or None), tiles, scales, zeros or None) of a gate / up pair
+    for the TMA kernel's GLU epilogue: like ``concatenated_tma`` with the rows interleaved in blocks of
+    BN / 2 (``glu_interleave``), so each CTA holds a block of gate rows and the matching up rows."""
+    from .w4a16_gemv_tma import OPS_SMEM, _descriptor, glu_interleave, repack_scale_tiles, repack_tiles, tile_geometry
+    from .w4a16_triton import derived_cached
+
+    def make() -> tuple:
+        K = qweights[0].shape[1] * 2
+        F = qweights[0].shape[0]
+        bn, step, tr = tile_geometry(config)
+        t = repack_tiles(glu_interleave(torch.cat(list(qweights)), F, bn // 2), config)
+        s, z, _ = _cat_params(qweights, scales, zeros, [None, None])
+        s = glu_interleave(s, F, bn // 2)
+        z = glu_interleave(z, F, bn // 2) if z is not None else None
+        st = repack_scale_tiles(s, z, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
+        sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
+        return (_descriptor(t, [tr, 256]), sd), (t, st), s, z
+
+    return derived_cached(_CAT_GLU.setdefault(tuple(config), {}), [*qweights, *scales, *zeros], make)
+
+
+def glu_config_for(F: int, K: int, G: int, dtype: torch.dtype, device: torch.device,
+                   param_dtypes: tuple = ()) -> Optional[tuple]:
+    """The TMA config whose GLU epilogue runs a gate / up pair of F rows each at M = 1, or None: the
+    tuned table's config for the concatenated shape [2F, K] (where it measured the TMA kernel faster
+    than the CUDA-core one), without a K-split, F a multiple of half its rows. Also what the
+    ``fuse_glu`` pass asks before it rewrites on a GPU."""
+    from .w4a16_gemv_tma import tile_geometry, tma_config_for, unpack_config
+
+    cfg = tma_config_for(2 * F, K, G, dtype, device, param_dtypes=param_dtypes)
+    if cfg is None or unpack_config(cfg)[5] != 1 or F % (tile_geometry(cfg)[0] // 2):
+        return None
+    return cfg
+
+
+def glu_config(x2: torch.Tensor, qweights, scales, zeros, group_size: int) -> Optional[tuple]:
+    """``glu_config_for`` of an activation x2 [1, K] and a gate / up pair."""
+    F = qweights[0].shape[0]
+    if (x2.shape[0] != 1 or len(qweights) != 2 or qweights[1].shape[0] != F
+            or not gemv1_cat_ok(x2, qweights, zeros, group_size)):
+        return None
+    return glu_config_for(F, x2.shape[1], group_size, x2.dtype, x2.device,
+                          tuple(p.dtype for p in (*scales, *zeros) if p is not None))
+
+
+def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", layout="spear"):
+    """``spear::w4a16_linear_glu`` on CUDA: the TMA kernel with the GLU epilogue where ``glu_config``
+    finds one, else the concatenated GEMV (or the parts) and ``glu_of``."""
+    from .dispatch import _triton_ok
+    from .w4a16_gemv_tma import w4a16_gemv_tma
+
+    x2 = x.reshape(-1, x.shape[-1])
+    cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None
+    if cfg is not None and act == "silu":
+        descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
+        y = w4a16_gemv_tma(x2.contiguous(), None, s, z, group_size, None, config=cfg, descs=descs, glu=True)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return glu_of(w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], layout), act)

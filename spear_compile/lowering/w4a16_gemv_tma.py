@@ -174,17 +174,37 @@ if HAS_TMA:
             gl.atomic_xchg(CNT + pid, 0)
 
     @gluon.jit
+    def _store_glu(acc, acc1, S, Z, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr, WARPS: gl.constexpr,
+                   PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr):
+        """GLU epilogue: the CTA's BN rows are BN / 2 gate rows then the matching BN / 2 up rows
+        (``glu_interleave``); they meet through shared memory (the MMA layout spreads a row over
+        lanes) and the CTA stores Y[pid BN / 2 + i] = silu(gate_i) * up_i, rounded as the unfused
+        graph rounds: gate and up to bf16, silu in fp32 to bf16, the product to bf16."""
+        H: gl.constexpr = BN // 2
+        out, _, _ = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
+        buf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        buf.store(out)
+        gl.thread_barrier()
+        l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        g = buf.slice(0, H).load(l1).to(gl.bfloat16).to(gl.float32)
+        u = buf.slice(H, H).load(l1).to(gl.bfloat16).to(gl.float32)
+        s = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+        on = pid * H + gl.arange(0, H, layout=l1)
+        gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
+
+    @gluon.jit
     def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, N, K, NG,
                                WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
-                               HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
+                               HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
         SPLIT > 1: program (pid, ps) takes the ps-th of SPLIT equal runs of K steps (twice the CTAs for
         SPLIT = 2, for shapes whose row blocks alone leave the GPU half empty); the partial rows meet
-        in ``_split_store``."""
+        in ``_split_store``. GLU: the rows are gate / up blocks of BN / 2 interleaved
+        (``glu_interleave``) and the CTA stores silu(gate) * up, BN / 2 values (``_store_glu``)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -267,7 +287,9 @@ if HAS_TMA:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        if SPLIT == 1:
+        if GLU:
+            _store_glu(acc, acc1, S, Z, Y, N, pid, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
+        elif SPLIT == 1:
             _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
@@ -284,7 +306,7 @@ def _layouts(config: tuple):
     return word_layout(warps, rb, ch), tl_, smem
 
 
-def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096) -> dict:
+def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
@@ -298,7 +320,7 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", NG="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
-                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=True)
+                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu)
     return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
 
 
@@ -426,10 +448,13 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
 
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                   out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None, glu: bool = False
+                   ) -> torch.Tensor:
     """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS[, SPLIT]).
     ``descs``: (weight descriptor, scale descriptor or None) made by the caller (``w4a16_cat``'s
-    concatenations; ``qweight`` is then not read: N comes from ``scales``)."""
+    concatenations; ``qweight`` is then not read: N comes from ``scales``). ``glu``: the N rows are
+    gate / up blocks interleaved by ``glu_interleave`` for this config; Y is [1, N / 2] =
+    silu(gate) * up (no bias, no K-split)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
@@ -449,6 +474,9 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"w4a16_gemv_tma: bias {tuple(bias.shape)} != ({N},)")
     bn, step, _ = tile_geometry(config)
     kt, rows = -(-K // step), -(-N // bn)
+    if glu and (split != 1 or bias is not None or N % bn):
+        raise ValueError(f"w4a16_gemv_tma: the GLU epilogue needs SPLIT 1, no bias and N={N} a multiple of the "
+                         f"config's {bn} rows (config {config})")
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
                          f"of {step} columns")
@@ -461,13 +489,22 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         desc, sdesc = descs
     sdesc = desc if sdesc is None else sdesc  # unused by the kernel then
     wl, tl_, _ = _layouts(config)
-    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    y = out if out is not None else torch.empty(M, N // 2 if glu else N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, N, K, scales.shape[1],
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
-        PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, num_warps=warps,
+        PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, num_warps=warps,
     )
     return y
+
+
+def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:
+    """Rows of a gate / up concatenation ``t`` [2F, ...] (gate rows 0..F-1, up rows F..2F-1) reordered
+    into blocks of ``half`` gate rows followed by the matching ``half`` up rows, so that one CTA of the
+    GLU epilogue (BN = 2 half rows) holds both factors of its outputs. F % half == 0."""
+    if F % half or t.shape[0] != 2 * F:
+        raise ValueError(f"glu_interleave: {tuple(t.shape)} is not two halves of {F} rows in blocks of {half}")
+    return t.reshape(2, F // half, half, *t.shape[1:]).transpose(0, 1).reshape(t.shape)

@@ -2,7 +2,8 @@
 
 Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
 foreign source forms, then phase dispatch over everything that became a spear linear, then
-(opt-in) the fusion of decode linears that share an input.
+the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, residual adds
+into the GEMV epilogue.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source and the
@@ -18,6 +19,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import SpearPass
 from .context import PassContext
+from .fold_residual_add import FoldResidualAdd
+from .fuse_glu import FuseGLU
 from .fuse_shared_input import FuseSharedInput
 from .match_dequant_linear import MatchDequantLinear
 from .match_int4pack_mm import MatchInt4PackMM
@@ -25,7 +28,7 @@ from .match_spear_op import MatchSpearOp
 from .phase_dispatch import PhaseDispatch
 
 PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch,
-                                       FuseSharedInput)
+                                       FuseSharedInput, FuseGLU, FoldResidualAdd)
 
 
 class SpearPassManager(CustomGraphPass):

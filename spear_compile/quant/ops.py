@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..lowering.ec_linear import _ACTS, ec_linear_ref
 from ..lowering.w4a16 import w4a16_linear_ref
-from ..lowering.w4a16_cat import ec_parts
+from ..lowering.w4a16_cat import GLU_ACTS, ec_parts, glu_of
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
@@ -197,6 +197,42 @@ def _(x, qweights, scales, zeros, group_size, biases, layout="spear"):
     _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
     n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
     return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("spear::w4a16_linear_glu", mutates_args=())
+def w4a16_linear_glu(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    act: str = "silu",
+    layout: str = "spear",
+) -> Tensor:
+    """A gated MLP's input side, ``act(x Wg^T) * (x Wu^T)`` for ``qweights = [gate, up]`` (4-bit, no
+    bias), rounded as the unfused graph rounds (``lowering.w4a16_cat.glu_of``). Made by the ``fuse_glu``
+    pass at decode so that a GPU runs one GEMV over both weights whose epilogue applies the gate and
+    stores only the product (``lowering/w4a16_cat.py``)."""
+    _check_glu(x, qweights, scales, zeros, group_size, act, layout)
+    return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, group_size, None, layout)
+                             for q, s, z in zip(qweights, scales, zeros)], dim=-1), act)
+
+
+def _check_glu(x, qweights, scales, zeros, group_size, act, layout) -> None:
+    if len(qweights) != 2:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: expected [gate, up] weights, got {len(qweights)}")
+    if act not in GLU_ACTS:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: unknown gate activation {act!r}; expected one of {GLU_ACTS}")
+    _check_cat(x, qweights, scales, zeros, group_size, [None, None], layout)
+    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
+    if None not in n and n[0] != n[1]:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: gate has {n[0]} outputs but up has {n[1]}")
+
+
+@w4a16_linear_glu.register_fake
+def _(x, qweights, scales, zeros, group_size, act="silu", layout="spear"):
+    _check_glu(x, qweights, scales, zeros, group_size, act, layout)
+    return x.new_empty((*x.shape[:-1], out_features(qweights[0], scales[0], layout)))
 
 
 @torch.library.custom_op("spear::ec_linear_cat", mutates_args=())

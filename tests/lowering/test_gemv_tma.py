@@ -126,6 +126,8 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
             "    for pc in (False, True):\n"
             "        ptx = compile_sm90(cfg, per_channel=pc)['ptx']\n"
             "        assert 'cp.async.bulk.tensor.2d' in ptx and 'mma.sync.aligned.m16n8k16' in ptx, cfg\n"
+            "    if len(cfg) == 5:  # the GLU epilogue (no K-split configs)\n"
+            "        assert 'ex2' in compile_sm90(cfg, glu=True)['ptx'], cfg\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -204,3 +206,84 @@ def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, mon
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
     T.w4a16_gemv(x, qs[1], ss[1], zs[1], Gs, None)  # 40 rows: no entry, the CUDA-core kernel
     assert len(calls) == 2
+
+
+def _glu_pair(F, K, G, seed=0):
+    parts = [_case(F, K, G, seed=seed + i) for i in range(2)]
+    return parts[0][0], [p[2] for p in parts], [p[3] for p in parts], [p[4] for p in parts]
+
+
+def _glu_ref(x, qs, ss, zs, G):
+    from spear_compile.lowering.w4a16_cat import glu_of
+
+    return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, G, None) for q, s, z in zip(qs, ss, zs)], -1))
+
+
+@pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (8, 1, 1, 4, 1)])
+def test_glu_interleaved_tiles_pair_gate_and_up_rows_per_cta(config):
+    """The GLU tiles (``concatenated_glu_tma``): through the emulation, CTA b's rows are gate rows
+    b H .. b H + H - 1 then the same up rows (H = BN / 2), which is what the kernel's epilogue pairs."""
+    from spear_compile.lowering import w4a16_cat as C
+
+    bn, _, _ = gt.tile_geometry(config)
+    F, K, G = 3 * bn, 1024, 128  # six CTAs of BN / 2 outputs each
+    x, qs, ss, zs = _glu_pair(F, K, G)
+    _, (tiles, _), s, z = C.concatenated_glu_tma(qs, ss, zs, G, config)
+    y2 = gt.tiles_emulated(x, tiles, s, z, G, None, 2 * F, config).view(-1, 2, bn // 2)  # [CTA, gate|up, H]
+    g, u = y2[:, 0].reshape(1, F), y2[:, 1].reshape(1, F)
+    ref = [w4a16_linear_ref(x, q, sc, zp, G, None) for q, sc, zp in zip(qs, ss, zs)]
+    for got, want in ((g, ref[0]), (u, ref[1])):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 8e-3
+    with pytest.raises(ValueError, match="blocks of"):
+        gt.glu_interleave(torch.zeros(2 * F + 2, 4), F + 1, bn // 2)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="runs the kernel: TMA needs CUDA sm_90+")
+@pytest.mark.parametrize("G", [128, None])
+@pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 2, 2, 2), (8, 1, 1, 4, 1)])
+def test_glu_kernel_matches_the_reference_on_gpu(G, config):
+    """silu(gate) * up from the GLU epilogue against glu_of(the parts' references); F = 688 x 16 rows
+    would be the MLP's, here F = 3 x 48 (a multiple of BN / 2 for every config above)."""
+    from spear_compile.lowering import w4a16_cat as C
+
+    F, K = 144, 1280
+    Gs = G or K
+    x, qs, ss, zs = _glu_pair(F, K, Gs)
+    x, qs, ss, zs = x.cuda(), [q.cuda() for q in qs], [s.cuda() for s in ss], [z.cuda() for z in zs]
+    descs, _, s, z = C.concatenated_glu_tma(qs, ss, zs, Gs, config)
+    y = gt.w4a16_gemv_tma(x, None, s, z, Gs, None, config=config, descs=descs, glu=True)
+    ref = _glu_ref(x, qs, ss, zs, Gs)
+    assert y.shape == (1, F)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    with pytest.raises(ValueError, match="GLU epilogue"):
+        gt.w4a16_gemv_tma(x, None, s, z, Gs, torch.zeros(2 * F, dtype=x.dtype, device=x.device), config=config,
+                          descs=descs, glu=True)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="runs the kernel: TMA needs CUDA sm_90+")
+def test_glu_op_takes_the_epilogue_only_where_the_table_says_so(monkeypatch):
+    """spear::w4a16_linear_glu on CUDA: the GLU-epilogue kernel for a shape with a (non-split) table
+    entry, the concatenated GEMV + glu_of without one; both equal the reference."""
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    F, K, G = 144, 1280, 128
+    x, qs, ss, zs = _glu_pair(F, K, G, seed=3)
+    x, qs, ss, zs = x.cuda(), [q.cuda() for q in qs], [s.cuda() for s in ss], [z.cuda() for z in zs]
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("glu")) or real(*a, **k))
+    ref = _glu_ref(x, qs, ss, zs, G)
+    table = dict(T.tuned_table())
+    table.pop(gt.tma_key(2 * F, K, G), None)
+    monkeypatch.setattr(T, "_TABLE", table)
+    y0 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
+    assert calls == []
+    table[gt.tma_key(2 * F, K, G)] = [4, 2, 2, 2, 2]
+    y1 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
+    assert calls == [True]
+    assert C.glu_config(x, qs, ss, zs, G) == (4, 2, 2, 2, 2)
+    for y in (y0, y1):
+        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -1,0 +1,115 @@
+"""fuse_glu: at decode, silu(gate(h)) * up(h) over the concatenated GEMV -> one spear::w4a16_linear_glu."""
+import pytest
+import torch
+import torch.fx as fx
+
+import spear_compile as spear
+from spear_compile import CompileConfig
+from spear_compile.passes.fuse_glu import silu_input
+from tests.helpers import capture, quantized_llama, spear_ops_after
+
+
+def _snap(rep, name):
+    return next(s for s in rep.graphs[0].snapshots if s.pass_name == name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_mlp_becomes_one_glu_op_and_matches_eager(dtype):
+    m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32, dtype=dtype)
+    x = torch.randn(1, 1, 64, dtype=dtype)
+    rep = capture(m, (x,))
+    snap = _snap(rep, "fuse_glu")
+    assert snap.matched_count == 2  # one per layer
+    ops = spear_ops_after(rep)
+    assert ops["spear.w4a16_linear_glu.default"] == 2 and ops["spear.w4a16_linear_cat.default"] == 2, ops  # + q/k/v
+    assert "aten.exp.default" in snap.before and "aten.exp.default" not in snap.after  # the silu went with it
+    glu = {r["weight"].split(".")[2] for r in rep.linears if r.get("glu")}
+    assert glu == {"gate_proj", "up_proj"}
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_not_at_prefill_and_not_when_off():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    assert _snap(capture(m, (torch.randn(1, 8, 64),)), "fuse_glu").matched_count == 0
+    assert _snap(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_glu=False)),
+                 "fuse_glu").matched_count == 0
+
+
+class _MLP(torch.nn.Module):
+    """A gated MLP whose gate also leaves the block, or whose activation is not silu: not fusable."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.gate, self.up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+
+    def forward(self, h):
+        g, u = self.gate(h), self.up(h)
+        if self.form == "gate_escapes":
+            return torch.nn.functional.silu(g) * u + g.sum()
+        if self.form == "gelu":
+            return torch.nn.functional.gelu(g) * u
+        return torch.nn.functional.silu(g) * u
+
+
+@pytest.mark.parametrize("form,fused", [("silu", 1), ("gate_escapes", 0), ("gelu", 0)])
+def test_only_the_exact_pattern_is_rewritten(form, fused):
+    m = _MLP(form)
+    spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
+    x = torch.randn(1, 64)
+    assert _snap(capture(m, (x,)), "fuse_glu").matched_count == fused
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _graph(body):
+    g = fx.Graph()
+    x = g.placeholder("x")
+    return x, body(g, x)
+
+
+def test_silu_forms():
+    aten = torch.ops.aten
+    x, out = _graph(lambda g, x: g.call_function(aten.silu.default, (x,)))
+    assert silu_input(out) is x
+    x, out = _graph(lambda g, x: g.call_function(aten.mul.Tensor, (g.call_function(aten.sigmoid.default, (x,)), x)))
+    assert silu_input(out) is x
+
+    def decomposed(g, x):
+        c = g.call_function(torch.ops.prims.convert_element_type.default, (x, torch.float32))
+        e = g.call_function(aten.exp.default, (g.call_function(aten.neg.default, (c,)),))
+        d = g.call_function(aten.div.Tensor, (c, g.call_function(aten.add.Tensor, (e, 1))))
+        return g.call_function(torch.ops.prims.convert_element_type.default, (d, torch.bfloat16))
+
+    x, out = _graph(decomposed)
+    assert silu_input(out) is x
+    x, out = _graph(lambda g, x: g.call_function(aten.mul.Tensor, (g.call_function(aten.sigmoid.default, (x,)),
+                                                                   g.call_function(aten.neg.default, (x,)))))
+    assert silu_input(out) is None  # x * sigmoid(y) with y != x
+
+
+def test_glu_op_checks_and_reference():
+    from spear_compile.quant import quantize_rtn
+
+    parts = [quantize_rtn(torch.randn(n, 64) * 0.05, spear.QuantConfig(group_size=32)) for n in (16, 16, 8)]
+    x = torch.randn(2, 64)
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    y = torch.ops.spear.w4a16_linear_glu(x, qs[:2], ss[:2], zs[:2], 32)
+    g, u = (torch.ops.spear.w4a16_linear(x, q, s, z, 32, None) for q, s, z in zip(qs[:2], ss[:2], zs[:2]))
+    torch.testing.assert_close(y, torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-6)  # (SIMD vs scalar exp)
+    with pytest.raises(spear.QuantFormatError, match="expected \\[gate, up\\]"):
+        torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, 32)
+    with pytest.raises(spear.QuantFormatError, match="gate has 16 outputs but up has 8"):
+        torch.ops.spear.w4a16_linear_glu(x, [qs[0], qs[2]], [ss[0], ss[2]], [zs[0], zs[2]], 32)
+    with pytest.raises(spear.QuantFormatError, match="unknown gate activation 'gelu'"):
+        torch.ops.spear.w4a16_linear_glu(x, qs[:2], ss[:2], zs[:2], 32, "gelu")
