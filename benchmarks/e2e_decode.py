@@ -167,6 +167,9 @@ def build(variant, batch, base_state):
     return m, "inductor"
 
 
+FIRST_OUT: dict = {}  # (backend, EC fraction, batch) -> (variant, logits) of the first variant of that model
+
+
 def time_variant(variant, batch, base_state, reps=50):
     model, backend = build(variant, batch, base_state)
     n_ec = sum(1 for mod in model.modules() if getattr(mod, "ec", None) is not None)
@@ -184,10 +187,16 @@ def time_variant(variant, batch, base_state, reps=50):
         ms = bench_graph(lambda i: model(ids, pos), copies=1, calls=1, replays=reps) / 1e3
         out = model(ids, pos)
     ok = bool(torch.isfinite(out.float()).all())
+    # the same weights (and ECs) under other compile options must give the same logits: A/B variants
+    # are compared with the first variant of their model (e.g. ours_w4_s11 with ours_w4)
+    same = (backend, ec_fraction(variant), batch)
+    first = FIRST_OUT.setdefault(same, (variant, out.float().cpu()))
+    rel = ((out.float().cpu() - first[1]).norm() / first[1].norm()).item()
     del model
     torch.cuda.empty_cache()
     torch._dynamo.reset()
     return {"variant": variant, "batch": batch, "ms_per_token": ms, "ec_linears": n_ec,
+            "logits_rel_diff": {"vs": first[0], "value": rel},
             "compile_and_warmup_s": compile_s, "finite": ok}
 
 
@@ -226,6 +235,8 @@ def main():
         for v, r in rows.items():
             extra = f"  /bf16 {r['ms_per_token'] / base:.2f}" if base else ""
             extra += f"  /ours_w4 {r['ms_per_token'] / w4:.2f}" if w4 else ""
+            d = r.get("logits_rel_diff", {})
+            extra += f"  logits vs {d['vs']}: {d['value']:.1e}" if d.get("vs") not in (None, v) else ""
             print(f"  batch {batch:2d} {v:14s} {r['ms_per_token']:7.3f} ms{extra}")
 
 
