@@ -6,7 +6,7 @@ import spear_compile as spear
 from spear_compile import CompileConfig
 from tests.helpers import capture, quantized_llama, spear_ops_after
 
-FUSE = CompileConfig(fuse_shared_input=True)
+FUSE = CompileConfig(fuse_shared_input=True, fuse_glu=False)  # (fuse_glu would turn gate/up into a GLU op)
 
 
 def test_decode_qkv_and_gate_up_become_two_concatenated_linears():
@@ -29,8 +29,9 @@ def test_decode_qkv_and_gate_up_become_two_concatenated_linears():
 def test_on_by_default_can_be_turned_off_and_not_at_prefill():
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
     assert CompileConfig().fuse_shared_input
-    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),)))
-    assert ops["spear.w4a16_linear_cat.default"] == 2 and ops["spear.w4a16_linear.default"] == 2, ops
+    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),)))  # gate/up's concatenation goes on into fuse_glu
+    assert ops["spear.w4a16_linear_cat.default"] == 1 and ops["spear.w4a16_linear_glu.default"] == 1, ops
+    assert ops["spear.w4a16_linear.default"] == 2, ops
     ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_shared_input=False)))
     assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
     ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE))  # M = 8: not decode
