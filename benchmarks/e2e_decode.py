@@ -17,8 +17,9 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
   spear_ec25_ecfused  spear_ec25 with CompileConfig(fuse_shared_input_ec=True): q/k/v and gate/up
                     *with* ECs as one GEMV + one block-diagonal EC each (the default since session 12)
   spear_ec25_ecsep  spear_ec25 with fuse_shared_input_ec=False: EC linears keep one GEMV + EC each
-  *_noglu, *_nofold, *_s11   without fuse_glu (silu(gate) * up in the gate / up GEMV's epilogue), without
-                    fold_residual_add (the residual add as the GEMV's bias), without both (session 12)
+  *_noglu, *_nofold, *_nonorm, *_s11   without fuse_glu (silu(gate) * up in the gate / up GEMV's
+                    epilogue), fold_residual_add (the residual add as the GEMV's bias), fuse_rmsnorm (the
+                    RMSNorm in the GEMV's x staging), or all three (session 12)
                     (plain ours_w4 / spear_ec* take the library default, which is True since
                     2026-11-30; the 2026-11-29 and earlier JSONs' plain rows are unfused)
 
@@ -126,8 +127,8 @@ class TinyGemmLinear(nn.Module):
 OPTION_SUFFIXES = {
     "fused": {"fuse_shared_input": True}, "nocat": {"fuse_shared_input": False},
     "ecfused": {"fuse_shared_input_ec": True}, "ecsep": {"fuse_shared_input_ec": False},
-    "noglu": {"fuse_glu": False}, "nofold": {"fold_residual_add": False},
-    "s11": {"fuse_glu": False, "fold_residual_add": False},  # the decode fusions of session 11 only
+    "noglu": {"fuse_glu": False}, "nofold": {"fold_residual_add": False}, "nonorm": {"fuse_rmsnorm": False},
+    "s11": {"fuse_glu": False, "fold_residual_add": False, "fuse_rmsnorm": False},  # session 11's fusions only
 }
 
 

@@ -181,6 +181,8 @@ class CompileConfig(_Serialisable):
     fuse_glu: at decode, ``silu(gate(h)) * up(h)`` over the concatenated gate / up GEMV becomes one
         ``spear::w4a16_linear_glu`` whose epilogue applies the gate (``passes/fuse_glu.py``; on a GPU
         only where that kernel runs).
+    fuse_rmsnorm: at decode, an RMSNorm whose only reader is a concatenated / GLU GEMV is computed by
+        that GEMV as it stages x (``passes/fuse_rmsnorm.py``; on a GPU only where that kernel runs).
     fold_residual_add: at decode, fold ``x + linear(h)`` into the linear as its bias, so the GEMV's
         epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
     """
@@ -193,6 +195,7 @@ class CompileConfig(_Serialisable):
     fuse_shared_input: bool = True
     fuse_shared_input_ec: bool = True
     fuse_glu: bool = True
+    fuse_rmsnorm: bool = True
     fold_residual_add: bool = True
 
     def __post_init__(self) -> None:

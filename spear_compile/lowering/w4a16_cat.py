@@ -25,6 +25,13 @@ _CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for 
 GLU_ACTS = ("silu",)  # gate activations of spear::w4a16_linear_glu (the epilogue computes silu)
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama models compute it (and as ``fuse_rmsnorm`` matches it): in fp32, rounded to
+    x's dtype, then times the weight (rounded again)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 def glu_of(y2: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """``act(gate) * up`` of a gate / up concatenation ``y2 [..., 2F]``, rounded as the unfused graph
     rounds (what Inductor computes for ``F.silu(g) * u``): silu in fp32, rounded to y2's dtype, times up."""
@@ -124,28 +131,35 @@ def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: t
     return derived_cached(_CAT_TMA.setdefault(tuple(config), {}), [*qweights, *scales, *zeros, *biases], make)
 
 
-def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=None) -> torch.Tensor:
+def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=None,
+                    norm: Optional[tuple] = None) -> torch.Tensor:
     """Y[1, sum N] through one M = 1 GEMV over the concatenated parts: the TMA kernel where the tuned
-    table measured it faster for the concatenated shape, else the CUDA-core kernel."""
-    from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
+    table measured it faster for the concatenated shape, else the CUDA-core kernel. ``norm``
+    (weight, eps): x is RMS-normalised first - by the TMA kernel as it stages x where its config
+    allows (``norm_ok``), else by ``rms_norm_ref``."""
+    from .w4a16_gemv_tma import norm_ok, tma_config, w4a16_gemv_tma
     from .w4a16_triton import w4a16_gemv1
 
     N, K = sum(q.shape[0] for q in qweights), x2.shape[1]
     cfg = tma_config(N, K, group_size, x2, params=(*scales, *zeros))
-    if cfg is not None:
+    if cfg is not None and (norm is None or norm_ok(cfg)):
         descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
-        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs)
+        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm)
     words, s, z, b = concatenated(qweights, scales, zeros, biases)
+    x2 = rms_norm_ref(x2, *norm) if norm is not None else x2
     return w4a16_gemv1(x2, None, s, z, group_size, b, words=words, out=out)
 
 
-def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout="spear"):
+def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout="spear", norm_weight=None,
+                          norm_eps=1e-6):
     from .dispatch import _triton_ok, w4a16_linear_cuda
 
     x2 = x.reshape(-1, x.shape[-1])
+    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
-        y = w4a16_cat_gemv1(x2.contiguous(), qweights, scales, zeros, group_size, biases)
+        y = w4a16_cat_gemv1(x2.contiguous(), qweights, scales, zeros, group_size, biases, norm=norm)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    x = rms_norm_ref(x, *norm) if norm is not None else x
     return torch.cat([w4a16_linear_cuda(x, q, s, z, group_size, b, layout)
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
 
@@ -221,16 +235,21 @@ def glu_config(x2: torch.Tensor, qweights, scales, zeros, group_size: int) -> Op
                           tuple(p.dtype for p in (*scales, *zeros) if p is not None))
 
 
-def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", layout="spear"):
+def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", layout="spear", norm_weight=None,
+                          norm_eps=1e-6):
     """``spear::w4a16_linear_glu`` on CUDA: the TMA kernel with the GLU epilogue where ``glu_config``
-    finds one, else the concatenated GEMV (or the parts) and ``glu_of``."""
+    finds one (and the RMSNorm prologue, if any, where ``norm_ok``), else the concatenated GEMV (or
+    the parts) and ``glu_of``."""
     from .dispatch import _triton_ok
-    from .w4a16_gemv_tma import w4a16_gemv_tma
+    from .w4a16_gemv_tma import norm_ok, w4a16_gemv_tma
 
     x2 = x.reshape(-1, x.shape[-1])
+    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None
-    if cfg is not None and act == "silu":
+    if cfg is not None and act == "silu" and (norm is None or norm_ok(cfg)):
         descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
-        y = w4a16_gemv_tma(x2.contiguous(), None, s, z, group_size, None, config=cfg, descs=descs, glu=True)
+        y = w4a16_gemv_tma(x2.contiguous(), None, s, z, group_size, None, config=cfg, descs=descs, glu=True,
+                           norm=norm)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    return glu_of(w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], layout), act)
+    return glu_of(w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], layout, norm_weight,
+                                        norm_eps), act)

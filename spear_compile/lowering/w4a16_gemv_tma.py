@@ -174,6 +174,38 @@ if HAS_TMA:
             gl.atomic_xchg(CNT + pid, 0)
 
     @gluon.jit
+    def _stage_x(X, NW, EPS, K, t0, NB: gl.constexpr, STEP: gl.constexpr, KTS: gl.constexpr, WARPS: gl.constexpr,
+                 NORM: gl.constexpr):
+        """x [K] (this program's KTS steps of it) into shared memory as [KTS, NB, 128] bf16. NORM:
+        RMS-normalised on the way, as the model's RMSNorm rounds (fp32, to bf16, times the weight, to
+        bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1): a first
+        pass reads x for it (L2-resident, 2K bytes), the second stages the normalised values."""
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
+              + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
+        xsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        if NORM:
+            ss = gl.zeros([NB, 128], gl.float32, layout=xl)
+            for i in gl.static_range(KTS):
+                xk0 = (t0 + i) * STEP
+                xv = gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0).to(gl.float32)
+                ss += xv * xv
+            r = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + EPS)
+            for i in gl.static_range(KTS):
+                xk0 = (t0 + i) * STEP
+                mk = xk0 + xo < K
+                xv = gl.load(X + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
+                wv = gl.load(NW + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
+                h = (xv * r).to(gl.bfloat16).to(gl.float32)
+                xsmem.index(i).store((h * wv).to(gl.bfloat16))
+        else:
+            for i in gl.static_range(KTS):
+                xk0 = (t0 + i) * STEP
+                xsmem.index(i).store(gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0))
+        gl.thread_barrier()
+        return xsmem
+
+    @gluon.jit
     def _store_glu(acc, acc1, S, Z, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr, WARPS: gl.constexpr,
                    PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr):
         """GLU epilogue: the CTA's BN rows are BN / 2 gate rows then the matching BN / 2 up rows
@@ -193,18 +225,21 @@ if HAS_TMA:
         gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, N, K, NG,
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, N, K, NG,
                                WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
-                               HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False):
+                               HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
+                               NORM: gl.constexpr = False):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
         SPLIT > 1: program (pid, ps) takes the ps-th of SPLIT equal runs of K steps (twice the CTAs for
         SPLIT = 2, for shapes whose row blocks alone leave the GPU half empty); the partial rows meet
         in ``_split_store``. GLU: the rows are gate / up blocks of BN / 2 interleaved
-        (``glu_interleave``) and the CTA stores silu(gate) * up, BN / 2 values (``_store_glu``)."""
+        (``glu_interleave``) and the CTA stores silu(gate) * up, BN / 2 values (``_store_glu``).
+        NORM (OPS = 2, SPLIT = 1): x is RMS-normalised (weight NW, epsilon EPS) as it is staged
+        (``_stage_x``), in place of a separate RMSNorm kernel."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -239,14 +274,7 @@ if HAS_TMA:
                     tma.async_copy_global_to_shared(sdesc, [pid * KT + t0 + i, 0], bars.index(i), ssmem.index(i))
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
-            xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-            xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
-                  + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
-            xsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            for i in gl.static_range(KTS):
-                xk0 = (t0 + i) * STEP
-                xsmem.index(i).store(gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0))
-            gl.thread_barrier()
+            xsmem = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
         s_row, s_k = _scale_index(pid, NB, BN, mma)
         ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
@@ -306,7 +334,8 @@ def _layouts(config: tuple):
     return word_layout(warps, rb, ch), tl_, smem
 
 
-def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False) -> dict:
+def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False,
+                 norm: bool = False) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
@@ -318,9 +347,9 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     wl, tl_, smem = _layouts(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
-                 Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", NG="i32")
+                 Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", N="i32", K="i32", NG="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
-                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu)
+                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
     return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
 
 
@@ -448,13 +477,14 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
 
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                   out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None, glu: bool = False
-                   ) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None, glu: bool = False,
+                   norm: Optional[tuple] = None) -> torch.Tensor:
     """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS[, SPLIT]).
     ``descs``: (weight descriptor, scale descriptor or None) made by the caller (``w4a16_cat``'s
     concatenations; ``qweight`` is then not read: N comes from ``scales``). ``glu``: the N rows are
     gate / up blocks interleaved by ``glu_interleave`` for this config; Y is [1, N / 2] =
-    silu(gate) * up (no bias, no K-split)."""
+    silu(gate) * up (no bias, no K-split). ``norm``: (weight [K], eps) of an RMSNorm applied to x as the
+    kernel stages it (OPS = 2, no K-split; ``norm_ok``)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
@@ -477,6 +507,12 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if glu and (split != 1 or bias is not None or N % bn):
         raise ValueError(f"w4a16_gemv_tma: the GLU epilogue needs SPLIT 1, no bias and N={N} a multiple of the "
                          f"config's {bn} rows (config {config})")
+    if norm is not None and not norm_ok(config):
+        raise ValueError(f"w4a16_gemv_tma: an RMSNorm prologue needs x staged in shared memory and no K-split "
+                         f"(OPS {OPS_SMEM}, SPLIT 1), not config {config}")
+    if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
+        raise ValueError(f"w4a16_gemv_tma: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's "
+                         f"K={K} and dtype {x2.dtype}")
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
                          f"of {step} columns")
@@ -494,11 +530,19 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
-        ws, cnt, N, K, scales.shape[1],
+        ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
+        N, K, scales.shape[1],
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
-        PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, num_warps=warps,
+        PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
+        num_warps=warps,
     )
     return y
+
+
+def norm_ok(config: tuple) -> bool:
+    """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
+    _, _, _, _, ops, split = unpack_config(config)
+    return ops == OPS_SMEM and split == 1
 
 
 def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
 foreign source forms, then phase dispatch over everything that became a spear linear, then
-the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, residual adds
-into the GEMV epilogue.
+the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, the RMSNorm
+in front of those GEMVs into their x staging, residual adds into the GEMV epilogue.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source and the
@@ -21,6 +21,7 @@ from .base import SpearPass
 from .context import PassContext
 from .fold_residual_add import FoldResidualAdd
 from .fuse_glu import FuseGLU
+from .fuse_rmsnorm import FuseRMSNorm
 from .fuse_shared_input import FuseSharedInput
 from .match_dequant_linear import MatchDequantLinear
 from .match_int4pack_mm import MatchInt4PackMM
@@ -28,7 +29,7 @@ from .match_spear_op import MatchSpearOp
 from .phase_dispatch import PhaseDispatch
 
 PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch,
-                                       FuseSharedInput, FuseGLU, FoldResidualAdd)
+                                       FuseSharedInput, FuseGLU, FuseRMSNorm, FoldResidualAdd)
 
 
 class SpearPassManager(CustomGraphPass):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..lowering.ec_linear import _ACTS, ec_linear_ref
 from ..lowering.w4a16 import w4a16_linear_ref
-from ..lowering.w4a16_cat import GLU_ACTS, ec_parts, glu_of
+from ..lowering.w4a16_cat import GLU_ACTS, ec_parts, glu_of, rms_norm_ref
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
@@ -174,13 +174,33 @@ def w4a16_linear_cat(
     group_size: int,
     biases: list[Optional[Tensor]],
     layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
 ) -> Tensor:
     """Several 4-bit linears that read the same ``x``, outputs concatenated along the last dim:
     ``cat([w4a16_linear(x, qweights[i], ...) for i], -1)``. Made by the ``fuse_shared_input``
-    pass (q/k/v, gate/up at decode) so that a GPU runs one GEMV over all of them."""
+    pass (q/k/v, gate/up at decode) so that a GPU runs one GEMV over all of them. With
+    ``norm_weight`` the linears read ``rms_norm(x, norm_weight, norm_eps)`` (``rms_norm_ref``; set
+    by the ``fuse_rmsnorm`` pass, so that the GEMV normalises x as it stages it)."""
     _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
     return torch.cat([w4a16_linear_ref(x, q, s, z, group_size, b, layout)
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
+
+
+def check_norm(x, norm_weight, norm_eps, where: str) -> None:
+    """An RMSNorm prologue's weight must be one value per input feature, in x's dtype; eps > 0."""
+    if norm_weight is None:
+        return
+    K = _static(x.shape[-1])
+    if norm_weight.dim() != 1 or (K is not None and _static(norm_weight.shape[0]) not in (None, K)):
+        raise QuantFormatError(f"{where}: norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
+    if norm_weight.dtype != x.dtype:
+        raise QuantFormatError(f"{where}: norm_weight dtype {norm_weight.dtype} differs from x's {x.dtype}")
+    if not norm_eps > 0:
+        raise QuantFormatError(f"{where}: norm_eps={norm_eps} must be > 0")
+    check_same_device(x, {"norm_weight": norm_weight}, where)
 
 
 def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
@@ -193,8 +213,9 @@ def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
 
 
 @w4a16_linear_cat.register_fake
-def _(x, qweights, scales, zeros, group_size, biases, layout="spear"):
+def _(x, qweights, scales, zeros, group_size, biases, layout="spear", norm_weight=None, norm_eps=1e-6):
     _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")
     n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
     return x.new_empty((*x.shape[:-1], n))
 
@@ -208,12 +229,16 @@ def w4a16_linear_glu(
     group_size: int,
     act: str = "silu",
     layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
 ) -> Tensor:
     """A gated MLP's input side, ``act(x Wg^T) * (x Wu^T)`` for ``qweights = [gate, up]`` (4-bit, no
     bias), rounded as the unfused graph rounds (``lowering.w4a16_cat.glu_of``). Made by the ``fuse_glu``
     pass at decode so that a GPU runs one GEMV over both weights whose epilogue applies the gate and
-    stores only the product (``lowering/w4a16_cat.py``)."""
+    stores only the product (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
     _check_glu(x, qweights, scales, zeros, group_size, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_glu")
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
     return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, group_size, None, layout)
                              for q, s, z in zip(qweights, scales, zeros)], dim=-1), act)
 
@@ -230,8 +255,9 @@ def _check_glu(x, qweights, scales, zeros, group_size, act, layout) -> None:
 
 
 @w4a16_linear_glu.register_fake
-def _(x, qweights, scales, zeros, group_size, act="silu", layout="spear"):
+def _(x, qweights, scales, zeros, group_size, act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
     _check_glu(x, qweights, scales, zeros, group_size, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_glu")
     return x.new_empty((*x.shape[:-1], out_features(qweights[0], scales[0], layout)))
 
 

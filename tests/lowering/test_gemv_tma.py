@@ -128,6 +128,8 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
             "        assert 'cp.async.bulk.tensor.2d' in ptx and 'mma.sync.aligned.m16n8k16' in ptx, cfg\n"
             "    if len(cfg) == 5:  # the GLU epilogue (no K-split configs)\n"
             "        assert 'ex2' in compile_sm90(cfg, glu=True)['ptx'], cfg\n"
+            "        if cfg[4] == 2:  # the RMSNorm prologue (x staged in shared memory)\n"
+            "            assert 'rsqrt' in compile_sm90(cfg, norm=True, glu=True)['ptx'], cfg\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -287,3 +289,30 @@ def test_glu_op_takes_the_epilogue_only_where_the_table_says_so(monkeypatch):
     assert C.glu_config(x, qs, ss, zs, G) == (4, 2, 2, 2, 2)
     for y in (y0, y1):
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="runs the kernel: TMA needs CUDA sm_90+")
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2)])
+def test_rmsnorm_prologue_matches_norm_then_gemv_on_gpu(config, glu):
+    """x RMS-normalised as the kernel stages it (K = 1280: not whole steps, the padding must not count
+    in the sum of squares) against rms_norm_ref then the reference; a non-OPS-2 config refuses."""
+    from spear_compile.lowering import w4a16_cat as C
+
+    F, K, G = 144, 1280, 128
+    x, qs, ss, zs = _glu_pair(F, K, G, seed=5)
+    x = x * 3.0
+    w = (torch.rand(K) + 0.5).to(torch.bfloat16)
+    x, w, qs, ss, zs = x.cuda(), w.cuda(), [q.cuda() for q in qs], [s.cuda() for s in ss], [z.cuda() for z in zs]
+    xn = C.rms_norm_ref(x, w, 1e-5)
+    if glu:
+        descs, _, s, z = C.concatenated_glu_tma(qs, ss, zs, G, config)
+        ref = _glu_ref(xn, qs, ss, zs, G)
+    else:
+        descs, _, s, z, _ = C.concatenated_tma(qs, ss, zs, [None, None], G, config)
+        ref = torch.cat([w4a16_linear_ref(xn, q, sc, zp, G, None) for q, sc, zp in zip(qs, ss, zs)], -1)
+    y = gt.w4a16_gemv_tma(x, None, s, z, G, None, config=config, descs=descs, glu=glu, norm=(w, 1e-5))
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    with pytest.raises(ValueError, match="RMSNorm prologue"):
+        gt.w4a16_gemv_tma(x, qs[0], ss[0], zs[0], G, None, config=(8, 1, 1, 4, 1), norm=(w, 1e-5))

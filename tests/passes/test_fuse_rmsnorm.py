@@ -1,0 +1,117 @@
+"""fuse_rmsnorm: at decode, the RMSNorm in front of a concatenated / GLU GEMV -> that op's norm_weight."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spear_compile as spear
+from spear_compile import CompileConfig
+from tests.helpers import capture, quantized_llama
+
+
+class HFNorm(nn.Module):
+    """LlamaRMSNorm's form: fp32, back to the input dtype, times the weight."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.rand(d) + 0.5), eps
+
+    def forward(self, x):
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLPBlock(nn.Module):
+    """norm -> gate/up -> silu * up -> down, plus forms the pass must leave alone."""
+
+    def __init__(self, form="plain"):
+        super().__init__()
+        self.form = form
+        self.norm = HFNorm(64)
+        self.q, self.k = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+        self.gate, self.up = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+        self.down = nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = self.q(h) * self.k(h)  # a concatenated GEMV reading the norm
+        y = x + self.down(F.silu(self.gate(x + a.sum(-1, keepdim=True))) * self.up(x + a.sum(-1, keepdim=True)))
+        if self.form == "norm_escapes":
+            y = y + h  # the normalised x is read elsewhere too: cannot move into the GEMV
+        return y
+
+
+def _snap(rep, name):
+    return next(s for s in rep.graphs[0].snapshots if s.pass_name == name)
+
+
+def _quantized(m, dtype):
+    spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_norm_moves_into_the_concatenated_gemv_and_matches_eager(dtype):
+    torch.manual_seed(0)
+    m = _quantized(MLPBlock(), dtype)
+    x = torch.randn(1, 1, 64, dtype=dtype)
+    rep = capture(m, (x,))
+    snap = _snap(rep, "fuse_rmsnorm")
+    assert snap.matched_count == 1
+    assert "aten.rsqrt.default" in snap.before and "aten.rsqrt.default" not in snap.after
+    normed = {r["weight"].split(".")[0] for r in rep.linears if r.get("rms_norm")}
+    assert normed == {"q", "k"}, normed
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_llama_norms_move_into_qkv_and_the_glu_gemv():
+    m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32)  # fp32 norms
+    x = torch.randn(1, 1, 64)
+    rep = capture(m, (x,))
+    assert _snap(rep, "fuse_rmsnorm").matched_count == 4  # two per layer: q/k/v and gate/up (GLU)
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="spear")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_left_alone_when_the_norm_is_read_elsewhere_low_precision_prefill_or_off():
+    m = _quantized(MLPBlock("norm_escapes"), torch.float32)
+    assert _snap(capture(m, (torch.randn(1, 1, 64),)), "fuse_rmsnorm").matched_count == 0
+    # bf16 norm computed in bf16 (no upcast): another rounding than the fused kernel's, not this form
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128, dtype=torch.bfloat16)
+    assert _snap(capture(m, (torch.randn(1, 1, 64, dtype=torch.bfloat16),)), "fuse_rmsnorm").matched_count == 0
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    assert _snap(capture(m, (torch.randn(1, 4, 64),)), "fuse_rmsnorm").matched_count == 0  # prefill
+    rep = capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_rmsnorm=False))
+    assert _snap(rep, "fuse_rmsnorm").matched_count == 0
+
+
+def test_ops_check_and_apply_the_norm():
+    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.quant import quantize_rtn
+
+    parts = [quantize_rtn(torch.randn(16, 64) * 0.05, spear.QuantConfig(group_size=32)) for _ in range(2)]
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    x, w = torch.randn(2, 64), torch.rand(64) + 0.5
+    y = torch.ops.spear.w4a16_linear_cat(x, qs, ss, zs, 32, [None, None], "spear", w, 1e-5)
+    torch.testing.assert_close(y, torch.ops.spear.w4a16_linear_cat(rms_norm_ref(x, w, 1e-5), qs, ss, zs, 32,
+                                                                   [None, None]), rtol=0, atol=0)
+    y = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, 32, "silu", "spear", w, 1e-5)
+    torch.testing.assert_close(y, torch.ops.spear.w4a16_linear_glu(rms_norm_ref(x, w, 1e-5), qs, ss, zs, 32),
+                               rtol=0, atol=0)
+    for bad, msg in ((torch.rand(32), r"norm_weight has shape \(32,\), expected \(64,\)"),
+                     (torch.rand(64, dtype=torch.float64), "norm_weight dtype torch.float64")):
+        with pytest.raises(spear.QuantFormatError, match=msg):
+            torch.ops.spear.w4a16_linear_cat(x, qs, ss, zs, 32, [None, None], "spear", bad, 1e-5)
+    with pytest.raises(spear.QuantFormatError, match="norm_eps=0.0 must be > 0"):
+        torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, 32, "silu", "spear", w, 0.0)
