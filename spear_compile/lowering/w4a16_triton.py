@@ -299,6 +299,10 @@ if HAS_TRITON:
         wp = QW + offs_n[:, None] * KW + offs_w[None, :]
         mrow = mask_n[:, None]
         w = tl.load(wp, mask=mrow & (offs_w < KW)[None, :], other=0, eviction_policy="evict_first")
+        if HAS_BIAS:  # requested now, used after the loop: a residual folded in as the bias
+            # (passes/fold_residual_add.py) was just written by the previous kernel; loading it after the
+            # loop put one more memory round trip on every program's tail
+            bias = tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_EC:
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
@@ -347,7 +351,7 @@ if HAS_TRITON:
                 out -= tl.load(Z + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.sum(sxa, axis=0)
             out *= tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            out += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            out += bias
         if HAS_EC:
             if (EC_PARTS & 4) != 0:  # wait for g * h: poll with plain loads, then one acquire
                 c = tl.load(CNT + FLAG, volatile=True)
