@@ -178,30 +178,28 @@ if HAS_TMA:
                  NORM: gl.constexpr):
         """x [K] (this program's KTS steps of it) into shared memory as [KTS, NB, 128] bf16. NORM:
         RMS-normalised on the way, as the model's RMSNorm rounds (fp32, to bf16, times the weight, to
-        bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1). One
-        round trip to memory: every load of x and of the norm weight is issued in the first pass, which
-        stages both raw and sums the squares; the second pass normalises in shared memory. (A first
-        version read x twice from global memory: +0.8 us per GEMV on the H200, NOTES.md session 12.)"""
+        bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1): a first
+        pass reads x for it (L2-resident, 2K bytes), the second stages the normalised values. (Staging x
+        and the weight raw in one pass and normalising in shared memory measured slower on the H200:
+        +0.45 us per GEMV, NOTES.md session 12.)"""
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
               + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
         xsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if NORM:
-            wsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             ss = gl.zeros([NB, 128], gl.float32, layout=xl)
             for i in gl.static_range(KTS):
                 xk0 = (t0 + i) * STEP
-                mk = xk0 + xo < K
-                xv = gl.load(X + xk0 + xo, mask=mk, other=0.0)
-                wsmem.index(i).store(gl.load(NW + xk0 + xo, mask=mk, other=0.0))
-                xsmem.index(i).store(xv)
-                xf = xv.to(gl.float32)
-                ss += xf * xf
+                xv = gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0).to(gl.float32)
+                ss += xv * xv
             r = gl.rsqrt(gl.sum(gl.sum(ss, axis=1), axis=0) / K + EPS)
-            gl.thread_barrier()  # (each thread reads back what it wrote; the barrier keeps it simple)
             for i in gl.static_range(KTS):
-                h = (xsmem.index(i).load(xl).to(gl.float32) * r).to(gl.bfloat16).to(gl.float32)
-                xsmem.index(i).store((h * wsmem.index(i).load(xl).to(gl.float32)).to(gl.bfloat16))
+                xk0 = (t0 + i) * STEP
+                mk = xk0 + xo < K
+                xv = gl.load(X + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
+                wv = gl.load(NW + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
+                h = (xv * r).to(gl.bfloat16).to(gl.float32)
+                xsmem.index(i).store((h * wv).to(gl.bfloat16))
         else:
             for i in gl.static_range(KTS):
                 xk0 = (t0 + i) * STEP
