@@ -120,11 +120,30 @@ def ops_before_first_pass(report) -> collections.Counter:
     return c
 
 
+def snapshot(report, pass_name: str, graph: int = 0):
+    """The before/after snapshot of one pass in one captured graph."""
+    return next(s for s in report.graphs[graph].snapshots if s.pass_name == pass_name)
+
+
+def assert_compiled_matches_eager(model, x, tol: float = 1e-5, config=None) -> None:
+    """``torch.compile(model, backend="spear")(x)`` against ``model(x)``, fresh Dynamo state each side."""
+    with torch.no_grad():
+        ref = model(x)
+        torch._dynamo.reset()
+        if config is None:
+            out = torch.compile(model, backend="spear")(x)
+        else:
+            with spear.compile_config(config):
+                out = torch.compile(model, backend="spear")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 def quantized_llama(d=64, layers=1, heads=2, ff=128, group_size=None, dtype=torch.float32, seed=0):
     m = LlamaLike(d, layers, heads, ff, seed).to(dtype)
     spear.quantize_(m, spear.QuantConfig(group_size=group_size), progress=False)
     return m
 
 
-__all__ = ["DequantLinear", "Int4PackLinear", "LlamaLike", "capture", "ops_before_first_pass", "quantized_llama",
-           "spear_ops_after"]
+__all__ = ["DequantLinear", "Int4PackLinear", "LlamaLike", "assert_compiled_matches_eager", "capture",
+           "ops_before_first_pass", "quantized_llama", "snapshot", "spear_ops_after"]

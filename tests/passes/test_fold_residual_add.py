@@ -3,13 +3,13 @@ import torch
 
 import spear_compile as spear
 from spear_compile import CompileConfig
-from tests.helpers import capture, quantized_llama, spear_ops_after
+from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, snapshot, spear_ops_after
 
 
 def test_decode_residual_adds_become_biases_and_prefill_keeps_them():
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
     rep = capture(m, (torch.randn(1, 1, 64),))
-    snap = next(s for s in rep.graphs[0].snapshots if s.pass_name == "fold_residual_add")
+    snap = snapshot(rep, "fold_residual_add")
     # o_proj and down_proj each had "x + linear": both adds are gone, each linear reads a view as its bias
     assert snap.matched_count == 2
     assert snap.before.count("aten.add.Tensor") - snap.after.count("aten.add.Tensor") == 2
@@ -17,7 +17,7 @@ def test_decode_residual_adds_become_biases_and_prefill_keeps_them():
     folded = {r["weight"].split(".")[2] for r in rep.linears if r.get("residual")}
     assert folded == {"o_proj", "down_proj"}, folded
     rep = capture(m, (torch.randn(1, 8, 64),))  # prefill: the residual is a matrix, not a bias
-    snap = next(s for s in rep.graphs[0].snapshots if s.pass_name == "fold_residual_add")
+    snap = snapshot(rep, "fold_residual_add")
     assert snap.matched_count == 0 and snap.before == snap.after
     rep = capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fold_residual_add=False))
     assert not any(r.get("residual") for r in rep.linears)
@@ -43,7 +43,7 @@ def test_only_the_folded_form_is_rewritten():
     spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
     # (the three share x: without fuse_shared_input=False they would become one concatenated GEMV)
     rep = capture(m, (torch.randn(1, 64),), config=CompileConfig(fuse_shared_input=False))
-    snap = next(s for s in rep.graphs[0].snapshots if s.pass_name == "fold_residual_add")
+    snap = snapshot(rep, "fold_residual_add")
     assert snap.matched_count == 0, snap.after
     assert spear_ops_after(rep)["spear.w4a16_linear.default"] == 3
 
@@ -52,22 +52,12 @@ def test_folded_decode_step_equals_eager_with_and_without_ecs():
     torch.manual_seed(0)
     m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32)
     x = torch.randn(1, 1, 64)
-    ref = m(x)
-    with torch.no_grad():
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_compiled_matches_eager(m, x)
     ec = spear.ErrorCompensator(64, 64, spear.ECConfig(rank=4, gate_hidden=4))
     with torch.no_grad():
         for p in ec.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     spear.attach_(m, {"layers.0.o_proj": ec})
-    ref = m(x)
     rep = capture(m, (x,))
     assert any(r.get("residual") and r.get("ec_rank") for r in rep.linears)  # the EC linear folded too
-    with torch.no_grad():
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_compiled_matches_eager(m, x)

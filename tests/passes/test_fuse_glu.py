@@ -6,11 +6,7 @@ import torch.fx as fx
 import spear_compile as spear
 from spear_compile import CompileConfig
 from spear_compile.passes.fuse_glu import silu_input
-from tests.helpers import capture, quantized_llama, spear_ops_after
-
-
-def _snap(rep, name):
-    return next(s for s in rep.graphs[0].snapshots if s.pass_name == name)
+from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, snapshot, spear_ops_after
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,26 +14,20 @@ def test_decode_mlp_becomes_one_glu_op_and_matches_eager(dtype):
     m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32, dtype=dtype)
     x = torch.randn(1, 1, 64, dtype=dtype)
     rep = capture(m, (x,))
-    snap = _snap(rep, "fuse_glu")
+    snap = snapshot(rep, "fuse_glu")
     assert snap.matched_count == 2  # one per layer
     ops = spear_ops_after(rep)
     assert ops["spear.w4a16_linear_glu.default"] == 2 and ops["spear.w4a16_linear_cat.default"] == 2, ops  # + q/k/v
     assert "aten.exp.default" in snap.before and "aten.exp.default" not in snap.after  # the silu went with it
     glu = {r["weight"].split(".")[2] for r in rep.linears if r.get("glu")}
     assert glu == {"gate_proj", "up_proj"}
-    with torch.no_grad():
-        ref = m(x)
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert_compiled_matches_eager(m, x, tol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_not_at_prefill_and_not_when_off():
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
-    assert _snap(capture(m, (torch.randn(1, 8, 64),)), "fuse_glu").matched_count == 0
-    assert _snap(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_glu=False)),
+    assert snapshot(capture(m, (torch.randn(1, 8, 64),)), "fuse_glu").matched_count == 0
+    assert snapshot(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_glu=False)),
                  "fuse_glu").matched_count == 0
 
 
@@ -63,13 +53,8 @@ def test_only_the_exact_pattern_is_rewritten(form, fused):
     m = _MLP(form)
     spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
     x = torch.randn(1, 64)
-    assert _snap(capture(m, (x,)), "fuse_glu").matched_count == fused
-    with torch.no_grad():
-        ref = m(x)
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert snapshot(capture(m, (x,)), "fuse_glu").matched_count == fused
+    assert_compiled_matches_eager(m, x, tol=1e-5)
 
 
 def _graph(body):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import spear_compile as spear
 from spear_compile import CompileConfig
-from tests.helpers import capture, quantized_llama
+from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, snapshot
 
 
 class HFNorm(nn.Module):
@@ -42,10 +42,6 @@ class MLPBlock(nn.Module):
         return y
 
 
-def _snap(rep, name):
-    return next(s for s in rep.graphs[0].snapshots if s.pass_name == name)
-
-
 def _quantized(m, dtype):
     spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
     return m.to(dtype)
@@ -57,43 +53,32 @@ def test_hf_norm_moves_into_the_concatenated_gemv_and_matches_eager(dtype):
     m = _quantized(MLPBlock(), dtype)
     x = torch.randn(1, 1, 64, dtype=dtype)
     rep = capture(m, (x,))
-    snap = _snap(rep, "fuse_rmsnorm")
+    snap = snapshot(rep, "fuse_rmsnorm")
     assert snap.matched_count == 1
     assert "aten.rsqrt.default" in snap.before and "aten.rsqrt.default" not in snap.after
     normed = {r["weight"].split(".")[0] for r in rep.linears if r.get("rms_norm")}
     assert normed == {"q", "k"}, normed
-    with torch.no_grad():
-        ref = m(x)
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert_compiled_matches_eager(m, x, tol=1e-5 if dtype == torch.float32 else 3e-2)
 
 
 def test_llama_norms_move_into_qkv_and_the_glu_gemv():
     m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32)  # fp32 norms
     x = torch.randn(1, 1, 64)
     rep = capture(m, (x,))
-    assert _snap(rep, "fuse_rmsnorm").matched_count == 4  # two per layer: q/k/v and gate/up (GLU)
-    with torch.no_grad():
-        ref = m(x)
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert snapshot(rep, "fuse_rmsnorm").matched_count == 4  # two per layer: q/k/v and gate/up (GLU)
+    assert_compiled_matches_eager(m, x, tol=1e-5)
 
 
 def test_left_alone_when_the_norm_is_read_elsewhere_low_precision_prefill_or_off():
     m = _quantized(MLPBlock("norm_escapes"), torch.float32)
-    assert _snap(capture(m, (torch.randn(1, 1, 64),)), "fuse_rmsnorm").matched_count == 0
+    assert snapshot(capture(m, (torch.randn(1, 1, 64),)), "fuse_rmsnorm").matched_count == 0
     # bf16 norm computed in bf16 (no upcast): another rounding than the fused kernel's, not this form
     m = quantized_llama(d=64, layers=1, heads=2, ff=128, dtype=torch.bfloat16)
-    assert _snap(capture(m, (torch.randn(1, 1, 64, dtype=torch.bfloat16),)), "fuse_rmsnorm").matched_count == 0
+    assert snapshot(capture(m, (torch.randn(1, 1, 64, dtype=torch.bfloat16),)), "fuse_rmsnorm").matched_count == 0
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
-    assert _snap(capture(m, (torch.randn(1, 4, 64),)), "fuse_rmsnorm").matched_count == 0  # prefill
+    assert snapshot(capture(m, (torch.randn(1, 4, 64),)), "fuse_rmsnorm").matched_count == 0  # prefill
     rep = capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_rmsnorm=False))
-    assert _snap(rep, "fuse_rmsnorm").matched_count == 0
+    assert snapshot(rep, "fuse_rmsnorm").matched_count == 0
 
 
 def test_ops_check_and_apply_the_norm():
