@@ -33,3 +33,11 @@ def test_smollm2_compiled_logits_match_eager_and_all_linears_matched(smollm2_w4)
     assert s["matched_linears"] == 210 and s["by_source_form"] == {"spear_op": 210}
     assert s["lowering"] == {"fused": 210}
     assert all(r.get("lowering") and r.get("reason") for r in rep.linears)
+    # the decode fusions find their forms in the real Hugging Face graph: per layer one q/k/v and one
+    # gate/up concatenation, silu(gate) * up into the latter, both RMSNorms, both residual adds
+    matched = {}
+    for g in rep.graphs:
+        for snap in g.snapshots:
+            matched[snap.pass_name] = matched.get(snap.pass_name, 0) + snap.matched_count
+    assert (matched["fuse_shared_input"], matched["fuse_glu"], matched["fuse_rmsnorm"],
+            matched["fold_residual_add"]) == (150, 30, 60, 60), matched
