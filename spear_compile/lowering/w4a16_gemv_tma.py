@@ -58,12 +58,15 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # and step, ring depth, where each step's x and scales come from (OPS_GLOBAL loads them from global
 # memory before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during
 # this step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile by
-# TMA), and SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid
-# where the row blocks alone fill half the GPU - written in session 11, not yet measured).
+# TMA), SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid where
+# the row blocks alone fill half the GPU: measured slower everywhere in session 12, one config kept for
+# its tests), and PERSIST, persistent programs per SM (default 0: one program per row block; session
+# 12, ``_w4a16_gemv_tma_persistent_kernel``, written after that session's measurements of the others).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
-               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 4, 2, 2, 2), (8, 2, 2, 2, 2, 2),
-               (4, 2, 1, 2, 2, 2), (2, 2, 2, 2, 2, 2)]
+               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2),
+               (4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 3, 2, 1, 4), (4, 2, 4, 2, 2, 1, 2), (8, 2, 2, 3, 2, 1, 1),
+               (2, 2, 2, 2, 2, 1, 4)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
@@ -214,9 +217,15 @@ if HAS_TMA:
         (``glu_interleave``); they meet through shared memory (the MMA layout spreads a row over
         lanes) and the CTA stores Y[pid BN / 2 + i] = silu(gate_i) * up_i, rounded as the unfused
         graph rounds: gate and up to bf16, silu in fp32 to bf16, the product to bf16."""
+        buf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        _store_glu_buf(buf, acc, acc1, S, Z, Y, N, pid, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
+
+    @gluon.jit
+    def _store_glu_buf(buf, acc, acc1, S, Z, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr, WARPS: gl.constexpr,
+                       PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr):
+        """``_store_glu`` through a caller's [BN] fp32 shared buffer (the persistent kernel reuses one)."""
         H: gl.constexpr = BN // 2
         out, _, _ = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
-        buf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         buf.store(out)
         gl.thread_barrier()
         l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -324,6 +333,90 @@ if HAS_TMA:
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
+    @gluon.jit
+    def _w4a16_gemv_tma_persistent_kernel(X, desc, sdesc, S, Z, BIAS, Y, NW, EPS, N, K, NG, ROWS,
+                                          WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+                                          RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr,
+                                          KP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                          HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
+                                          NORM: gl.constexpr = False):
+        """Persistent OPS = 2 variant of ``_w4a16_gemv_tma_kernel``: program pid takes row blocks pid,
+        pid + P, pid + 2P, ... (P programs, a few per SM) and streams all their K steps as one sequence of
+        tiles through one ring, so x (and the RMSNorm, if NORM) is staged once per program instead of once
+        per row block, and the ring is refilled across row-block boundaries instead of draining and filling
+        again. Each row block's rows are stored (plain, bias, or GLU) when its last K step is done."""
+        BN: gl.constexpr = 16 * RB
+        NB: gl.constexpr = WARPS * CH
+        STEP: gl.constexpr = 128 * NB
+        TR: gl.constexpr = NB * BN * 16 // 256
+        KT: gl.constexpr = KP // STEP
+        SZ_TMA: gl.constexpr = not PER_CHANNEL
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        T = ((ROWS - pid + P - 1) // P) * KT  # this program's tiles: its row blocks x K steps
+        smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
+        if SZ_TMA:
+            ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
+            nbytes: gl.constexpr = desc.block_type.nbytes + sdesc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = desc.block_type.nbytes
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES - 1):
+            tile = (pid + (i // KT) * P) * KT + i % KT  # tile index in the re-tiled weight
+            mbarrier.expect(bars.index(i), nbytes, pred=i < T)
+            tma.async_copy_global_to_shared(desc, [tile * TR, 0], bars.index(i), smem.index(i), pred=i < T)
+            if SZ_TMA:
+                tma.async_copy_global_to_shared(sdesc, [tile, 0], bars.index(i), ssmem.index(i), pred=i < T)
+        x_k, x_c0 = _x_index(NB, lb)
+        xsmem = _stage_x(X, NW, EPS, K, 0, NB, STEP, KT, WARPS, NORM)
+        ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
+        zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        if PER_CHANNEL:  # unused: per-channel scales apply once per row block, in the epilogue
+            sc = 0.0
+            zz = 0.0
+        if GLU:
+            gbuf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for t in range(T):
+            gl.thread_barrier()  # tile t - 1's buffer (and the GLU buffer) have been read by every warp
+            nt = t + STAGES - 1
+            ntile = (pid + (nt // KT) * P) * KT + nt % KT
+            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < T)
+            tma.async_copy_global_to_shared(desc, [ntile * TR, 0], bars.index(nt % STAGES), smem.index(nt % STAGES),
+                                            pred=nt < T)
+            if SZ_TMA:
+                tma.async_copy_global_to_shared(sdesc, [ntile, 0], bars.index(nt % STAGES), ssmem.index(nt % STAGES),
+                                                pred=nt < T)
+            mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+            kk = t % KT
+            xv = xsmem.index(kk).load(gl.SliceLayout(2, lb))
+            xb = gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+            if SZ_TMA:
+                szw = ssmem.index(t % STAGES).reshape([NB, BN]).load(gl.SliceLayout(2, mma))
+                sc = (szw << 16).to(gl.float32, bitcast=True)
+                zz = 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
+            w2 = smem.index(t % STAGES).load(TL)
+            w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
+            acc, acc1 = _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
+            if kk == KT - 1:  # the row block's last K step: store its rows, start the next one
+                rb = pid + (t // KT) * P
+                if GLU:
+                    _store_glu_buf(gbuf, acc, acc1, S, Z, Y, N, rb, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
+                else:
+                    _store_rows(acc, acc1, S, Z, BIAS, Y, N, rb, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
+                acc = zero
+                acc1 = zero
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+
 def _layouts(config: tuple):
     from .w4a16_gemv_gluon import word_layout
 
@@ -344,7 +437,7 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     shape like N = 200 compiles a slightly different variant)."""
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
-    warps, rb, ch, stages, ops, split = unpack_config(config)
+    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
     bn, step, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
@@ -352,6 +445,13 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
                  Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", N="i32", K="i32", NG="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
+    if persist:
+        for name in ("WS", "CNT"):
+            del types[name]
+        types["ROWS"] = "i32"
+        for name in ("OPS", "SPLIT"):
+            del consts[name]
+        return compile_gluon_sm90(_w4a16_gemv_tma_persistent_kernel, types, consts, warps)
     return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
 
 
@@ -362,15 +462,20 @@ _SPLIT_WS_ALL: list = []  # every workspace ever made: a CUDA graph may hold a p
 
 
 def unpack_config(config: tuple) -> tuple:
-    """(WARPS, RB, CH, STAGES, OPS, SPLIT): SPLIT (K runs per row block) defaults to 1."""
-    if len(config) not in (5, 6):
-        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT])")
-    warps, rb, ch, stages, ops, split = tuple(int(v) for v in config) + (1,) * (6 - len(config))
+    """(WARPS, RB, CH, STAGES, OPS, SPLIT, PERSIST): SPLIT (K runs per row block) defaults to 1,
+    PERSIST (persistent programs per SM; 0 = one program per row block) to 0."""
+    if len(config) not in (5, 6, 7):
+        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]])")
+    vals = tuple(int(v) for v in config)
+    warps, rb, ch, stages, ops, split, persist = vals + (1, 0)[len(vals) - 5:]
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (warps, rb, ch))
     if not pow2 or stages < 1 or ops not in (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM) or split not in (1, 2):
         raise ValueError(f"TMA GEMV config {config}: WARPS, RB and CH must be powers of two, STAGES >= 1, OPS in "
                          f"{{0, 1, 2}} and SPLIT 1 or 2 (two partials add up the same in either order)")
-    return warps, rb, ch, stages, ops, split
+    if persist < 0 or (persist and (ops != OPS_SMEM or split != 1)):
+        raise ValueError(f"TMA GEMV config {config}: PERSIST (programs per SM) must be >= 0, and a persistent "
+                         f"config stages x in shared memory (OPS {OPS_SMEM}) without a K-split")
+    return warps, rb, ch, stages, ops, split, persist
 
 
 def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,7 +597,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
                          f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
     config = tuple(config or TMA_CONFIGS[0])
-    warps, rb, ch, stages, ops, split = unpack_config(config)
+    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
     per_channel = G >= K
     N = scales.shape[0]
     if scales.dim() != 2 or scales.shape[1] != (1 if per_channel else K // G):
@@ -529,6 +634,17 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     wl, tl_, _ = _layouts(config)
     y = out if out is not None else torch.empty(M, N // 2 if glu else N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if persist:  # a few programs per SM, each taking every P-th row block (P = the grid)
+        grid = min(rows, persist * _sm_count(x2.device))
+        _w4a16_gemv_tma_persistent_kernel[(grid,)](
+            x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+            norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
+            N, K, scales.shape[1], rows,
+            WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, KP=kt * step,
+            PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu,
+            NORM=norm is not None, num_warps=warps,
+        )
+        return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
@@ -543,8 +659,18 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def norm_ok(config: tuple) -> bool:
     """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
-    _, _, _, _, ops, split = unpack_config(config)
+    _, _, _, _, ops, split, _ = unpack_config(config)
     return ops == OPS_SMEM and split == 1
+
+
+_SMS: dict = {}  # device index -> SM count (asked once)
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:
