@@ -215,6 +215,24 @@ def lab_gemv(args) -> None:
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
             timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
+        if args.ec_pdl:  # the decode EC's PDL pair (producer launch + GEMV) in each GEMV tile
+            from spear_compile.lowering.ec_decode_triton import w4a16_gemv1_ec_pdl
+
+            ec = make_ec(N, K, args.ec_pdl)
+            ref_pdl = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
+            for cfg in configs:
+                name = f"pdl_{'_'.join(map(str, cfg))}"
+                try:
+                    row["err"][name] = rel_err(w4a16_gemv1_ec_pdl(x, qw.qweight, qw.scales, qw.zeros, G, None, ec,
+                                                                  config=cfg), ref_pdl)
+                except Exception as e:  # noqa: BLE001
+                    row["err"][name] = None
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                timeit(name, lambda i: w4a16_gemv1_ec_pdl(xs[i], *args_w(i), G, None, ec, config=cfg))
+            bp = fastest("pdl_")
+            if bp:
+                T.tuned_table()[T.gemv1pdl_key(N, K, G)] = [int(v) for v in bp.split("_")[1:]]
+                print(f"   pdl best {bp} {row['us'][bp]:.1f} us (r = {args.ec_pdl})", flush=True)
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
@@ -250,6 +268,8 @@ def main() -> None:
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
     ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
     ap.add_argument("--tma", action="store_true", help="--lab gemv: also time the TMA-ring GEMV")
+    ap.add_argument("--ec-pdl", type=int, default=0, metavar="R",
+                    help="--lab gemv: also time the decode EC's PDL pair (rank R) in each GEMV tile -> gemv1pdl keys")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()

@@ -595,6 +595,21 @@ def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> str:
     return f"gemv1|{N}|{K}|{G}|{int(has_ec)}"
 
 
+def gemv1pdl_key(N: int, K: int, G: int) -> str:
+    """Tuned-table key of the GEMV tile of the decode EC's PDL pair (``kernels.py --lab gemv --ec-pdl R``)."""
+    return f"gemv1pdl|{N}|{K}|{G}"
+
+
+def ec_pdl_config(N: int, K: int, G: int) -> tuple:
+    """The GEMV tile of the decode EC's PDL pair: the one measured for that pair if the table has it,
+    else the plain W4 tile of the shape (session 8: other tiles were slower with PDL on the single
+    linears; session 12: a re-picked plain tile moved the concatenated q/k/v EC GEMV by 40 us per step,
+    so the concatenated shapes get their own search), else the first config."""
+    table = tuned_table()
+    cfg = table.get(gemv1pdl_key(N, K, G)) or table.get(gemv1_key(N, K, G, False)) or GEMV1_CONFIGS[0]
+    return tuple(cfg)
+
+
 def gemm_key(M: int, N: int, K: int, G: int) -> str:
     return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
 
@@ -753,7 +768,7 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
 
     if pdl_ok(x2.device):
         N = words.shape[0] if words is not None else qweight.shape[0]
-        cfg = tuple(tuned_table().get(gemv1_key(N, x2.shape[1], G, False), GEMV1_CONFIGS[0]))
+        cfg = ec_pdl_config(N, x2.shape[1], G)
         return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)
 

@@ -42,7 +42,7 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemv1tma", "gemm", "ecstruct")
+                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemm", "ecstruct")
                 if kind == "ecstruct":  # the measured prefill EC structure
                     from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES
 
@@ -55,7 +55,7 @@ def test_shipped_tables_are_well_formed():
                     assert all(isinstance(v, int) and v > 0 for v in (warps, rb, ch, stages, split))
                     assert 0 <= ops <= OPS_SMEM and stages >= 2 and len(key.split("|")) == 4
                     continue
-                if kind == "gemv1":  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
+                if kind in ("gemv1", "gemv1pdl"):  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
                     continue
                 if kind == "gemm" and isinstance(val[0], str):  # dequantize + cuBLAS, one pass or row slices
@@ -142,3 +142,16 @@ def test_ec_structure_follows_the_measured_table(monkeypatch):
     assert T.ec_structure(1024, 96, 32, 32) == "side"
     assert T.ec_structure(256, 64, 32, 32) == "side_hi"
     assert T.ec_structure(4096, 64, 32, 32) == "side"
+
+
+def test_ec_pdl_tile_prefers_its_own_measurement(monkeypatch):
+    """The decode EC's PDL pair takes the tile measured for it (gemv1pdl), else the plain W4 tile of
+    the shape, else the first config."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    table = {T.gemv1_key(256, 1024, 128, False): [8, 512, 4, 0]}
+    monkeypatch.setattr(T, "_TABLE", table)
+    assert T.ec_pdl_config(256, 1024, 128) == (8, 512, 4, 0)
+    table[T.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
+    assert T.ec_pdl_config(256, 1024, 128) == (8, 128, 1, 1)
+    assert T.ec_pdl_config(512, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])
