@@ -152,8 +152,10 @@ def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=No
 
 def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout="spear", norm_weight=None,
                           norm_eps=1e-6):
+    from ..quant.ops import check_norm
     from .dispatch import _triton_ok, w4a16_linear_cuda
 
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")  # (the op's body does not run on CUDA)
     x2 = x.reshape(-1, x.shape[-1])
     norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
@@ -240,9 +242,13 @@ def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", la
     """``spear::w4a16_linear_glu`` on CUDA: the TMA kernel with the GLU epilogue where ``glu_config``
     finds one (and the RMSNorm prologue, if any, where ``norm_ok``), else the concatenated GEMV (or
     the parts) and ``glu_of``."""
+    from ..quant.ops import _check_glu, check_norm
     from .dispatch import _triton_ok
     from .w4a16_gemv_tma import norm_ok, w4a16_gemv_tma
 
+    # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
+    _check_glu(x, qweights, scales, zeros, group_size, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_glu")
     x2 = x.reshape(-1, x.shape[-1])
     norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None

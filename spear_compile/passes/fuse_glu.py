@@ -40,9 +40,18 @@ CONVERT = torch.ops.prims.convert_element_type.default
 KERNEL = "gluon TMA-ring GEMV over the interleaved gate / up weights, silu(gate) * up in its epilogue (M = 1)"
 
 
-def _strip_convert(n):
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is CONVERT:
-        n = n.args[0]
+def _strip_convert(n, to: Optional[torch.dtype] = None):
+    """The input of ``n`` if ``n`` is one dtype conversion (to ``to``, when given) that loses nothing:
+    an upcast to fp32, or the downcast of an fp32 value to ``to``; else ``n`` itself. One conversion
+    only: a chain like fp32 -> bf16 -> fp32 rounds, and the fused ops would skip that rounding."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is CONVERT):
+        return n
+    src, dst = n.args[0], n.args[1]
+    sv = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if sv is None or (to is not None and dst != to):
+        return n
+    if dst == torch.float32 or sv.dtype == torch.float32:  # an upcast, or fp32 rounded once to `to`
+        return src
     return n
 
 
@@ -51,14 +60,19 @@ def _is(n, target) -> bool:
 
 
 def silu_input(n) -> Optional[fx.Node]:
-    """``x`` if node ``n`` computes silu(x) in one of the post-grad forms (see module docstring)."""
+    """``x`` if node ``n`` computes silu(x) in one of the post-grad forms (see module docstring): the
+    silu in fp32, at most one upcast of x before it and one rounding after it."""
     aten = torch.ops.aten
-    n = _strip_convert(n)
-    if _is(n, aten.silu.default):
+    nv = n.meta.get("val") if isinstance(n, fx.Node) else None
+    n = _strip_convert(n, nv.dtype if nv is not None else None)
+    if _is(n, aten.silu.default):  # (PyTorch's silu computes in fp32 whatever the dtype)
         return _strip_convert(n.args[0])
+    if not isinstance(n, fx.Node) or getattr(n.meta.get("val"), "dtype", None) != torch.float32:
+        return None  # a silu decomposed in low precision rounds in between: not what the fused op computes
     if _is(n, aten.div.Tensor):  # x / (1 + exp(-x))
         x, den = n.args
-        if _is(den, aten.add.Tensor) and den.args[1] == 1 and _is(den.args[0], aten.exp.default):
+        if (_is(den, aten.add.Tensor) and den.args[1] == 1 and den.kwargs.get("alpha", 1) == 1
+                and _is(den.args[0], aten.exp.default)):
             neg = den.args[0].args[0]
             if _is(neg, aten.neg.default) and neg.args[0] is x:
                 return _strip_convert(x)
@@ -153,5 +167,18 @@ class FuseGLU(SpearPass):
         from .phase_dispatch import _dtypes
 
         kw = bind(cat)
-        return glu_config_for(F, int(x.shape[-1]), kw["group_size"], x.dtype, x.device,
-                              _dtypes(*kw["scales"], *kw["zeros"])) is not None
+        return (gemv_takes(kw, int(x.shape[-1]))
+                and glu_config_for(F, int(x.shape[-1]), kw["group_size"], x.dtype, x.device,
+                                   _dtypes(*kw["scales"], *kw["zeros"])) is not None)
+
+
+def gemv_takes(kw: dict, K: int) -> bool:
+    """What ``w4a16_cat.gemv1_cat_ok`` asks at run time, from the fake values: the M = 1 kernel takes
+    every part (contiguous weights, whole 32-column chunks) and the zero points concatenate (all or
+    none). A rewrite whose op would fall back at run time would only trade Inductor's fused kernel
+    for eager ones."""
+    from ..lowering.w4a16_triton import gemv1_ok
+
+    qs = [q.meta.get("val") for q in kw["qweights"]]
+    return (all(q is not None and gemv1_ok(1, K, kw["group_size"], q) for q in qs)
+            and len({z is None for z in kw["zeros"]}) == 1)

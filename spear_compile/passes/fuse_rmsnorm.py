@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import bind, positional, record
-from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert
+from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert, gemv_takes
 
 ATEN = torch.ops.aten
 TARGETS = (W4A16_CAT, GLU)
@@ -43,7 +43,8 @@ def rms_norm_of(out) -> Optional[tuple[fx.Node, fx.Node, float, list[fx.Node]]]:
         return None
     for hc, w in (out.args, out.args[::-1]):
         wv = w.meta.get("val") if isinstance(w, fx.Node) else None
-        h = _strip_convert(hc)
+        hv = hc.meta.get("val") if isinstance(hc, fx.Node) else None
+        h = _strip_convert(hc, hv.dtype if hv is not None else None)
         if wv is None or wv.dim() != 1 or not _is(h, MUL):
             continue
         for xf, r in (h.args, h.args[::-1]):
@@ -51,7 +52,8 @@ def rms_norm_of(out) -> Optional[tuple[fx.Node, fx.Node, float, list[fx.Node]]]:
                 continue
             add = r.args[0]
             mean, eps = add.args
-            if not (_is(mean, ATEN.mean.dim) and isinstance(eps, float) and eps > 0):
+            if not (_is(mean, ATEN.mean.dim) and isinstance(eps, float) and eps > 0
+                    and add.kwargs.get("alpha", 1) == 1):
                 continue
             nd = xf.meta["val"].dim() if isinstance(xf, fx.Node) and "val" in xf.meta else -1
             if list(mean.args[1]) not in ([-1], [nd - 1]) or not (len(mean.args) > 2 and mean.args[2]):
@@ -113,6 +115,8 @@ class FuseRMSNorm(SpearPass):
         from .phase_dispatch import _dtypes
 
         K, G = int(x.shape[-1]), kw["group_size"]
+        if not gemv_takes(kw, K):
+            return False
         params = _dtypes(*kw["scales"], *kw["zeros"])
         if node.target is GLU:
             cfg = glu_config_for(int(node.meta["val"].shape[-1]), K, G, x.dtype, x.device, params)

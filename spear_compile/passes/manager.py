@@ -6,13 +6,17 @@ the decode fusions: linears that share an input, silu(gate) * up into the gate /
 in front of those GEMVs into their x staging, residual adds into the GEMV epilogue.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
-``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source and the
-compile config, so a cached artifact is never reused after either changes. (EC
+``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
+compile config, and what the decode passes ask at compile time on a GPU - the tuned table
+of this GPU and ``SPEAR_NO_TMA_GEMV`` (``fuse_glu`` / ``fuse_rmsnorm`` rewrite only where
+the TMA kernel runs) - so a cached artifact is never reused after any of them changes. (EC
 parameters are graph inputs, never baked-in constants, so their values need no key.)
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -57,4 +61,8 @@ class SpearPassManager(CustomGraphPass):
         for cls in PASSES:
             h.update(cls.source_hash().encode())
         h.update(self.ctx.config.fingerprint().encode())
+        from ..lowering.w4a16_triton import tuned_table
+
+        h.update(json.dumps(tuned_table(), sort_keys=True).encode())
+        h.update(os.environ.get("SPEAR_NO_TMA_GEMV", "").encode())
         return h.hexdigest()

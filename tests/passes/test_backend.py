@@ -79,6 +79,19 @@ def test_uuid_changes_with_config_and_is_stable():
     assert a.uuid() == b.uuid() != c.uuid()
 
 
+def test_uuid_covers_what_the_decode_passes_ask_on_a_gpu(monkeypatch):
+    """fuse_glu / fuse_rmsnorm decide from the tuned table and SPEAR_NO_TMA_GEMV: a change to either
+    must not reuse a cached graph compiled under the other answer."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    monkeypatch.setattr(T, "_TABLE", {})
+    base = SpearPassManager(PassContext(CompileConfig())).uuid()
+    monkeypatch.setattr(T, "_TABLE", {"gemv1tma|22016|4096|128": [2, 2, 2, 2, 2]})
+    with_table = SpearPassManager(PassContext(CompileConfig())).uuid()
+    monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
+    assert len({base, with_table, SpearPassManager(PassContext(CompileConfig())).uuid()}) == 3
+
+
 def test_fqn_from_dynamo_source():
     src = "L['self']._modules['model']._modules['layers']._modules['0']._modules['q_proj']._buffers['qweight']"
     assert fqn_from_source(src) == "model.layers.0.q_proj.qweight"

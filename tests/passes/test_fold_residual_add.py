@@ -48,6 +48,27 @@ def test_only_the_folded_form_is_rewritten():
     assert spear_ops_after(rep)["spear.w4a16_linear.default"] == 3
 
 
+class _LateOrBroadcast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+        self.v = torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        y = self.a(x)
+        late = x * 2.0  # computed after the linear: the linear cannot read it as its bias
+        z = self.b(x * 3.0)
+        return (y + late) + (z + self.v[:1])  # a [1]-shaped addend broadcasts: not a bias of shape [N]
+
+
+def test_late_or_broadcast_residuals_are_not_folded():
+    m = _LateOrBroadcast()
+    spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
+    x = torch.randn(1, 1, 64)
+    assert snapshot(capture(m, (x,)), "fold_residual_add").matched_count == 0
+    assert_compiled_matches_eager(m, x)
+
+
 def test_folded_decode_step_equals_eager_with_and_without_ecs():
     torch.manual_seed(0)
     m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32)

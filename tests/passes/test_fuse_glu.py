@@ -58,9 +58,15 @@ def test_only_the_exact_pattern_is_rewritten(form, fused):
 
 
 def _graph(body):
+    """A hand-made graph; every node carries an fp32 value (a convert to bf16 a bf16 one), as the
+    matcher reads dtypes from ``meta["val"]``."""
     g = fx.Graph()
     x = g.placeholder("x")
-    return x, body(g, x)
+    out = body(g, x)
+    for n in g.nodes:
+        bf16 = n.target is torch.ops.prims.convert_element_type.default and n.args[1] == torch.bfloat16
+        n.meta["val"] = torch.empty(4, dtype=torch.bfloat16 if bf16 else torch.float32)
+    return x, out
 
 
 def test_silu_forms():
@@ -98,3 +104,38 @@ def test_glu_op_checks_and_reference():
         torch.ops.spear.w4a16_linear_glu(x, [qs[0], qs[2]], [ss[0], ss[2]], [zs[0], zs[2]], 32)
     with pytest.raises(spear.QuantFormatError, match="unknown gate activation 'gelu'"):
         torch.ops.spear.w4a16_linear_glu(x, qs[:2], ss[:2], zs[:2], 32, "gelu")
+
+
+class _RoundedGate(torch.nn.Module):
+    """fp32 model whose gate is rounded to bf16 before the silu: the fused op would skip that rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+
+    def forward(self, h):
+        return torch.nn.functional.silu(self.gate(h).to(torch.bfloat16).float()) * self.up(h)
+
+
+def test_a_lossy_conversion_chain_is_not_matched():
+    torch.manual_seed(0)
+    m = _RoundedGate()
+    spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
+    x = torch.randn(1, 64)
+    # (no compiled-vs-eager check here: Inductor itself drops a to(bf16).float() round trip)
+    assert snapshot(capture(m, (x,)), "fuse_glu").matched_count == 0
+
+
+def test_the_cuda_entry_checks_its_parts():
+    """The registered CUDA implementation replaces the op's body, so it checks the parts itself (its
+    fallback branch runs on CPU tensors, which is what this calls)."""
+    from spear_compile.lowering.w4a16_cat import w4a16_linear_glu_cuda
+    from spear_compile.quant import quantize_rtn
+
+    parts = [quantize_rtn(torch.randn(n, 64) * 0.05, spear.QuantConfig(group_size=32)) for n in (16, 8)]
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    with pytest.raises(spear.QuantFormatError, match="gate has 16 outputs but up has 8"):
+        w4a16_linear_glu_cuda(torch.randn(1, 64), qs, ss, zs, 32)
+    with pytest.raises(spear.QuantFormatError, match="norm_weight has shape"):
+        w4a16_linear_glu_cuda(torch.randn(1, 64), [qs[0], qs[0]], [ss[0], ss[0]], [zs[0], zs[0]], 32, "silu",
+                              "spear", torch.ones(32), 1e-5)

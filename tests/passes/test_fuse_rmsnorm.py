@@ -81,6 +81,34 @@ def test_left_alone_when_the_norm_is_read_elsewhere_low_precision_prefill_or_off
     assert snapshot(rep, "fuse_rmsnorm").matched_count == 0
 
 
+class _OddNorm(nn.Module):
+    """Norm-like forms that are not this RMSNorm: eps added with alpha 2; x rounded to bf16 inside."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.norm = form, HFNorm(64)
+        self.q, self.k = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        if self.form == "alpha":
+            xf = x.float()
+            h = self.norm.weight * (xf * torch.rsqrt(torch.add(xf.pow(2).mean(-1, keepdim=True), 0.5, alpha=2.0)))
+        else:  # rounded: the graph normalises bf16-rounded x; a fused op must read that rounded tensor
+            xf = x.to(torch.bfloat16).float()
+            h = self.norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
+        return self.q(h) * self.k(h)
+
+
+@pytest.mark.parametrize("form,fused", [("alpha", 0), ("rounded", 0)])
+def test_alpha_and_lossy_conversions_are_respected(form, fused):
+    torch.manual_seed(0)
+    m = _quantized(_OddNorm(form), torch.float32)
+    x = torch.randn(1, 1, 64)
+    assert snapshot(capture(m, (x,)), "fuse_rmsnorm").matched_count == fused
+    if form == "alpha":  # (not for "rounded": Inductor itself drops a to(bf16).float() round trip)
+        assert_compiled_matches_eager(m, x)
+
+
 def test_ops_check_and_apply_the_norm():
     from spear_compile.lowering.w4a16_cat import rms_norm_ref
     from spear_compile.quant import quantize_rtn
