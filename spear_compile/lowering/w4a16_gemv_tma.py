@@ -15,7 +15,12 @@ session 11): deeper rings did not help - bytes in flight were not the limit; wha
 per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
 brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
 wait overhead). Best: 0.65x tinygemm at 28672x8192, 0.74-0.76x at 8192x8192, where 256 row blocks are
-half a wave (the K-split configs are for that).
+half a wave. Session 12: K-split configs (two programs per row block) and a persistent variant (a few
+programs per SM streaming many row blocks) were both slower (kept, measured, mostly out of the table).
+
+Epilogue / prologue options used by the decode fusions (``passes/fuse_glu.py``, ``fuse_rmsnorm.py``):
+GLU (gate / up rows interleaved per CTA, silu(gate) * up stored) and NORM (x RMS-normalised as it is
+staged in shared memory), both for OPS_SMEM configs without a K-split.
 
 Layout: the gluon words (``repack_gluon``) are re-tiled once per weight (``repack_tiles``) so that one
 CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous block, stored as
