@@ -128,3 +128,15 @@ def test_ops_check_and_apply_the_norm():
             torch.ops.spear.w4a16_linear_cat(x, qs, ss, zs, 32, [None, None], "spear", bad, 1e-5)
     with pytest.raises(spear.QuantFormatError, match="norm_eps=0.0 must be > 0"):
         torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, 32, "silu", "spear", w, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_norm_is_the_models(dtype):
+    """rms_norm_ref (what the fused ops and the GPU prologue compute) against LlamaRMSNorm's form."""
+    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+
+    torch.manual_seed(0)
+    norm = HFNorm(64, eps=1e-5).to(dtype)
+    x = torch.randn(3, 64, dtype=dtype) * 4
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm_ref(x, norm.weight, 1e-5), norm(x), rtol=0, atol=0)
