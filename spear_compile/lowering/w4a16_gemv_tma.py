@@ -163,6 +163,36 @@ if HAS_TMA:
         return xb, sc, zz
 
     @gluon.jit
+    def _request_tile(desc, sdesc, smem, ssmem, bars, slot, wrow, stile, nbytes: gl.constexpr, pred,
+                      SZ_TMA: gl.constexpr):
+        """One thread's TMA request of a weight tile (rows ``wrow``.. of the re-tiled weight) and, with
+        SZ_TMA, its scale / zero tile (``stile``) into ring slot ``slot``, arriving on that slot's barrier."""
+        mbarrier.expect(bars.index(slot), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [wrow, 0], bars.index(slot), smem.index(slot), pred=pred)
+        if SZ_TMA:
+            tma.async_copy_global_to_shared(sdesc, [stile, 0], bars.index(slot), ssmem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _x_operand(xsmem, k, x_c0, lb: gl.constexpr):
+        """K step ``k`` of the staged x as the MMA's B operand (x in its column 0)."""
+        xv = xsmem.index(k).load(gl.SliceLayout(2, lb))
+        return gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+
+    @gluon.jit
+    def _scale_operands(ssmem, slot, NB: gl.constexpr, BN: gl.constexpr, mma: gl.constexpr):
+        """(scales, 128 + zero points) of the tile in ring slot ``slot``, from its bf16 pairs."""
+        szw = ssmem.index(slot).reshape([NB, BN]).load(gl.SliceLayout(2, mma))
+        return (szw << 16).to(gl.float32, bitcast=True), 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _tile_mma(smem, slot, xb, sc, zz, acc, acc1, ones, zero, WL: gl.constexpr, TL: gl.constexpr,
+                  NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr, PER_CHANNEL: gl.constexpr):
+        """The weight tile in ring slot ``slot`` times x, into the accumulators (``_mma_words``)."""
+        w2 = smem.index(slot).load(TL)
+        w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
+        return _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
+
+    @gluon.jit
     def _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN: gl.constexpr, mma: gl.constexpr,
                      SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr):
         """K-split epilogue: each of the row block's SPLIT programs adds its partial rows into the fp32
@@ -282,12 +312,12 @@ if HAS_TMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
+        if not SZ_TMA:
+            ssmem = smem  # (never read: _request_tile copies scale tiles only with SZ_TMA)
         for i in gl.static_range(STAGES - 1):
             if i < KTS:
-                mbarrier.expect(bars.index(i), nbytes)
-                tma.async_copy_global_to_shared(desc, [row0 + i * TR, 0], bars.index(i), smem.index(i))
-                if SZ_TMA:
-                    tma.async_copy_global_to_shared(sdesc, [pid * KT + t0 + i, 0], bars.index(i), ssmem.index(i))
+                _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
+                              SZ_TMA)
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
             xsmem = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
@@ -305,12 +335,8 @@ if HAS_TMA:
             k0 = (t0 + t) * STEP
             gl.thread_barrier()  # tile t - 1's buffer, refilled below, has been read by every warp
             nt = t + STAGES - 1
-            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < KTS)
-            tma.async_copy_global_to_shared(desc, [row0 + nt * TR, 0], bars.index(nt % STAGES), smem.index(nt % STAGES),
-                                            pred=nt < KTS)
-            if SZ_TMA:
-                tma.async_copy_global_to_shared(sdesc, [pid * KT + t0 + nt, 0], bars.index(nt % STAGES),
-                                                ssmem.index(nt % STAGES), pred=nt < KTS)
+            _request_tile(desc, sdesc, smem, ssmem, bars, nt % STAGES, row0 + nt * TR, pid * KT + t0 + nt, nbytes,
+                          nt < KTS, SZ_TMA)
             if OPS == 1:  # the next step's x, scales and zeros are in flight while this step computes
                 xn, scn, zzn = _step_operands(X, S, Z, N, K, NG, k0 + STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL,
                                               HAS_Z)
@@ -318,15 +344,10 @@ if HAS_TMA:
                 xb, sc, zz = _step_operands(X, S, Z, N, K, NG, k0, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
             mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
             if OPS == 2:
-                xv = xsmem.index(t).load(gl.SliceLayout(2, lb))
-                xb = gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+                xb = _x_operand(xsmem, t, x_c0, lb)
                 if SZ_TMA:
-                    szw = ssmem.index(t % STAGES).reshape([NB, BN]).load(gl.SliceLayout(2, mma))
-                    sc = (szw << 16).to(gl.float32, bitcast=True)
-                    zz = 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
-            w2 = smem.index(t % STAGES).load(TL)
-            w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
-            acc, acc1 = _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
+                    sc, zz = _scale_operands(ssmem, t % STAGES, NB, BN, mma)
+            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, ones, zero, WL, TL, NB, BN, la, PER_CHANNEL)
             if OPS == 1:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
@@ -372,12 +393,11 @@ if HAS_TMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
+        if not SZ_TMA:
+            ssmem = smem  # (never read: _request_tile copies scale tiles only with SZ_TMA)
         for i in gl.static_range(STAGES - 1):
             tile = (pid + (i // KT) * P) * KT + i % KT  # tile index in the re-tiled weight
-            mbarrier.expect(bars.index(i), nbytes, pred=i < T)
-            tma.async_copy_global_to_shared(desc, [tile * TR, 0], bars.index(i), smem.index(i), pred=i < T)
-            if SZ_TMA:
-                tma.async_copy_global_to_shared(sdesc, [tile, 0], bars.index(i), ssmem.index(i), pred=i < T)
+            _request_tile(desc, sdesc, smem, ssmem, bars, i, tile * TR, tile, nbytes, i < T, SZ_TMA)
         x_k, x_c0 = _x_index(NB, lb)
         xsmem = _stage_x(X, NW, EPS, K, 0, NB, STEP, KT, WARPS, NORM)
         ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
@@ -393,23 +413,13 @@ if HAS_TMA:
             gl.thread_barrier()  # tile t - 1's buffer (and the GLU buffer) have been read by every warp
             nt = t + STAGES - 1
             ntile = (pid + (nt // KT) * P) * KT + nt % KT
-            mbarrier.expect(bars.index(nt % STAGES), nbytes, pred=nt < T)
-            tma.async_copy_global_to_shared(desc, [ntile * TR, 0], bars.index(nt % STAGES), smem.index(nt % STAGES),
-                                            pred=nt < T)
-            if SZ_TMA:
-                tma.async_copy_global_to_shared(sdesc, [ntile, 0], bars.index(nt % STAGES), ssmem.index(nt % STAGES),
-                                                pred=nt < T)
+            _request_tile(desc, sdesc, smem, ssmem, bars, nt % STAGES, ntile * TR, ntile, nbytes, nt < T, SZ_TMA)
             mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
             kk = t % KT
-            xv = xsmem.index(kk).load(gl.SliceLayout(2, lb))
-            xb = gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+            xb = _x_operand(xsmem, kk, x_c0, lb)
             if SZ_TMA:
-                szw = ssmem.index(t % STAGES).reshape([NB, BN]).load(gl.SliceLayout(2, mma))
-                sc = (szw << 16).to(gl.float32, bitcast=True)
-                zz = 128.0 + (szw & -65536).to(gl.float32, bitcast=True)
-            w2 = smem.index(t % STAGES).load(TL)
-            w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
-            acc, acc1 = _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
+                sc, zz = _scale_operands(ssmem, t % STAGES, NB, BN, mma)
+            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, ones, zero, WL, TL, NB, BN, la, PER_CHANNEL)
             if kk == KT - 1:  # the row block's last K step: store its rows, start the next one
                 rb = pid + (t // KT) * P
                 if GLU:
