@@ -160,25 +160,27 @@ class FuseGLU(SpearPass):
 
     def _epilogue_runs(self, cat: fx.Node, F: int) -> bool:
         """CPU: always (the reference either way); GPU: where the GLU epilogue kernel takes the shape."""
-        x = bind(cat)["x"].meta["val"]
-        if x.device.type != "cuda":
-            return True
-        from ..lowering.w4a16_cat import glu_config_for
-        from .phase_dispatch import _dtypes
-
         kw = bind(cat)
-        return (gemv_takes(kw, int(x.shape[-1]))
-                and glu_config_for(F, int(x.shape[-1]), kw["group_size"], x.dtype, x.device,
-                                   _dtypes(*kw["scales"], *kw["zeros"])) is not None)
+        return kw["x"].meta["val"].device.type != "cuda" or tma_config_of(kw, F, glu=True) is not None
 
 
-def gemv_takes(kw: dict, K: int) -> bool:
-    """What ``w4a16_cat.gemv1_cat_ok`` asks at run time, from the fake values: the M = 1 kernel takes
-    every part (contiguous weights, whole 32-column chunks) and the zero points concatenate (all or
-    none). A rewrite whose op would fall back at run time would only trade Inductor's fused kernel
-    for eager ones."""
+def tma_config_of(kw: dict, rows: int, glu: bool) -> Optional[tuple]:
+    """The TMA config a decode ``w4a16_linear_cat`` (``rows`` = its outputs) or, with ``glu``, a
+    ``w4a16_linear_glu`` (``rows`` = F) will run on the GPU of its fake x, asked as the runtime asks it:
+    ``w4a16_cat.gemv1_cat_ok`` from the fake values (contiguous weights, whole 32-column chunks, zero
+    points all or none), then the tuned table (``glu_config_for`` / ``tma_config_for``). None where
+    the op would fall back: a rewrite there would only trade Inductor's fused kernel for eager ones."""
+    from ..lowering.w4a16_cat import glu_config_for
+    from ..lowering.w4a16_gemv_tma import tma_config_for
     from ..lowering.w4a16_triton import gemv1_ok
+    from .phase_dispatch import _dtypes
 
+    x = kw["x"].meta["val"]
+    K, G = int(x.shape[-1]), kw["group_size"]
     qs = [q.meta.get("val") for q in kw["qweights"]]
-    return (all(q is not None and gemv1_ok(1, K, kw["group_size"], q) for q in qs)
-            and len({z is None for z in kw["zeros"]}) == 1)
+    if not all(q is not None and gemv1_ok(1, K, G, q) for q in qs) or len({z is None for z in kw["zeros"]}) != 1:
+        return None
+    params = _dtypes(*kw["scales"], *kw["zeros"])
+    if glu:
+        return glu_config_for(rows, K, G, x.dtype, x.device, params)
+    return tma_config_for(rows, K, G, x.dtype, x.device, param_dtypes=params)

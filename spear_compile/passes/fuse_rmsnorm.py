@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import bind, positional, record
-from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert, gemv_takes
+from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert, tma_config_of
 
 ATEN = torch.ops.aten
 TARGETS = (W4A16_CAT, GLU)
@@ -107,19 +107,9 @@ class FuseRMSNorm(SpearPass):
 
     def _prologue_runs(self, node: fx.Node, kw: dict) -> bool:
         """CPU: always (the reference either way); GPU: where the TMA kernel stages x for the shape."""
-        x = kw["x"].meta["val"]
-        if x.device.type != "cuda":
+        if kw["x"].meta["val"].device.type != "cuda":
             return True
-        from ..lowering.w4a16_cat import glu_config_for
-        from ..lowering.w4a16_gemv_tma import norm_ok, tma_config_for
-        from .phase_dispatch import _dtypes
+        from ..lowering.w4a16_gemv_tma import norm_ok
 
-        K, G = int(x.shape[-1]), kw["group_size"]
-        if not gemv_takes(kw, K):
-            return False
-        params = _dtypes(*kw["scales"], *kw["zeros"])
-        if node.target is GLU:
-            cfg = glu_config_for(int(node.meta["val"].shape[-1]), K, G, x.dtype, x.device, params)
-        else:
-            cfg = tma_config_for(int(node.meta["val"].shape[-1]), K, G, x.dtype, x.device, param_dtypes=params)
+        cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target is GLU)
         return cfg is not None and norm_ok(cfg)

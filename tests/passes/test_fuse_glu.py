@@ -139,3 +139,24 @@ def test_the_cuda_entry_checks_its_parts():
     with pytest.raises(spear.QuantFormatError, match="norm_weight has shape"):
         w4a16_linear_glu_cuda(torch.randn(1, 64), [qs[0], qs[0]], [ss[0], ss[0]], [zs[0], zs[0]], 32, "silu",
                               "spear", torch.ones(32), 1e-5)
+
+
+def test_gpu_rewrite_condition_asks_what_the_runtime_asks(monkeypatch):
+    """tma_config_of (fuse_glu's and fuse_rmsnorm's condition on a GPU): the table's config only where
+    the M = 1 kernel takes every part (contiguous weights) and the zero points are all or none."""
+    from types import SimpleNamespace
+
+    from spear_compile.lowering import w4a16_cat, w4a16_gemv_tma
+    from spear_compile.passes.fuse_glu import tma_config_of
+
+    monkeypatch.setattr(w4a16_cat, "glu_config_for", lambda *a, **k: ("glu",) + a[:3])
+    monkeypatch.setattr(w4a16_gemv_tma, "tma_config_for", lambda *a, **k: ("cat",) + a[:3])
+    node = lambda t: SimpleNamespace(meta={"val": t})  # noqa: E731
+    q, s = torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.bfloat16)
+    kw = {"x": node(torch.zeros(1, 1, 64, dtype=torch.bfloat16)), "group_size": 32,
+          "qweights": [node(q), node(q)], "scales": [node(s), node(s)], "zeros": [node(s), node(s)]}
+    assert tma_config_of(kw, 16, glu=True) == ("glu", 16, 64, 32)
+    assert tma_config_of(kw, 32, glu=False) == ("cat", 32, 64, 32)
+    assert tma_config_of({**kw, "zeros": [node(s), None]}, 16, glu=True) is None
+    assert tma_config_of({**kw, "qweights": [node(q), node(torch.zeros(32, 16, dtype=torch.uint8).t())]}, 16,
+                         glu=True) is None
