@@ -63,13 +63,20 @@ def test_ok_and_errors():
         gg.repack_gluon(torch.zeros(4, 100, dtype=torch.uint8))
 
 
-def test_kernel_compiles_for_sm90_with_free_layout_conversions():
-    """Every convert_layout in the kernel is asserted trivial, so compiling is the check; a separate
-    process because Triton's interpreter (on for these tests) cannot compile."""
+def run_compiled(code: str) -> None:
+    """Run ``code`` (which prints "ok") in a separate process without Triton's interpreter (on for
+    these tests), which cannot compile for a GPU."""
     import os
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_kernel_compiles_for_sm90_with_free_layout_conversions():
+    """Every convert_layout in the kernel is asserted trivial, so compiling is the check."""
     code = ("from spear_compile.lowering.w4a16_gemv_gluon import GLUON_CONFIGS, compile_sm90\n"
             "for cfg in GLUON_CONFIGS[:3]:\n"
             "    for pc in (False, True):\n"
@@ -77,9 +84,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
             "        assert 'mma.sync.aligned.m16n8k16' in ptx, cfg\n"
             "        assert 'st.shared' not in ptx.split('mma.sync')[0], cfg  # no smem staging of A\n"
             "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    run_compiled(code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the kernel: CUDA only")

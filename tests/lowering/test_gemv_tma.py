@@ -5,16 +5,13 @@ running the Gluon kernel's emulation against fp64 (odd N and K that need padding
 kernel is compiled for sm_90 (every layout conversion in it is asserted free). On a GPU the kernel
 runs against fp64 and the reference.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from spear_compile.lowering.w4a16 import w4a16_linear_ref
 
-from .test_gemv_gluon import _case, _exact
+from .test_gemv_gluon import _case, _exact, run_compiled
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +119,7 @@ def test_repack_errors():
 
 def test_kernel_compiles_for_sm90_with_free_layout_conversions():
     """Compiling is the check (``assert_trivial`` on both conversions); TMA loads and mma.sync must be
-    in the PTX. A separate process: the interpreter (on for these tests) cannot compile."""
+    in the PTX."""
     code = ("from spear_compile.lowering.w4a16_gemv_tma import TMA_CONFIGS, compile_sm90\n"
             "for cfg in TMA_CONFIGS:\n"
             "    for pc in (False, True):\n"
@@ -133,9 +130,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
             "        if cfg[4] == 2:  # the RMSNorm prologue (x staged in shared memory)\n"
             "            assert 'rsqrt' in compile_sm90(cfg, norm=True, glu=True)['ptx'], cfg\n"
             "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    run_compiled(code)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),

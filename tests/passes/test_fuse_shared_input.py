@@ -4,7 +4,7 @@ import torch
 
 import spear_compile as spear
 from spear_compile import CompileConfig
-from tests.helpers import capture, quantized_llama, spear_ops_after
+from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, spear_ops_after
 
 FUSE = CompileConfig(fuse_shared_input=True, fuse_glu=False)  # (fuse_glu would turn gate/up into a GLU op)
 
@@ -50,12 +50,7 @@ def test_linears_with_an_ec_keep_their_own_kernel():
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_fused_decode_step_equals_eager(group_size):
     m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=group_size)
-    x = torch.randn(1, 1, 64)
-    with torch.no_grad(), spear.compile_config(FUSE):
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    assert_compiled_matches_eager(m, torch.randn(1, 1, 64), config=FUSE)
 
 
 def test_cat_op_checks_its_lists_and_matches_its_parts():
@@ -112,13 +107,7 @@ def test_ec_linears_sharing_an_input_fuse_unless_turned_off():
 
 
 def test_fused_ec_decode_step_equals_eager():
-    m = _llama_with_ecs()
-    x = torch.randn(1, 1, 64)
-    with torch.no_grad(), spear.compile_config(FUSE_EC):
-        torch._dynamo.reset()
-        out = torch.compile(m, backend="spear")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+    assert_compiled_matches_eager(_llama_with_ecs(), torch.randn(1, 1, 64), config=FUSE_EC)
 
 
 def test_ec_cat_op_checks_its_lists_and_matches_its_parts():
