@@ -117,19 +117,27 @@ def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: t
     """((weight descriptor, scale descriptor or None), the tiles they point into, scales, zeros or None,
     bias or None) of the parts for the TMA kernel, cached like ``concatenated`` (the concatenated
     packed weight itself is not kept)."""
-    from .w4a16_gemv_tma import OPS_SMEM, _descriptor, repack_scale_tiles, repack_tiles, tile_geometry
     from .w4a16_triton import derived_cached
 
     def make() -> tuple:
-        K = qweights[0].shape[1] * 2
-        bn, step, tr = tile_geometry(config)
-        t = repack_tiles(torch.cat(list(qweights)), config)
         s, z, b = _cat_params(qweights, scales, zeros, biases)
-        st = repack_scale_tiles(s, z, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
-        sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
-        return (_descriptor(t, [tr, 256]), sd), (t, st), s, z, b
+        return (*_tma_operands(torch.cat(list(qweights)), s, z, group_size, config), s, z, b)
 
     return derived_cached(_CAT_TMA.setdefault(tuple(config), {}), [*qweights, *scales, *zeros, *biases], make)
+
+
+def _tma_operands(qweight, scales, zeros, group_size: int, config: tuple) -> tuple:
+    """((weight descriptor, scale descriptor or None), (tiles, scale tiles or None)) of one packed weight
+    [N, K/2] and its scales / zeros for the TMA kernel in ``config`` (scale tiles only where the config
+    brings them by TMA: OPS_SMEM, group-wise)."""
+    from .w4a16_gemv_tma import OPS_SMEM, _descriptor, repack_scale_tiles, repack_tiles, tile_geometry
+
+    K = qweight.shape[1] * 2
+    bn, step, tr = tile_geometry(config)
+    t = repack_tiles(qweight, config)
+    st = repack_scale_tiles(scales, zeros, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
+    sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
+    return (_descriptor(t, [tr, 256]), sd), (t, st)
 
 
 def w4a16_cat_gemv1(x2, qweights, scales, zeros, group_size: int, biases, out=None,
@@ -196,20 +204,16 @@ def concatenated_glu_tma(qweights, scales, zeros, group_size: int, config: tuple
     """((weight descriptor, scale descriptor or None), tiles, scales, zeros or None) of a gate / up pair
     for the TMA kernel's GLU epilogue: like ``concatenated_tma`` with the rows interleaved in blocks of
     BN / 2 (``glu_interleave``), so each CTA holds a block of gate rows and the matching up rows."""
-    from .w4a16_gemv_tma import OPS_SMEM, _descriptor, glu_interleave, repack_scale_tiles, repack_tiles, tile_geometry
+    from .w4a16_gemv_tma import glu_interleave, tile_geometry
     from .w4a16_triton import derived_cached
 
     def make() -> tuple:
-        K = qweights[0].shape[1] * 2
-        F = qweights[0].shape[0]
-        bn, step, tr = tile_geometry(config)
-        t = repack_tiles(glu_interleave(torch.cat(list(qweights)), F, bn // 2), config)
+        F, half = qweights[0].shape[0], tile_geometry(config)[0] // 2
         s, z, _ = _cat_params(qweights, scales, zeros, [None, None])
-        s = glu_interleave(s, F, bn // 2)
-        z = glu_interleave(z, F, bn // 2) if z is not None else None
-        st = repack_scale_tiles(s, z, group_size, K, config) if config[4] == OPS_SMEM and group_size < K else None
-        sd = _descriptor(st, [1, step // 128 * bn]) if st is not None else None
-        return (_descriptor(t, [tr, 256]), sd), (t, st), s, z
+        s = glu_interleave(s, F, half)
+        z = glu_interleave(z, F, half) if z is not None else None
+        q = glu_interleave(torch.cat(list(qweights)), F, half)
+        return (*_tma_operands(q, s, z, group_size, config), s, z)
 
     return derived_cached(_CAT_GLU.setdefault(tuple(config), {}), [*qweights, *scales, *zeros], make)
 
