@@ -19,6 +19,13 @@ the producer grid has finished and its writes are visible. Everything the GEMV r
 before the wait (x, weights, B) was complete before the producer kernel started.
 Without PDL (Triton's interpreter, a GPU before Hopper) the two launches simply run in
 stream order, with the same result.
+
+The GEMV of the pair is the CUDA-core kernel (``w4a16_triton._w4a16_gemv1_kernel``) or, where the
+tuned table runs the shape on the TMA kernel, that kernel with its EC epilogue
+(``w4a16_gemv_tma._ec_rows``). With an RMSNorm fused in front (``norm``: the producer and the TMA
+GEMV each normalise x themselves as they read it, so neither waits for the other), every producer
+program first sums the squares of all of x (2K bytes, L2-resident) - the norm costs no extra launch
+and no ordering between the two grids.
 """
 from __future__ import annotations
 
@@ -36,16 +43,48 @@ if HAS_TRITON:
     from .w4a16_triton import _ec_gate_operands, _ec_gate_publish, _ec_h_partial
 
     @triton.jit
+    def _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr):
+        """``_ec_h_partial`` of the RMS-normalised x, rounded as the model's RMSNorm rounds (fp32, to x's
+        dtype, times the weight, to x's dtype: ``w4a16_cat.rms_norm_ref``). The sum of squares is over all
+        of x, which every producer reads (2K bytes, L2-resident) before its own slice."""
+        ss = tl.zeros([BLOCK_KH], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_KH):
+            offs_k = k0 + tl.arange(0, BLOCK_KH)
+            xv = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + EPS)
+        offs_r = tl.arange(0, R_P)
+        mask_r = offs_r < R
+        chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
+        k_lo = pid * chunk
+        h = tl.zeros([R_P], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
+            offs_k = k0 + tl.arange(0, BLOCK_KH)
+            mask_k = offs_k < K
+            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)
+            xv = tl.load(X + offs_k, mask=mask_k, other=0.0)
+            wv = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)
+            xn = (xn * wv).to(xv.dtype).to(tl.float32)
+            h += tl.sum(a * xn[None, :], axis=1)
+        return h
+
+    @triton.jit
     def _ec_decode_producer_kernel(
-        X, A, W1, B1, W2, B2, HBUF, GH, CNT, K, R, D,
+        X, A, W1, B1, W2, B2, HBUF, GH, CNT, NW, EPS, K, R, D,
         P_H: tl.constexpr, P_HP: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
-        ACT: tl.constexpr, GH_COPIES: tl.constexpr, PDL: tl.constexpr,
+        ACT: tl.constexpr, GH_COPIES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = False,
     ):
         if PDL:  # the GEMV may start now: it waits for this grid only before its epilogue
             gdc_launch_dependents()
         pid = tl.program_id(0)
         offs_r = tl.arange(0, R_P)
-        tl.store(HBUF + pid * R_P + offs_r, _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P))
+        if NORM:  # x RMS-normalised (weight NW, epsilon EPS) as it is read
+            h = _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H, BLOCK_KH, R_P)
+        else:
+            h = _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P)
+        tl.store(HBUF + pid * R_P + offs_r, h)
         tl.debug_barrier()
         old = tl.atomic_add(CNT, 1, sem="acq_rel")
         if old == P_H - 1:  # last producer: every partial row is visible after the acq_rel above
@@ -67,19 +106,21 @@ def pdl_ok(device: torch.device) -> bool:
     return _PDL[idx]
 
 
-def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
-                       config: Optional[tuple] = None, out: Optional[torch.Tensor] = None,
-                       nib: Optional[str] = None, producers: Optional[int] = None,
-                       words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
-    ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch); ``words``: the GEMV layout
-    itself (``qweight`` unused), as ``w4a16_gemv1`` takes it (``w4a16_cat``'s concatenations)."""
+def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tuple] = None,
+               producers: Optional[int] = None) -> tuple[torch.Tensor, bool]:
+    """Launch the producer grid of a decode EC: g * h of x2 [1, K] (RMS-normalised first with ``norm`` =
+    (weight [K], eps)) published in ``GH_COPIES`` rows of the returned fp32 [GH_COPIES, R_P] view of the
+    shared workspace. Returns (that view, whether the grid was launched for PDL: then the consuming GEMV
+    must be launched with PDL and wait before it reads the view)."""
     from ._triton import ACT_CODES
-    from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace, w4a16_gemv1
+    from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace
 
     K = x2.shape[1]
     A, B, W1, b1, W2, b2, alpha = ec
     R, D = A.shape[0], W1.shape[0]
+    if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
+        raise ValueError(f"ec_produce: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's K={K} "
+                         f"and dtype {x2.dtype}")
     r_p, d_p = next_pow2(R), next_pow2(D)
     ws, cnt = ec_workspace(x2.device, r_p)
     gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
@@ -88,10 +129,25 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
     pdl = pdl_ok(x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _ec_decode_producer_kernel[(p_h,)](
-        x2, A, W1, b1, W2, b2, hbuf, gh, cnt, K, R, D,
+        x2, A, W1, b1, W2, b2, hbuf, gh, cnt, norm[0] if norm is not None else x2,
+        float(norm[1]) if norm is not None else 0.0, K, R, D,
         P_H=p_h, P_HP=next_pow2(p_h), BLOCK_KH=PRODUCER_BLOCK_K, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
-        GH_COPIES=GH_COPIES, PDL=pdl, num_warps=4,
+        GH_COPIES=GH_COPIES, PDL=pdl, NORM=norm is not None, num_warps=4,
     )
+    return gh, pdl
+
+
+def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
+                       config: Optional[tuple] = None, out: Optional[torch.Tensor] = None,
+                       nib: Optional[str] = None, producers: Optional[int] = None,
+                       words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
+    ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch); ``words``: the GEMV layout
+    itself (``qweight`` unused), as ``w4a16_gemv1`` takes it (``w4a16_cat``'s concatenations)."""
+    from .w4a16_triton import w4a16_gemv1
+
+    _, pdl = ec_produce(x2, ec, act, producers=producers)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     # EC_PARTS: 8 = the B (g h) epilogue, 16 = griddepcontrol.wait before it (GPU only)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, nib=nib,
                        ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl, words=words)

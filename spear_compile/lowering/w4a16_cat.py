@@ -22,6 +22,7 @@ _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
 _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
 _CAT_EC: dict = {}  # block-diagonal concatenations of ECs sharing an input
 _CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for the GLU epilogue
+_EC_ROWS: dict = {}  # per-row EC columns of concatenated ECs (the TMA kernel's EC epilogue)
 GLU_ACTS = ("silu",)  # gate activations of spear::w4a16_linear_glu (the epilogue computes silu)
 
 
@@ -175,27 +176,104 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
 
 
+def ec_rows(Bs, alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [sum N, RC], offsets [sum N] int32) of ECs sharing an input, for the TMA kernel's EC epilogue
+    (``w4a16_gemv_tma._ec_rows``): row n of part i holds ``alpha_i * B_i[n]`` (in fp32, then B's dtype,
+    as ``concatenated_ecs`` rounds it) padded to RC = max rank with zeros, and its offset is part i's
+    first column of the stacked g * h. ``sum_j rows[n, j] gh[off[n] + j]`` is then row n of the
+    block-diagonal ``B gh`` of ``concatenated_ecs``, reading RC instead of sum R columns per row (a
+    third of the bytes for q/k/v). Cached like ``concatenated``."""
+    from .w4a16_triton import derived_cached
+
+    def make() -> tuple:
+        rc = max(b.shape[1] for b in Bs)
+        rows, offs, r0 = [], [], 0
+        for b, al in zip(Bs, alphas):
+            n, r = b.shape
+            rows.append(torch.nn.functional.pad((al.float() * b.float()).to(b.dtype), (0, rc - r)))
+            offs.append(torch.full((n,), r0, dtype=torch.int32, device=b.device))
+            r0 += r
+        return torch.cat(rows).contiguous(), torch.cat(offs)
+
+    return derived_cached(_EC_ROWS, [*Bs, *alphas], make)
+
+
+def ec_rows_emulated(gh: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, R: int) -> torch.Tensor:
+    """What the TMA kernel's EC epilogue adds per row, in PyTorch (fp32): the CPU check of ``ec_rows``."""
+    cols = offs.long()[:, None] + torch.arange(rows.shape[1], device=rows.device)[None, :]
+    g = torch.where(cols < R, gh.float()[cols.clamp_max(R - 1)], torch.zeros((), device=gh.device))
+    return (rows.float() * g).sum(1)
+
+
+def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool) -> bool:
+    """Whether the TMA kernel in ``cfg`` (the tuned table's for the shape, or None) adds a decode EC in
+    its epilogue on ``device``: PDL runs there (Hopper: the GEMV waits for the EC's producer grid only
+    before its epilogue), the config allows the EC epilogue (``ec_ok``) and, with ``norm``, the RMSNorm
+    prologue (``norm_ok``). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
+    everywhere: for A/B measurements and as an escape hatch). Asked at run time (``ec_tma_config``) and
+    by the passes before they rewrite (``fuse_rmsnorm``) or name the kernel (``phase_dispatch``)."""
+    import os
+
+    from .ec_decode_triton import pdl_ok
+    from .w4a16_gemv_tma import ec_ok, norm_ok
+
+    if cfg is None or os.environ.get("SPEAR_NO_TMA_EC", "0") not in ("", "0"):
+        return False
+    return pdl_ok(device) and ec_ok(cfg) and (not norm or norm_ok(cfg))
+
+
+def ec_tma_config(x2: torch.Tensor, N: int, group_size: int, params: tuple, norm: Optional[tuple]) -> Optional[tuple]:
+    """The TMA config whose EC epilogue runs a decode EC GEMV of N rows (with the RMSNorm prologue when
+    ``norm``), or None: the tuned table's TMA config for the shape (``tma_config``) where
+    ``ec_epilogue_ok``."""
+    from .w4a16_gemv_tma import tma_config
+
+    cfg = tma_config(N, x2.shape[1], group_size, x2, params=params)
+    return cfg if ec_epilogue_ok(cfg, x2.device, norm is not None) else None
+
+
 def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
-                 act: str = "silu", out=None) -> torch.Tensor:
+                 act: str = "silu", out=None, norm: Optional[tuple] = None) -> torch.Tensor:
     """Y[1, sum N] of several EC-compensated linears sharing x: one M = 1 GEMV over the concatenated
-    weights with one block-diagonal EC (``concatenated_ecs``), through the same fused-EC kernels as a
-    single ``ec_linear`` (the PDL producer + GEMV pair on Hopper, else the single launch)."""
+    weights with one block-diagonal EC (``concatenated_ecs``). Where the tuned table runs the
+    concatenated shape on the TMA kernel (``ec_tma_config``): the EC's producer grid, then the TMA GEMV
+    launched with PDL adding each row's part of the EC in its epilogue (``ec_rows``). Elsewhere the same
+    fused-EC kernels as a single ``ec_linear`` (the PDL producer + CUDA-core GEMV pair on Hopper, else
+    the single launch). ``norm`` (weight, eps): x is RMS-normalised first - by the producer and the TMA
+    GEMV as they read it, or by ``rms_norm_ref`` on the other paths."""
     from .w4a16_triton import gemv1_ec
 
-    words, s, z, b = concatenated(qweights, scales, zeros, biases)
+    N = sum(q.shape[0] for q in qweights)
     ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
+    cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm)
+    if cfg is not None:
+        from .ec_decode_triton import ec_produce
+        from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
+        from .w4a16_triton import GH_COPIES
+
+        descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
+        rows, offs = ec_rows(Bs, alphas)
+        gh, pdl = ec_produce(x2, ec, act, norm)
+        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm, ec=epi)
+    words, s, z, b = concatenated(qweights, scales, zeros, biases)
+    x2 = rms_norm_ref(x2, *norm) if norm is not None else x2
     return gemv1_ec(x2, None, s, z, group_size, b, ec, act, out=out, words=words)
 
 
 def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
-                       act="silu", layout="spear"):
+                       act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
+    from ..quant.ops import check_norm
     from .dispatch import _triton_ok, ec_linear_cuda
 
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")  # (the op's body does not run on CUDA)
     x2 = x.reshape(-1, x.shape[-1])
+    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
         y = ec_gemv1_cat(x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
-                         alphas, act)
+                         alphas, act, norm=norm)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    x = rms_norm_ref(x, *norm) if norm is not None else x
     return torch.cat([ec_linear_cuda(x, *part, act, layout) for part in
                       ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)], dim=-1)
 

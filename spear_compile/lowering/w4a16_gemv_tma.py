@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from ._triton import next_pow2
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 
 HAS_TMA = False
@@ -246,21 +247,18 @@ if HAS_TMA:
         return xsmem
 
     @gluon.jit
-    def _store_glu(acc, acc1, S, Z, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr, WARPS: gl.constexpr,
-                   PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr):
-        """GLU epilogue: the CTA's BN rows are BN / 2 gate rows then the matching BN / 2 up rows
+    def _store_glu(out, Y, N, pid, BN: gl.constexpr, WARPS: gl.constexpr):
+        """GLU epilogue: the CTA's BN rows ``out`` are BN / 2 gate rows then the matching BN / 2 up rows
         (``glu_interleave``); they meet through shared memory (the MMA layout spreads a row over
         lanes) and the CTA stores Y[pid BN / 2 + i] = silu(gate_i) * up_i, rounded as the unfused
         graph rounds: gate and up to bf16, silu in fp32 to bf16, the product to bf16."""
         buf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        _store_glu_buf(buf, acc, acc1, S, Z, Y, N, pid, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
+        _store_glu_buf(buf, out, Y, N, pid, BN, WARPS)
 
     @gluon.jit
-    def _store_glu_buf(buf, acc, acc1, S, Z, Y, N, pid, BN: gl.constexpr, mma: gl.constexpr, WARPS: gl.constexpr,
-                       PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr):
+    def _store_glu_buf(buf, out, Y, N, pid, BN: gl.constexpr, WARPS: gl.constexpr):
         """``_store_glu`` through a caller's [BN] fp32 shared buffer (the persistent kernel reuses one)."""
         H: gl.constexpr = BN // 2
-        out, _, _ = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
         buf.store(out)
         gl.thread_barrier()
         l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -271,12 +269,61 @@ if HAS_TMA:
         gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, N, K, NG,
-                               WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+    def _ec_rows(on, mo, EB, ROFF, GH, ALPHA, RC, R, GHS, pid, RC_P: gl.constexpr, HAS_ROFF: gl.constexpr,
+                 GH_COPIES: gl.constexpr, WAIT: gl.constexpr, WARPS: gl.constexpr):
+        """The decode EC's term for the CTA's rows ``on``: ``alpha * sum_j EB[n, j] gh[ROFF[n] + j]``
+        (fp32, in ``on``'s layout). ``gh`` (g * h, R values) is published by the producer grid
+        (``ec_decode_triton``) in GH_COPIES copies GHS apart; a CTA reads copy pid % GH_COPIES. EB holds
+        each row's RC EC columns: B itself (ROFF absent: every row reads gh[0:RC]), or for a
+        concatenation of ECs each row's own part of the block-diagonal B (``w4a16_cat.ec_rows``: part
+        i's rows with its alpha folded in and ROFF = its first column), which reads 1 / parts of the
+        block-diagonal B's bytes. EB and ROFF are loaded before the wait (they do not depend on the
+        producer); WAIT: ``griddepcontrol.wait`` (the GEMV was launched with PDL behind the producer
+        grid: it returns once that grid has finished and its writes are visible)."""
+        l2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        rows = gl.convert_layout(on, gl.SliceLayout(1, l2))
+        mrow = gl.convert_layout(mo, gl.SliceLayout(1, l2))
+        cols = gl.arange(0, RC_P, layout=gl.SliceLayout(0, l2))
+        m2 = gl.expand_dims(mrow, 1) & gl.expand_dims(cols < RC, 0)
+        b = gl.load(EB + gl.expand_dims(rows, 1) * RC + gl.expand_dims(cols, 0), mask=m2, other=0.0)
+        if HAS_ROFF:
+            gc = gl.expand_dims(gl.load(ROFF + rows, mask=mrow, other=0), 1) + gl.expand_dims(cols, 0)
+        else:
+            gc = gl.expand_dims(rows * 0, 1) + gl.expand_dims(cols, 0)
+        alpha = gl.load(ALPHA).to(gl.float32)
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+        gh = gl.load(GH + (pid % GH_COPIES) * GHS + gc, mask=m2 & (gc < R), other=0.0, cache_modifier=".cg")
+        e = gl.sum(b.to(gl.float32) * gh, axis=1) * alpha
+        return gl.convert_layout(e, on.type.layout)
+
+    @gluon.jit
+    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, EB, ROFF, GH, ALPHA, RC, R, GHS, BN: gl.constexpr,
+                  mma: gl.constexpr, WARPS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GLU: gl.constexpr, HAS_EC: gl.constexpr, RC_P: gl.constexpr,
+                  HAS_ROFF: gl.constexpr, GH_COPIES: gl.constexpr, WAIT: gl.constexpr):
+        """The CTA's BN rows (no K-split): ``_rows_out``, the EC term (HAS_EC), then the GLU store or the
+        bias and a plain store."""
+        out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
+        if HAS_EC:
+            out += _ec_rows(on, mo, EB, ROFF, GH, ALPHA, RC, R, GHS, pid, RC_P, HAS_ROFF, GH_COPIES, WAIT, WARPS)
+        if GLU:
+            _store_glu(out, Y, N, pid, BN, WARPS)
+        else:
+            if HAS_BIAS:
+                out += gl.load(BIAS + on, mask=mo, other=0.0).to(gl.float32)
+            gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
+
+    @gluon.jit
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K, NG, RC, R,
+                               GHS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
                                HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
-                               NORM: gl.constexpr = False):
+                               NORM: gl.constexpr = False, HAS_EC: gl.constexpr = False, RC_P: gl.constexpr = 16,
+                               HAS_ROFF: gl.constexpr = False, GH_COPIES: gl.constexpr = 16,
+                               WAIT: gl.constexpr = False):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
@@ -285,7 +332,9 @@ if HAS_TMA:
         in ``_split_store``. GLU: the rows are gate / up blocks of BN / 2 interleaved
         (``glu_interleave``) and the CTA stores silu(gate) * up, BN / 2 values (``_store_glu``).
         NORM (OPS = 2, SPLIT = 1): x is RMS-normalised (weight NW, epsilon EPS) as it is staged
-        (``_stage_x``), in place of a separate RMSNorm kernel."""
+        (``_stage_x``), in place of a separate RMSNorm kernel. HAS_EC (SPLIT = 1): the decode EC's term
+        is added to the rows before the bias / GLU (``_ec_rows``; WAIT when launched with PDL behind
+        the EC's producer grid)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -352,10 +401,9 @@ if HAS_TMA:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        if GLU:
-            _store_glu(acc, acc1, S, Z, Y, N, pid, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
-        elif SPLIT == 1:
-            _store_rows(acc, acc1, S, Z, BIAS, Y, N, pid, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
+        if SPLIT == 1:
+            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, EB, ROFF, GH, ALPHA, RC, R, GHS, BN, mma, WARPS, PER_CHANNEL,
+                      HAS_Z, HAS_BIAS, GLU, HAS_EC, RC_P, HAS_ROFF, GH_COPIES, WAIT)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
@@ -423,7 +471,8 @@ if HAS_TMA:
             if kk == KT - 1:  # the row block's last K step: store its rows, start the next one
                 rb = pid + (t // KT) * P
                 if GLU:
-                    _store_glu_buf(gbuf, acc, acc1, S, Z, Y, N, rb, BN, mma, WARPS, PER_CHANNEL, HAS_Z)
+                    _store_glu_buf(gbuf, _rows_out(acc, acc1, S, Z, N, rb, BN, mma, PER_CHANNEL, HAS_Z)[0], Y, N, rb,
+                                   BN, WARPS)
                 else:
                     _store_rows(acc, acc1, S, Z, BIAS, Y, N, rb, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
                 acc = zero
@@ -445,7 +494,7 @@ def _layouts(config: tuple):
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False,
-                 norm: bool = False) -> dict:
+                 norm: bool = False, ec: bool = False) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
@@ -457,11 +506,14 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     wl, tl_, smem = _layouts(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
-                 Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", N="i32", K="i32", NG="i32")
+                 Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", EB="*bf16", ROFF="*i32", GH="*fp32",
+                 ALPHA="*bf16", N="i32", K="i32", NG="i32", RC="i32", R="i32", GHS="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
+    if ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
+        consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
     if persist:
-        for name in ("WS", "CNT"):
+        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS"):
             del types[name]
         types["ROWS"] = "i32"
         for name in ("OPS", "SPLIT"):
@@ -600,13 +652,14 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                    out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None, glu: bool = False,
-                   norm: Optional[tuple] = None) -> torch.Tensor:
+                   norm: Optional[tuple] = None, ec: Optional["EcEpilogue"] = None) -> torch.Tensor:
     """Y[1, N] through the TMA-ring kernel (CUDA sm_90+ only). config = (WARPS, RB, CH, STAGES, OPS[, SPLIT]).
     ``descs``: (weight descriptor, scale descriptor or None) made by the caller (``w4a16_cat``'s
     concatenations; ``qweight`` is then not read: N comes from ``scales``). ``glu``: the N rows are
     gate / up blocks interleaved by ``glu_interleave`` for this config; Y is [1, N / 2] =
     silu(gate) * up (no bias, no K-split). ``norm``: (weight [K], eps) of an RMSNorm applied to x as the
-    kernel stages it (OPS = 2, no K-split; ``norm_ok``)."""
+    kernel stages it (OPS = 2, no K-split; ``norm_ok``). ``ec``: the decode EC's term added to every row
+    before the bias / GLU (``EcEpilogue``; no K-split, not persistent: ``ec_ok``)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
@@ -635,6 +688,8 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's "
                          f"K={K} and dtype {x2.dtype}")
+    if ec is not None:
+        ec.check(N, config)
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
                          f"of {step} columns")
@@ -661,15 +716,50 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         )
         return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
+    e = ec or EcEpilogue(scales, None, ws, scales, 1, 1)  # (unused without HAS_EC)
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
-        N, K, scales.shape[1],
+        e.b, e.roff if e.roff is not None else cnt, e.gh, e.alpha, N, K, scales.shape[1], e.b.shape[-1], e.r,
+        e.gh.stride(0) if e.gh.dim() == 2 else 0,
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
-        num_warps=warps,
+        HAS_EC=ec is not None, RC_P=max(16, next_pow2(e.b.shape[-1])), HAS_ROFF=e.roff is not None,
+        GH_COPIES=e.copies, WAIT=e.wait, num_warps=warps, **({"launch_pdl": True} if e.wait else {}),
     )
     return y
+
+
+class EcEpilogue:
+    """The decode EC's operands for the TMA kernel's epilogue (``_ec_rows``): ``b`` [N, RC] each row's EC
+    columns (B itself, or ``w4a16_cat.ec_rows`` of a concatenation), ``roff`` [N] int32 each row's first
+    column of g * h (None: 0 for every row), ``gh`` the producer's fp32 [copies, >= r] g * h rows
+    (``ec_decode_triton.ec_produce``), ``alpha`` a one-element tensor, ``r`` the length of g * h, and
+    ``wait``: the GEMV is launched with PDL behind the producer grid and waits for it before reading
+    ``gh`` (False: the producer ran before, in stream order)."""
+
+    def __init__(self, b, roff, gh, alpha, r: int, copies: int, wait: bool = False):
+        self.b, self.roff, self.gh, self.alpha, self.r, self.copies, self.wait = b, roff, gh, alpha, r, copies, wait
+
+    def check(self, N: int, config: tuple) -> None:
+        if not ec_ok(config):
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+        if self.b.dim() != 2 or self.b.shape[0] != N or not self.b.is_contiguous():
+            raise ValueError(f"w4a16_gemv_tma: EC rows {tuple(self.b.shape)} must be a contiguous [{N}, RC] matrix")
+        if self.roff is not None and (tuple(self.roff.shape) != (N,) or self.roff.dtype != torch.int32):
+            raise ValueError(f"w4a16_gemv_tma: EC row offsets {tuple(self.roff.shape)} {self.roff.dtype} must be int32 "
+                             f"[{N}]")
+        if self.gh.dim() != 2 or self.gh.shape[0] < self.copies or self.gh.dtype != torch.float32:
+            raise ValueError(f"w4a16_gemv_tma: g * h {tuple(self.gh.shape)} {self.gh.dtype} must be fp32 with "
+                             f"{self.copies} rows")
+        if self.alpha.numel() != 1:
+            raise ValueError(f"w4a16_gemv_tma: EC alpha has {self.alpha.numel()} elements, expected 1")
+
+
+def ec_ok(config: tuple) -> bool:
+    """Whether a config can add the decode EC in its epilogue: no K-split, not persistent."""
+    _, _, _, _, _, split, persist = unpack_config(config)
+    return split == 1 and persist == 0
 
 
 def norm_ok(config: tuple) -> bool:

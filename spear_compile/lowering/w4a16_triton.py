@@ -761,13 +761,26 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
 
 def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
              out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: the producer launch + PDL-launched GEMV on Hopper
-    (1.09-1.26x W4 against 1.16-1.98x for the single launch, NOTES.md), else the single launch.
-    ``words``: the GEMV layout itself (``qweight`` unused; ``w4a16_cat``'s concatenations)."""
+    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: on Hopper the producer launch + a PDL-launched GEMV -
+    the TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
+    (``w4a16_cat.ec_tma_config``), else the CUDA-core kernel (1.09-1.26x W4 against 1.16-1.98x for
+    the single launch, NOTES.md); elsewhere the single launch. ``words``: the GEMV layout itself
+    (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the TMA route themselves)."""
     from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
 
     if pdl_ok(x2.device):
         N = words.shape[0] if words is not None else qweight.shape[0]
+        if words is None and ec[1].is_contiguous():
+            from .w4a16_cat import ec_tma_config
+
+            cfg = ec_tma_config(x2, N, G, (scales, zeros), None)
+            if cfg is not None:
+                from .ec_decode_triton import ec_produce
+                from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
+
+                gh, pdl = ec_produce(x2, ec, act)
+                epi = EcEpilogue(ec[1], None, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out, ec=epi)
         cfg = ec_pdl_config(N, x2.shape[1], G)
         return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)

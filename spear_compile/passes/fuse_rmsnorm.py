@@ -1,7 +1,7 @@
 """Pass: at decode, the RMSNorm in front of a concatenated / GLU GEMV moves into the GEMV's x staging.
 
-Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``spear::w4a16_linear_glu`` node (made at M == 1
-             by ``fuse_shared_input`` / ``fuse_glu``) when it is an RMSNorm computed in fp32 and read by
+Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``spear::w4a16_linear_glu`` / ``spear::ec_linear_cat``
+             node (made at M == 1 by ``fuse_shared_input`` / ``fuse_glu``) when it is an RMSNorm computed in fp32 and read by
              nothing else: ``mul(convert(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps))), dt), w)``
              with ``xf = convert(x, f32)`` (or x itself in an fp32 model) and ``w`` one weight per feature
              (the Llama / HF ``LlamaRMSNorm`` form, either operand order of the multiplies).
@@ -19,7 +19,10 @@ in front of GEMVs whose CTAs each stage all of x in shared memory anyway (the TM
 each CTA sums the squares of x as it reads it and stages the normalised values
 (``lowering/w4a16_gemv_tma._stage_x``), and the norm kernel disappears. On a GPU the pass rewrites
 only where that kernel runs (the tuned table's TMA config for the shape, x staged in shared memory,
-no K-split); elsewhere Inductor's norm kernel stays. On the CPU the op is the reference either way,
+no K-split); elsewhere Inductor's norm kernel stays. For ``ec_linear_cat`` (q/k/v or gate/up with ECs)
+both kernels of the decode EC normalise x themselves: the EC's producer grid and the TMA GEMV that
+adds the EC in its epilogue (``lowering/ec_decode_triton.py``), so the GEMV still waits for the
+producer only before its epilogue. On the CPU the op is the reference either way,
 so the rewrite is made there too, which keeps it tested.
 """
 from __future__ import annotations
@@ -32,9 +35,10 @@ import torch.fx as fx
 from .base import SpearPass
 from .common import bind, positional, record
 from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert, tma_config_of
+from .fuse_shared_input import EC_CAT
 
 ATEN = torch.ops.aten
-TARGETS = (W4A16_CAT, GLU)
+TARGETS = (W4A16_CAT, GLU, EC_CAT)
 
 
 def rms_norm_of(out) -> Optional[tuple[fx.Node, fx.Node, float, list[fx.Node]]]:
@@ -106,10 +110,16 @@ class FuseRMSNorm(SpearPass):
         return count
 
     def _prologue_runs(self, node: fx.Node, kw: dict) -> bool:
-        """CPU: always (the reference either way); GPU: where the TMA kernel stages x for the shape."""
-        if kw["x"].meta["val"].device.type != "cuda":
+        """CPU: always (the reference either way); GPU: where the TMA kernel stages x for the shape (for
+        an EC concatenation: where that kernel adds the EC in its epilogue behind a PDL producer, as
+        ``w4a16_cat.ec_tma_config`` asks at run time)."""
+        dev = kw["x"].meta["val"].device
+        if dev.type != "cuda":
             return True
+        from ..lowering.w4a16_cat import ec_epilogue_ok
         from ..lowering.w4a16_gemv_tma import norm_ok
 
         cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target is GLU)
+        if node.target is EC_CAT:
+            return ec_epilogue_ok(cfg, dev, norm=True)
         return cfg is not None and norm_ok(cfg)

@@ -36,7 +36,7 @@ W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 EC_CAT = torch.ops.spear.ec_linear_cat.default
 SLICE = torch.ops.aten.slice.Tensor
 KERNEL = "one {gemv} over the weights concatenated with the other linears of this input"
-EC_KERNEL = ("one triton GEMV with EC epilogue over the weights concatenated with the other EC linears of this "
+EC_KERNEL = ("one {gemv} with EC epilogue over the weights concatenated with the other EC linears of this "
              "input, their ECs as one block-diagonal EC")
 
 
@@ -88,13 +88,13 @@ class FuseSharedInput(SpearPass):
         dim = cat.meta["val"].dim() - 1
         x_val = x.meta["val"]
         K = int(x_val.shape[-1])
-        if has_ec:
-            kernel = EC_KERNEL
-        else:
-            from .phase_dispatch import _dtypes, gemv_name
+        from .phase_dispatch import _dtypes, ec_gemv_name, gemv_name
 
-            total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
-            params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
+        total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
+        params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
+        if has_ec:
+            kernel = EC_KERNEL.format(gemv=ec_gemv_name(total, K, G, x_val, params))
+        else:
             kernel = KERNEL.format(gemv=gemv_name(total, K, G, x_val, params))
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:

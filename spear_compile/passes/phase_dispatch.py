@@ -69,6 +69,20 @@ def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, p
     return "triton GEMV (M = 1)"
 
 
+def ec_gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = ()) -> str:
+    """The M = 1 GEMV that runs an [N, K] weight with a decode EC: the TMA-fed Gluon kernel with the EC
+    in its epilogue where its config allows it and PDL runs (``w4a16_cat.ec_tma_config``), else the
+    CUDA-core Triton kernel."""
+    from ..lowering.w4a16_cat import ec_epilogue_ok
+    from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
+
+    cfg = (tma_config_for(N, K, G, x_val.dtype, x_val.device, param_dtypes=param_dtypes)
+           if N is not None and G is not None and HAS_GLUON else None)
+    if ec_epilogue_ok(cfg, x_val.device, norm=False):
+        return "gluon TMA-ring GEMV"
+    return "triton GEMV"
+
+
 def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N: Optional[int] = None,
                G: Optional[int] = None, param_dtypes: tuple = ()) -> str:
     """Which implementation will run this node (for the inspection report); N and G (the weight's
@@ -83,7 +97,7 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N:
     gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
     K = int(x_val.shape[-1])
-    fused = (f"{producers} triton GEMV with EC epilogue" if has_ec
+    fused = (f"{producers} {ec_gemv_name(N, K, G, x_val, param_dtypes)} with EC epilogue" if has_ec
              else f"{gemv_name(N, K, G, x_val, param_dtypes)} / {gemm}")
     over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
             "side stream, or first and into the GEMM's C operand" if has_ec else gemm)

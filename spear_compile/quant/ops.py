@@ -278,12 +278,17 @@ def ec_linear_cat(
     alphas: list[Tensor],
     act: str = "silu",
     layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
 ) -> Tensor:
     """Several EC-compensated 4-bit linears that read the same ``x``, outputs concatenated along the
     last dim: ``cat([ec_linear(x, qweights[i], ..., As[i], ...) for i], -1)``. Made by the
     ``fuse_shared_input`` pass when ``CompileConfig.fuse_shared_input_ec`` is on, so that a GPU runs
-    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``)."""
+    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``).
+    ``norm_weight``: as in ``w4a16_linear_cat`` (the EC's producer and the GEMV each normalise x)."""
     _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
     return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
                       ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
                      dim=-1)
@@ -302,8 +307,9 @@ def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b
 
 @ec_linear_cat.register_fake
 def _(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu",
-      layout="spear"):
+      layout="spear", norm_weight=None, norm_eps=1e-6):
     _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
     n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
     return x.new_empty((*x.shape[:-1], n))
 

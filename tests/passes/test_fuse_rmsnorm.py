@@ -140,3 +140,37 @@ def test_the_reference_norm_is_the_models(dtype):
     x = torch.randn(3, 64, dtype=dtype) * 4
     with torch.no_grad():
         torch.testing.assert_close(rms_norm_ref(x, norm.weight, 1e-5), norm(x), rtol=0, atol=0)
+
+
+def test_norm_moves_into_the_ec_concatenation_and_matches_eager():
+    """q/k/v and gate/up with ECs (spear::ec_linear_cat): both norms move into them; the compiled decode
+    step equals eager; the op applies the norm (its reference is the parts on rms_norm_ref(x))."""
+    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.quant import quantize_rtn
+    from tests.helpers import spear_ops_after
+    from tests.passes.test_fuse_shared_input import _ec, _llama_with_ecs
+
+    m = _llama_with_ecs()
+    x = torch.randn(1, 1, 64)
+    rep = capture(m, (x,))
+    ops = spear_ops_after(rep)
+    assert ops["spear.ec_linear_cat.default"] == 2, ops
+    snap = snapshot(rep, "fuse_rmsnorm")
+    assert snap.matched_count == 2
+    assert snap.before.count("aten.rsqrt.default") == 3 and snap.after.count("aten.rsqrt.default") == 1  # final norm
+    normed = {r["weight"].split(".")[-2] for r in rep.linears if r.get("rms_norm")}
+    assert normed == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, normed
+    assert_compiled_matches_eager(m, x, tol=1e-5)
+    off = capture(m, (x,), config=CompileConfig(fuse_rmsnorm=False))
+    assert snapshot(off, "fuse_rmsnorm").matched_count == 0
+    # the op itself: norm_weight applies rms_norm_ref before the parts
+    parts = [quantize_rtn(torch.randn(n, 64) * 0.05, spear.QuantConfig(group_size=32)) for n in (16, 8)]
+    ecs = [_ec(64, n, r, r) for n, r in ((16, 4), (8, 2))]
+    ec_lists = [[getattr(e, k).detach() for e in ecs] for k in ("A", "B", "W1", "b1", "W2", "b2", "alpha")]
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    xx, w = torch.randn(2, 64), torch.rand(64) + 0.5
+    y = torch.ops.spear.ec_linear_cat(xx, qs, ss, zs, 32, [None, None], *ec_lists, "silu", "spear", w, 1e-5)
+    ref = torch.ops.spear.ec_linear_cat(rms_norm_ref(xx, w, 1e-5), qs, ss, zs, 32, [None, None], *ec_lists)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    with pytest.raises(spear.QuantFormatError, match=r"spear::ec_linear_cat: norm_weight has shape \(32,\)"):
+        torch.ops.spear.ec_linear_cat(xx, qs, ss, zs, 32, [None, None], *ec_lists, "silu", "spear", w[:32], 1e-5)

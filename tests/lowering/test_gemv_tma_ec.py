@@ -1,0 +1,163 @@
+"""The decode EC in the TMA GEMV's epilogue (``w4a16_gemv_tma._ec_rows``), behind the EC's producer grid.
+
+The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU the routing is checked
+(which configs and devices take the EC epilogue) and ``w4a16_cat.ec_rows`` - the per-row EC columns the
+epilogue reads - is checked through its emulation in ``test_ec_decode_pdl.py``; the kernel is compiled
+for sm_90 in ``test_gemv_tma.py``. On a Hopper GPU the concatenated and single EC GEMVs run against
+the reference, with and without the RMSNorm prologue, twice (the producer's counter must be reset),
+and under a CUDA graph.
+"""
+import pytest
+import torch
+
+from spear_compile.lowering.ec_linear import ec_linear_ref
+
+from .test_gemv_gluon import _case
+
+gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+pytestmark = pytest.mark.skipif(not gt.HAS_TMA, reason="needs Triton with Gluon and its Hopper TMA ops (>= 3.5)")
+on_hopper = pytest.mark.skipif(not HOPPER, reason="runs the kernel: TMA and PDL need CUDA sm_90+")
+
+
+def _ec(N, K, R, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(R, K, generator=gen) / K ** 0.5
+    B = torch.randn(N, R, generator=gen) * 0.3
+    W1, b1 = torch.randn(D, R, generator=gen) / R ** 0.5, torch.randn(D, generator=gen) * 0.1
+    W2, b2 = torch.randn(R, D, generator=gen) / D ** 0.5, torch.randn(R, generator=gen)
+    return [t.to(torch.bfloat16) for t in (A, B, W1, b1, W2, b2)] + [torch.tensor(1.25 + 0.25 * seed)]
+
+
+def _parts(K, G, dev="cuda"):
+    """q/k/v-like parts of 96, 40 and 120 rows (the middle one without a bias), ECs of rank 8, 5, 8."""
+    cases = [_case(n, K, G, seed=n) for n in (96, 40, 120)]
+    x = (cases[0][0] * 3).to(dev)
+    qs, ss, zs = ([c[i].to(dev) for c in cases] for i in (2, 3, 4))
+    bs = [cases[0][5].to(dev), None, cases[2][5].to(dev)]
+    ecs = [[t.to(dev) for t in _ec(n, K, r, 4, seed=i)] for i, (n, r) in enumerate(((96, 8), (40, 5), (120, 8)))]
+    return x, qs, ss, zs, bs, [list(v) for v in zip(*ecs)]
+
+
+def _ref(x, qs, ss, zs, G, bs, ecl, norm):
+    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+
+    xn = rms_norm_ref(x, *norm) if norm is not None else x
+    return torch.cat([ec_linear_ref(xn, q, s, z, G, b, *ec) for q, s, z, b, *ec in zip(qs, ss, zs, bs, *ecl)], -1)
+
+
+def _rel(y, ref):
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_ec_epilogue_routing(monkeypatch):
+    """ec_tma_config: only a tuned TMA config without a K-split or persistence, only where PDL runs,
+    and with an RMSNorm only where the config stages x in shared memory."""
+    from spear_compile.lowering import ec_decode_triton as ED
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    K, N = 1280, 256
+    x = torch.zeros(1, K, dtype=torch.bfloat16)
+    monkeypatch.setattr(gt, "_tma_capable", lambda device: True)
+    monkeypatch.setattr(ED, "pdl_ok", lambda device: True)
+    for cfg, plain, normed in (([4, 2, 2, 2, 2], True, True), ([8, 2, 1, 3, 0], True, False),
+                               ([4, 2, 2, 2, 2, 2], False, False), ([4, 2, 2, 3, 2, 1, 2], False, False)):
+        monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): cfg})
+        assert (C.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
+        assert (C.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
+    monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
+    assert C.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
+    monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")  # the escape hatch / A/B switch
+    assert C.ec_tma_config(x, N, 128, (), None) is None
+    monkeypatch.setenv("SPEAR_NO_TMA_EC", "0")
+    assert C.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
+    monkeypatch.setattr(ED, "pdl_ok", lambda device: False)
+    assert C.ec_tma_config(x, N, 128, (), None) is None
+
+
+def test_ec_epilogue_host_checks():
+    """Wrong EC operands are refused before any launch, naming what is wrong."""
+    ok = dict(b=torch.zeros(64, 8), roff=None, gh=torch.zeros(16, 8), alpha=torch.ones(()), r=8, copies=16)
+    gt.EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2))
+    for change, msg in ((dict(b=torch.zeros(32, 8)), r"EC rows \(32, 8\) must be a contiguous \[64, RC\]"),
+                        (dict(roff=torch.zeros(64, dtype=torch.int64)), "row offsets"),
+                        (dict(gh=torch.zeros(4, 8)), "must be fp32 with 16 rows"),
+                        (dict(alpha=torch.ones(2)), "alpha has 2 elements")):
+        with pytest.raises(ValueError, match=msg):
+            gt.EcEpilogue(**dict(ok, **change)).check(64, (4, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
+        gt.EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2, 2))
+
+
+@on_hopper
+@pytest.mark.parametrize("G", [128, None])
+@pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (8, 2, 1, 3, 0)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, norm, monkeypatch):
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    K = 1280
+    Gs = G or K
+    x, qs, ss, zs, bs, ecl = _parts(K, Gs)
+    nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5) if norm else None
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
+    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, Gs): list(config)}))
+    ref = _ref(x, qs, ss, zs, Gs, bs, ecl, nw)
+    for _ in range(2):  # the second launch relies on the producer's counter having been reset
+        y = C.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
+        assert _rel(y, ref) < 1e-2
+    takes_tma = not (norm and config[4] != gt.OPS_SMEM)
+    assert len(calls) == (2 if takes_tma else 0) and all(c is not None and c.wait for c in calls)
+    no_ec = torch.cat([torch.ops.spear.w4a16_linear(x if nw is None else C.rms_norm_ref(x, *nw), q, s, z, Gs, b)
+                       for q, s, z, b in zip(qs, ss, zs, bs)], -1)
+    assert _rel(no_ec, ref) > 5e-2  # the EC term is large enough that dropping it would fail
+
+
+@on_hopper
+def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
+    """The op's CUDA entry (norm_weight) and a single ec_linear's M = 1 path take the TMA epilogue where
+    the table has the shape, and match the reference."""
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    K, G = 1280, 128
+    x, qs, ss, zs, bs, ecl = _parts(K, G)
+    w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
+    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2],
+                                                              gt.tma_key(96, K, G): [4, 2, 2, 2, 2]}))
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
+    y = torch.ops.spear.ec_linear_cat(x.view(1, 1, K), qs, ss, zs, G, bs, *ecl, "silu", "spear", w, 1e-5)
+    assert y.shape == (1, 1, 256) and _rel(y.view(1, -1), _ref(x, qs, ss, zs, G, bs, ecl, (w, 1e-5))) < 1e-2
+    ec0 = tuple(v[0] for v in ecl)
+    y = T.gemv1_ec(x, qs[0], ss[0], zs[0], G, bs[0], ec0)
+    assert _rel(y, ec_linear_ref(x, qs[0], ss[0], zs[0], G, bs[0], *ec0)) < 1e-2
+    assert len(calls) == 2 and calls[1].roff is None
+
+
+@on_hopper
+def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
+    """The producer grid + PDL-launched TMA GEMV captured once and replayed with new inputs."""
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    K, G = 1280, 128
+    x, qs, ss, zs, bs, ecl = _parts(K, G)
+    nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5)
+    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2]}))
+    xs = x.clone()
+    C.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = C.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)
+    for seed in range(3):
+        xs.copy_(torch.randn(1, K, generator=torch.Generator().manual_seed(seed)).to(xs) * 2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, _ref(xs, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
