@@ -187,6 +187,7 @@ def time_variant(variant, batch, base_state, reps=50):
         # the whole decode step captured in one CUDA graph, median replay time (tuning.bench_graph)
         ms = bench_graph(lambda i: model(ids, pos), copies=1, calls=1, replays=reps) / 1e3
         out = model(ids, pos)
+        rerun_equal = bool(torch.equal(out, model(ids, pos)))  # run-to-run determinism of one compilation
     ok = bool(torch.isfinite(out.float()).all())
     # the same weights (and ECs) under other compile options must give the same logits: A/B variants
     # are compared with the first variant of their model (e.g. ours_w4_s11 with ours_w4)
@@ -197,7 +198,7 @@ def time_variant(variant, batch, base_state, reps=50):
     torch.cuda.empty_cache()
     torch._dynamo.reset()
     return {"variant": variant, "batch": batch, "ms_per_token": ms, "ec_linears": n_ec,
-            "logits_rel_diff": {"vs": first[0], "value": rel},
+            "logits_rel_diff": {"vs": first[0], "value": rel}, "rerun_bitwise_equal": rerun_equal,
             "compile_and_warmup_s": compile_s, "finite": ok}
 
 

@@ -43,13 +43,15 @@ if HAS_TRITON:
     from .w4a16_triton import _ec_gate_operands, _ec_gate_publish, _ec_h_partial
 
     @triton.jit
-    def _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr):
+    def _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr,
+                           SS_BLOCK: tl.constexpr):
         """``_ec_h_partial`` of the RMS-normalised x, rounded as the model's RMSNorm rounds (fp32, to x's
         dtype, times the weight, to x's dtype: ``w4a16_cat.rms_norm_ref``). The sum of squares is over all
-        of x, which every producer reads (2K bytes, L2-resident) before its own slice."""
-        ss = tl.zeros([BLOCK_KH], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_KH):
-            offs_k = k0 + tl.arange(0, BLOCK_KH)
+        of x, which every producer reads (2K bytes, L2-resident) before its own slice, SS_BLOCK values
+        per load (all of x at once up to 8192: one round trip on the producer's critical path)."""
+        ss = tl.zeros([SS_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, SS_BLOCK):
+            offs_k = k0 + tl.arange(0, SS_BLOCK)
             xv = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + EPS)
@@ -75,13 +77,14 @@ if HAS_TRITON:
         X, A, W1, B1, W2, B2, HBUF, GH, CNT, NW, EPS, K, R, D,
         P_H: tl.constexpr, P_HP: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr,
         ACT: tl.constexpr, GH_COPIES: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = False,
+        SS_BLOCK: tl.constexpr = 64,
     ):
         if PDL:  # the GEMV may start now: it waits for this grid only before its epilogue
             gdc_launch_dependents()
         pid = tl.program_id(0)
         offs_r = tl.arange(0, R_P)
         if NORM:  # x RMS-normalised (weight NW, epsilon EPS) as it is read
-            h = _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H, BLOCK_KH, R_P)
+            h = _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H, BLOCK_KH, R_P, SS_BLOCK)
         else:
             h = _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P)
         tl.store(HBUF + pid * R_P + offs_r, h)
@@ -132,7 +135,7 @@ def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tu
         x2, A, W1, b1, W2, b2, hbuf, gh, cnt, norm[0] if norm is not None else x2,
         float(norm[1]) if norm is not None else 0.0, K, R, D,
         P_H=p_h, P_HP=next_pow2(p_h), BLOCK_KH=PRODUCER_BLOCK_K, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
-        GH_COPIES=GH_COPIES, PDL=pdl, NORM=norm is not None, num_warps=4,
+        GH_COPIES=GH_COPIES, PDL=pdl, NORM=norm is not None, SS_BLOCK=min(next_pow2(K), 8192), num_warps=4,
     )
     return gh, pdl
 

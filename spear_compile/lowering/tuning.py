@@ -27,11 +27,13 @@ def gpu_key(device=None) -> str:
 
 def bench_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20, replays: int = 15,
                 warmup: int = 3) -> float:
-    """Median microseconds per ``fn(i)`` call, ``i`` cycling over ``copies``, inside a CUDA graph."""
+    """Median microseconds per ``fn(i)`` call, ``i`` cycling over ``copies``, inside a CUDA graph. The
+    warm-up calls every copy at least once, so that whatever a kernel derives from its inputs on first
+    use (weight layouts, TMA tiles) is made before the capture, not recorded into the graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(warmup):
+        for i in range(max(warmup, copies)):
             fn(i % copies)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()

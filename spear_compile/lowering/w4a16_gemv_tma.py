@@ -269,20 +269,18 @@ if HAS_TMA:
         gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
 
     @gluon.jit
-    def _ec_rows(on, mo, EB, ROFF, GH, ALPHA, RC, R, GHS, pid, RC_P: gl.constexpr, HAS_ROFF: gl.constexpr,
-                 GH_COPIES: gl.constexpr, WAIT: gl.constexpr, WARPS: gl.constexpr):
-        """The decode EC's term for the CTA's rows ``on``: ``alpha * sum_j EB[n, j] gh[ROFF[n] + j]``
-        (fp32, in ``on``'s layout). ``gh`` (g * h, R values) is published by the producer grid
-        (``ec_decode_triton``) in GH_COPIES copies GHS apart; a CTA reads copy pid % GH_COPIES. EB holds
-        each row's RC EC columns: B itself (ROFF absent: every row reads gh[0:RC]), or for a
-        concatenation of ECs each row's own part of the block-diagonal B (``w4a16_cat.ec_rows``: part
-        i's rows with its alpha folded in and ROFF = its first column), which reads 1 / parts of the
-        block-diagonal B's bytes. EB and ROFF are loaded before the wait (they do not depend on the
-        producer); WAIT: ``griddepcontrol.wait`` (the GEMV was launched with PDL behind the producer
-        grid: it returns once that grid has finished and its writes are visible)."""
+    def _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN: gl.constexpr, RC_P: gl.constexpr, HAS_ROFF: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """The decode EC's operands of the CTA's BN rows that do not depend on the producer, requested
+        before the K loop (at its end they would be one more dependent round trip on every CTA's tail):
+        ``(b, gc, m2, alpha)``: EB's rows [BN, RC_P] (bf16 as stored), the column of g * h each entry
+        multiplies, its mask, and alpha. EB holds each row's RC EC columns: B itself (ROFF absent: every
+        row reads gh[0:RC]), or for a concatenation of ECs each row's own part of the block-diagonal B
+        (``w4a16_cat.ec_rows``: part i's rows with its alpha folded in, ROFF = its first column), which
+        reads 1 / parts of the block-diagonal B's bytes."""
         l2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
-        rows = gl.convert_layout(on, gl.SliceLayout(1, l2))
-        mrow = gl.convert_layout(mo, gl.SliceLayout(1, l2))
+        rows = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, l2))
+        mrow = rows < N
         cols = gl.arange(0, RC_P, layout=gl.SliceLayout(0, l2))
         m2 = gl.expand_dims(mrow, 1) & gl.expand_dims(cols < RC, 0)
         b = gl.load(EB + gl.expand_dims(rows, 1) * RC + gl.expand_dims(cols, 0), mask=m2, other=0.0)
@@ -290,24 +288,34 @@ if HAS_TMA:
             gc = gl.expand_dims(gl.load(ROFF + rows, mask=mrow, other=0), 1) + gl.expand_dims(cols, 0)
         else:
             gc = gl.expand_dims(rows * 0, 1) + gl.expand_dims(cols, 0)
-        alpha = gl.load(ALPHA).to(gl.float32)
+        return b, gc, m2, gl.load(ALPHA).to(gl.float32)
+
+    @gluon.jit
+    def _ec_rows(b, gc, m2, alpha, GH, R, GHS, pid, out_layout: gl.constexpr, GH_COPIES: gl.constexpr,
+                 WAIT: gl.constexpr):
+        """The decode EC's term of the CTA's rows, ``alpha * sum_j b[n, j] gh[gc[n, j]]`` (fp32, in
+        ``out_layout``). ``gh`` (g * h, R values) is published by the producer grid (``ec_decode_triton``)
+        in GH_COPIES copies GHS apart; a CTA reads copy pid % GH_COPIES. WAIT: ``griddepcontrol.wait``
+        first (the GEMV was launched with PDL behind the producer grid: it returns once that grid has
+        finished and its writes are visible)."""
         if WAIT:
             gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                       pack=1)
         gh = gl.load(GH + (pid % GH_COPIES) * GHS + gc, mask=m2 & (gc < R), other=0.0, cache_modifier=".cg")
-        e = gl.sum(b.to(gl.float32) * gh, axis=1) * alpha
-        return gl.convert_layout(e, on.type.layout)
+        return gl.convert_layout(gl.sum(b.to(gl.float32) * gh, axis=1) * alpha, out_layout)
 
     @gluon.jit
-    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, EB, ROFF, GH, ALPHA, RC, R, GHS, BN: gl.constexpr,
+    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN: gl.constexpr,
                   mma: gl.constexpr, WARPS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GLU: gl.constexpr, HAS_EC: gl.constexpr, RC_P: gl.constexpr,
-                  HAS_ROFF: gl.constexpr, GH_COPIES: gl.constexpr, WAIT: gl.constexpr):
-        """The CTA's BN rows (no K-split): ``_rows_out``, the EC term (HAS_EC), then the GLU store or the
-        bias and a plain store."""
+                  HAS_BIAS: gl.constexpr, GLU: gl.constexpr, HAS_EC: gl.constexpr, GH_COPIES: gl.constexpr,
+                  WAIT: gl.constexpr):
+        """The CTA's BN rows (no K-split): ``_rows_out``, the EC term (HAS_EC: ``_ec_rows`` of the
+        operands ``_ec_operands`` requested before the K loop), then the GLU store or the bias and a
+        plain store."""
         out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
         if HAS_EC:
-            out += _ec_rows(on, mo, EB, ROFF, GH, ALPHA, RC, R, GHS, pid, RC_P, HAS_ROFF, GH_COPIES, WAIT, WARPS)
+            out += _ec_rows(ecb, ecg, ecm, eca, GH, R, GHS, pid, gl.SliceLayout(1, gl.SliceLayout(0, mma)),
+                            GH_COPIES, WAIT)
         if GLU:
             _store_glu(out, Y, N, pid, BN, WARPS)
         else:
@@ -367,6 +375,13 @@ if HAS_TMA:
             if i < KTS:
                 _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
                               SZ_TMA)
+        if HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
+            ecb, ecg, ecm, eca = _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN, RC_P, HAS_ROFF, WARPS)
+        else:
+            ecb = 0
+            ecg = 0
+            ecm = 0
+            eca = 0
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
             xsmem = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
@@ -402,8 +417,8 @@ if HAS_TMA:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if SPLIT == 1:
-            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, EB, ROFF, GH, ALPHA, RC, R, GHS, BN, mma, WARPS, PER_CHANNEL,
-                      HAS_Z, HAS_BIAS, GLU, HAS_EC, RC_P, HAS_ROFF, GH_COPIES, WAIT)
+            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN, mma, WARPS, PER_CHANNEL,
+                      HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 

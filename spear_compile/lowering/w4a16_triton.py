@@ -679,7 +679,9 @@ def _version(t: torch.Tensor) -> int:
 def derived_cached(cache: dict, sources: list, make):
     """``make()``, cached in ``cache`` under the identity of ``sources`` (tensors or None) while every
     source's storage lives and its version is unchanged: an in-place update remakes it, and entries
-    whose sources were freed are dropped when a new one is made."""
+    whose sources were freed are dropped when a new one is made. Making one while a CUDA graph is
+    being captured raises: the re-layout would be recorded and re-run at every replay (session 13
+    found a benchmark timing 8192^2 at 98 us instead of 15 that way)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     key = tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
@@ -688,6 +690,11 @@ def derived_cached(cache: dict, sources: list, make):
     hit = cache.get(key)
     if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
         return hit[2]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        shapes = [tuple(t.shape) for t in sources if t is not None]
+        raise RuntimeError(f"a W4A16 kernel's weight layout (derived from tensors of shapes {shapes}) is made on first "
+                           "use, and this first use is inside a CUDA graph capture, which would record the re-layout "
+                           "and re-run it at every replay: run the model (or op) once before capturing")
     for k in [k for k, v in cache.items() if any(r.expired() for r in v[0])]:  # sources freed since
         del cache[k]
     out = make()

@@ -155,3 +155,17 @@ def test_ec_pdl_tile_prefers_its_own_measurement(monkeypatch):
     table[T.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
     assert T.ec_pdl_config(256, 1024, 128) == (8, 128, 1, 1)
     assert T.ec_pdl_config(512, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])
+
+
+def test_derived_layouts_are_not_made_inside_a_graph_capture(monkeypatch):
+    """A weight layout made on first use inside a CUDA graph capture would be re-made at every replay:
+    refused with an error that says what to do; a layout made before the capture is still served."""
+    from spear_compile.lowering.w4a16_triton import derived_cached
+
+    cache, w, made = {}, torch.zeros(4, 8, dtype=torch.uint8), []
+    assert derived_cached(cache, [w], lambda: made.append(1) or "layout") == "layout"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert derived_cached(cache, [w], lambda: made.append(1) or "again") == "layout" and made == [1]
+    with pytest.raises(RuntimeError, match=r"shapes \[\(2, 8\)\].*run the model \(or op\) once before capturing"):
+        derived_cached(cache, [torch.zeros(2, 8)], lambda: "new")
