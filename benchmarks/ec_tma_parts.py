@@ -9,7 +9,9 @@ Variants per shape (us per call, weights cycled over copies that exceed L2):
   pair_pdl  the shipped path: the GEMV launched with PDL behind the producer, waiting before its epilogue
   v4_pdl    the CUDA-core GEMV's PDL pair (the path before session 13)
 If pair_pdl ~ pair_seq, PDL does not overlap the two grids; if ec_only >> w4, the epilogue itself costs.
-Usage (GPU): python benchmarks/ec_tma_parts.py --out DIR
+``--profile``: also a torch.profiler trace of one graph of 8 PDL pairs per shape: each kernel's start and
+end relative to the first (does the producer run beside the GEMV, and how long does it take there?).
+Usage (GPU): python benchmarks/ec_tma_parts.py --out DIR [--profile]
 """
 from __future__ import annotations
 
@@ -30,11 +32,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, make_ec, make_weights  # noqa: E402
 
 
+def trace(fn, copies: int, calls: int = 8) -> list:
+    """Kernels (name, start, end in us from the first kernel's start) of one replay of a graph of
+    ``calls`` calls of fn, as torch.profiler (CUPTI) sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ks.sort(key=lambda e: e.time_range.start)
+    t0 = ks[0].time_range.start if ks else 0
+    return [{"name": e.name, "start": e.time_range.start - t0, "end": e.time_range.end - t0} for e in ks]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="+", default=["8192x8192:64", "11008x4096:64", "12288x4096:192",
                                                     "28672x8192:64"])
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}
@@ -77,6 +103,10 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 row["us"][name] = None
                 print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        if args.profile:
+            row["trace"] = trace(lambda i: pair(i, True), copies)
+            for k in row["trace"][:6]:
+                print(f"   {k['name'][:40]:40s} start {k['start']:7.2f} end {k['end']:7.2f} us", flush=True)
         res["rows"].append(row)
         print(f"{N}x{K} r={r} cfg={cfg} " + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items() if v)
               + f"  err={max(err.values()):.1e}", flush=True)

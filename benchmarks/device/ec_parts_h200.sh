@@ -4,5 +4,5 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out"
-timeout 200 python benchmarks/ec_tma_parts.py --out "$out" 2>&1 | tee "$out/parts.log" | tail -n 8
+timeout 200 python benchmarks/ec_tma_parts.py --out "$out" --profile --shapes 8192x8192:64 12288x4096:192 2>&1 | tee "$out/parts.log" | tail -n 20
 bash benchmarks/device/pack.sh "$out"
