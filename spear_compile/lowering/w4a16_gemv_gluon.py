@@ -270,9 +270,15 @@ def compile_gluon_sm90(kernel, types: dict, consts: dict, warps: int) -> dict:
     signature strings, ``consts`` constexpr arguments to values. Pointer and integer arguments are
     marked divisible by 16, as a GPU launch with such values specialises them (tensor descriptors
     take no such mark). Returns the compiled kernel's ``asm`` dict (ttgir, ptx, cubin)."""
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
 
+    consts = dict(consts)
+    for name, p in inspect.signature(kernel.fn).parameters.items():  # constexprs left at their defaults
+        if p.default is not inspect.Parameter.empty and name not in consts and name not in types:
+            consts[name] = p.default
     sig = dict(types, **{c: "constexpr" for c in consts})
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in types.items()
              if not t.startswith("tensordesc")}
