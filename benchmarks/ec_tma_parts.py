@@ -6,8 +6,7 @@ Variants per shape (us per call, weights cycled over copies that exceed L2):
   prod      the EC's producer grid alone (h = A x, gate, publish g * h)
   ec_only   the TMA GEMV with the EC epilogue reading a g * h published before (no producer, no wait)
   pair_seq  producer, then the GEMV with the EC epilogue in plain stream order (no PDL)
-  pair_pdl  the GEMV launched with PDL behind the producer, waiting before its epilogue
-  grid      the shipped path: producer CTAs in the GEMV's own grid, a flag polled before the epilogue
+  pair_pdl  the shipped path: the GEMV launched with PDL behind the producer, waiting before its epilogue
   v4_pdl    the CUDA-core GEMV's PDL pair (the path before session 13)
 If pair_pdl ~ pair_seq, PDL does not overlap the two grids; if ec_only >> w4, the epilogue itself costs.
 ``--profile``: also a torch.profiler trace of one graph of 8 PDL pairs per shape: each kernel's start and
@@ -27,7 +26,6 @@ from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_decode_triton import ec_produce, w4a16_gemv1_ec_pdl
 from spear_compile.lowering.ec_linear import ec_linear_ref
-from spear_compile.lowering.w4a16_gemv_tma_ec import in_grid_epilogue
 from spear_compile.lowering.tuning import bench_graph, copies_for
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,13 +85,9 @@ def main() -> None:
             ec_produce(xs[i], ec)
             return GT.w4a16_gemv_tma(xs[i], *w(i), G, None, config=cfg, ec=epi(wait))
 
-        def grid(i):
-            return GT.w4a16_gemv_tma(xs[i], *w(i), G, None, config=cfg, ec=in_grid_epilogue(ec[1], None, ec, "silu"))
-
         ref = ec_linear_ref(xs[0], *w(0), G, None, *ec, "silu")
         err = {k: ((f().float() - ref.float()).norm() / ref.float().norm()).item()
-               for k, f in (("pair_pdl", lambda: pair(0, True)), ("pair_seq", lambda: pair(0, False)),
-                            ("grid", lambda: grid(0)))}
+               for k, f in (("pair_pdl", lambda: pair(0, True)), ("pair_seq", lambda: pair(0, False)))}
         row = {"N": N, "K": K, "r": r, "config": list(cfg), "err": err, "us": {}}
         fns = {
             "w4": lambda i: GT.w4a16_gemv_tma(xs[i], *w(i), G, None, config=cfg),
@@ -101,7 +95,6 @@ def main() -> None:
             "ec_only": lambda i: GT.w4a16_gemv_tma(xs[i], *w(i), G, None, config=cfg, ec=epi(False)),
             "pair_seq": lambda i: pair(i, False),
             "pair_pdl": lambda i: pair(i, True),
-            "grid": grid,
             "v4_pdl": lambda i: w4a16_gemv1_ec_pdl(xs[i], *w(i), G, None, ec, config=T.ec_pdl_config(N, K, G)),
         }
         for name, fn in fns.items():
@@ -111,7 +104,7 @@ def main() -> None:
                 row["us"][name] = None
                 print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         if args.profile:
-            row["trace"] = trace(lambda i: pair(i, True), copies) + trace(grid, copies)
+            row["trace"] = trace(lambda i: pair(i, True), copies)
             for k in row["trace"][:6]:
                 print(f"   {k['name'][:40]:40s} start {k['start']:7.2f} end {k['end']:7.2f} us", flush=True)
         res["rows"].append(row)

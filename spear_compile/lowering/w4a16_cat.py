@@ -207,9 +207,9 @@ def ec_rows_emulated(gh: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, R
 
 def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool) -> bool:
     """Whether the TMA kernel in ``cfg`` (the tuned table's for the shape, or None) adds a decode EC in
-    its epilogue on ``device`` (``w4a16_gemv_tma_ec``): a Hopper GPU (``pdl_ok``: where the CUDA-core
-    alternative is the PDL pair), the config allows the EC epilogue (``ec_ok``) and, with ``norm``, the
-    RMSNorm prologue (``norm_ok``). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
+    its epilogue on ``device``: PDL runs there (Hopper: the GEMV waits for the EC's producer grid only
+    before its epilogue), the config allows the EC epilogue (``ec_ok``) and, with ``norm``, the RMSNorm
+    prologue (``norm_ok``). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
     everywhere: for A/B measurements and as an escape hatch). Asked at run time (``ec_tma_config``) and
     by the passes before they rewrite (``fuse_rmsnorm``) or name the kernel (``phase_dispatch``)."""
     import os
@@ -236,9 +236,8 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
                  act: str = "silu", out=None, norm: Optional[tuple] = None) -> torch.Tensor:
     """Y[1, sum N] of several EC-compensated linears sharing x: one M = 1 GEMV over the concatenated
     weights with one block-diagonal EC (``concatenated_ecs``). Where the tuned table runs the
-    concatenated shape on the TMA kernel (``ec_tma_config``): that kernel with the EC's producer CTAs in
-    its grid and each row's part of the EC added in its epilogue (``ec_rows``,
-    ``w4a16_gemv_tma_ec``). Elsewhere the same
+    concatenated shape on the TMA kernel (``ec_tma_config``): the EC's producer grid, then the TMA GEMV
+    launched with PDL adding each row's part of the EC in its epilogue (``ec_rows``). Elsewhere the same
     fused-EC kernels as a single ``ec_linear`` (the PDL producer + CUDA-core GEMV pair on Hopper, else
     the single launch). ``norm`` (weight, eps): x is RMS-normalised first - by the producer and the TMA
     GEMV as they read it, or by ``rms_norm_ref`` on the other paths."""
@@ -248,13 +247,15 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
     ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
     cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm)
     if cfg is not None:
-        from .w4a16_gemv_tma import w4a16_gemv_tma
-        from .w4a16_gemv_tma_ec import in_grid_epilogue
+        from .ec_decode_triton import ec_produce
+        from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
+        from .w4a16_triton import GH_COPIES
 
         descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
         rows, offs = ec_rows(Bs, alphas)
-        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm,
-                              ec=in_grid_epilogue(rows, offs, ec, act))
+        gh, pdl = ec_produce(x2, ec, act, norm)
+        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm, ec=epi)
     words, s, z, b = concatenated(qweights, scales, zeros, biases)
     x2 = rms_norm_ref(x2, *norm) if norm is not None else x2
     return gemv1_ec(x2, None, s, z, group_size, b, ec, act, out=out, words=words)

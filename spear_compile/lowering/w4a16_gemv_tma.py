@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import ACT_CODES, next_pow2
+from ._triton import next_pow2
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 from .w4a16_gemv_tma_ec import EcEpilogue
 
@@ -51,7 +51,7 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
 
     from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
-    from .w4a16_gemv_tma_ec import _ec_operands, _ec_producer_cta, _ec_rows
+    from .w4a16_gemv_tma_ec import _ec_operands, _ec_rows
 
     try:  # Hopper TMA and mbarriers in Gluon (Triton 3.5+); without them the dispatch never picks this kernel
         from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -271,17 +271,17 @@ if HAS_TMA:
         gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
 
     @gluon.jit
-    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, CNT, R, GHS, ROWS, BN: gl.constexpr,
+    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN: gl.constexpr,
                   mma: gl.constexpr, WARPS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                   HAS_BIAS: gl.constexpr, GLU: gl.constexpr, HAS_EC: gl.constexpr, GH_COPIES: gl.constexpr,
-                  WAIT: gl.constexpr, IN_GRID: gl.constexpr):
+                  WAIT: gl.constexpr):
         """The CTA's BN rows (no K-split): ``_rows_out``, the EC term (HAS_EC: ``_ec_rows`` of the
         operands ``_ec_operands`` requested before the K loop), then the GLU store or the bias and a
         plain store."""
         out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
         if HAS_EC:
-            out += _ec_rows(ecb, ecg, ecm, eca, GH, CNT, R, GHS, pid, ROWS, gl.SliceLayout(1, gl.SliceLayout(0, mma)),
-                            GH_COPIES, WAIT, IN_GRID)
+            out += _ec_rows(ecb, ecg, ecm, eca, GH, R, GHS, pid, gl.SliceLayout(1, gl.SliceLayout(0, mma)),
+                            GH_COPIES, WAIT)
         if GLU:
             _store_glu(out, Y, N, pid, BN, WARPS)
         else:
@@ -290,15 +290,14 @@ if HAS_TMA:
             gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, A, W1, B1, W2, B2,
-                               N, K, NG, RC, R, GHS, D, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr,
-                               WARPS: gl.constexpr, RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr,
-                               OPS: gl.constexpr, KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K, NG, RC, R,
+                               GHS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+                               RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
+                               KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
                                HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
                                NORM: gl.constexpr = False, HAS_EC: gl.constexpr = False, RC_P: gl.constexpr = 16,
                                HAS_ROFF: gl.constexpr = False, GH_COPIES: gl.constexpr = 16,
-                               WAIT: gl.constexpr = False, PROD: gl.constexpr = 0, BK: gl.constexpr = 64,
-                               R_P: gl.constexpr = 16, D_P: gl.constexpr = 16, ACT: gl.constexpr = 0):
+                               WAIT: gl.constexpr = False):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
@@ -308,10 +307,8 @@ if HAS_TMA:
         (``glu_interleave``) and the CTA stores silu(gate) * up, BN / 2 values (``_store_glu``).
         NORM (OPS = 2, SPLIT = 1): x is RMS-normalised (weight NW, epsilon EPS) as it is staged
         (``_stage_x``), in place of a separate RMSNorm kernel. HAS_EC (SPLIT = 1): the decode EC's term
-        is added to the rows before the bias / GLU (``w4a16_gemv_tma_ec``: WAIT when launched with PDL
-        behind the EC's producer grid; PROD > 0: the first PROD programs are the EC's producers
-        (``_ec_producer_cta``, partial rows in WS, counters CNT) and the row blocks start at program
-        PROD)."""
+        is added to the rows before the bias / GLU (``w4a16_gemv_tma_ec``; WAIT when launched with PDL
+        behind the EC's producer grid)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -324,12 +321,6 @@ if HAS_TMA:
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         pid = gl.program_id(0)
-        if PROD > 0:  # producer CTAs first: dispatched before any GEMV CTA that will wait for them
-            if pid < PROD:
-                _ec_producer_cta(X, NW, EPS, A, W1, B1, W2, B2, WS, GH, CNT, K, R, D, GHS, pid, PROD, BK, R_P, D_P, ACT,
-                                 GH_COPIES, NORM, KP, WARPS)
-                return
-            pid = pid - PROD
         if SPLIT == 1:
             t0 = 0
         else:
@@ -392,8 +383,8 @@ if HAS_TMA:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if SPLIT == 1:
-            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, CNT, R, GHS, gl.num_programs(0) - PROD,
-                      BN, mma, WARPS, PER_CHANNEL, HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT, PROD > 0)
+            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN, mma, WARPS, PER_CHANNEL,
+                      HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
@@ -484,7 +475,7 @@ def _layouts(config: tuple):
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False,
-                 norm: bool = False, ec=False) -> dict:
+                 norm: bool = False, ec: bool = False) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
@@ -497,16 +488,13 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", EB="*bf16", ROFF="*i32", GH="*fp32",
-                 ALPHA="*bf16", A="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", N="i32", K="i32", NG="i32",
-                 RC="i32", R="i32", GHS="i32", D="i32")
+                 ALPHA="*bf16", N="i32", K="i32", NG="i32", RC="i32", R="i32", GHS="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
-    if ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets), g * h from
-        # producer CTAs in the grid (r = 192, gate width 48: the q/k/v concatenation) or, ec="pdl", a PDL wait
-        consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16)
-        consts.update(WAIT=True) if ec == "pdl" else consts.update(PROD=64, BK=16, R_P=256, D_P=64, ACT=0)
+    if ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
+        consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
     if persist:
-        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "A", "W1", "B1", "W2", "B2", "RC", "R", "GHS", "D"):
+        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS"):
             del types[name]
         types["ROWS"] = "i32"
         for name in ("OPS", "SPLIT"):
@@ -710,49 +698,18 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
     e = ec or EcEpilogue(scales, None, scales.reshape(1, -1), scales, 1, 1)  # (unused without HAS_EC)
-    prod = {}
-    pa = (scales,) * 5  # A, W1, b1, W2, b2 (unused without producer CTAs)
-    if e.producer is not None:
-        A, W1, b1, W2, b2, act, ws, cnt = e.producer
-        pa, p = (A, W1, b1, W2, b2), producer_ctas(K, A.shape[0])
-        prod = dict(PROD=p, BK=producer_block(A.shape[0]), R_P=next_pow2(A.shape[0]), D_P=max(8, next_pow2(W1.shape[0])),
-                    ACT=ACT_CODES[act])
-    _w4a16_gemv_tma_kernel[(rows + prod.get("PROD", 0), split)](
+    _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
-        e.b, e.roff if e.roff is not None else cnt, e.gh, e.alpha, *pa, N, K, scales.shape[1], e.b.shape[-1], e.r,
-        e.gh.stride(0), pa[1].shape[0] if e.producer is not None else 1,
+        e.b, e.roff if e.roff is not None else cnt, e.gh, e.alpha, N, K, scales.shape[1], e.b.shape[-1], e.r,
+        e.gh.stride(0),
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
         HAS_EC=ec is not None, RC_P=max(16, next_pow2(e.b.shape[-1])), HAS_ROFF=e.roff is not None,
-        GH_COPIES=e.copies, WAIT=e.wait, num_warps=warps, **prod, **({"launch_pdl": True} if e.wait else {}),
+        GH_COPIES=e.copies, WAIT=e.wait, num_warps=warps, **({"launch_pdl": True} if e.wait else {}),
     )
     return y
 
-
-def producer_ctas(K: int, R: int) -> int:
-    """Producer CTAs of the in-grid EC (``w4a16_gemv_tma_ec._ec_producer_cta``): K slices of at least one
-    block, at most 64 (as the producer grid: ``ec_decode_triton``)."""
-    return max(1, min(64, -(-K // producer_block(R))))
-
-
-def producer_block(R: int) -> int:
-    """K columns per producer step: A's [R_P, BK] block kept at 4096 values (32 per thread of 4 warps)."""
-    return max(16, min(64, 4096 // next_pow2(R)))
-
-
-def ec_counters(device: torch.device) -> torch.Tensor:
-    """The in-grid EC's three int32 counters (arrivals, flag, readers), zeroed once per device and left
-    zeroed by every launch; launches on one stream serialize, as the decode GEMVs do."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _EC_CNT:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("ec_counters: first made during a CUDA graph capture; run the model once before capturing")
-        _EC_CNT[idx] = torch.zeros(4, dtype=torch.int32, device=device)
-    return _EC_CNT[idx]
-
-
-_EC_CNT: dict = {}
 
 
 def ec_ok(config: tuple) -> bool:

@@ -768,11 +768,10 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
 
 def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
              out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: on Hopper, where the tuned table runs the shape on the TMA
-    kernel (``w4a16_cat.ec_tma_config``), that kernel with the EC's producer CTAs in its grid and the
-    EC in its epilogue (``w4a16_gemv_tma_ec``); else the producer launch + a PDL-launched CUDA-core
-    GEMV (1.09-1.26x W4 against 1.16-1.98x for the single launch, NOTES.md); elsewhere the single
-    launch. ``words``: the GEMV layout itself
+    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: on Hopper the producer launch + a PDL-launched GEMV -
+    the TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
+    (``w4a16_cat.ec_tma_config``), else the CUDA-core kernel (1.09-1.26x W4 against 1.16-1.98x for
+    the single launch, NOTES.md); elsewhere the single launch. ``words``: the GEMV layout itself
     (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the TMA route themselves)."""
     from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
 
@@ -783,11 +782,12 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
 
             cfg = ec_tma_config(x2, N, G, (scales, zeros), None)
             if cfg is not None:
-                from .w4a16_gemv_tma import w4a16_gemv_tma
-                from .w4a16_gemv_tma_ec import in_grid_epilogue
+                from .ec_decode_triton import ec_produce
+                from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
 
-                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out,
-                                      ec=in_grid_epilogue(ec[1], None, ec, act))
+                gh, pdl = ec_produce(x2, ec, act)
+                epi = EcEpilogue(ec[1], None, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out, ec=epi)
         cfg = ec_pdl_config(N, x2.shape[1], G)
         return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)

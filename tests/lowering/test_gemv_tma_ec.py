@@ -1,5 +1,4 @@
-"""The decode EC in the TMA GEMV (``w4a16_gemv_tma_ec``): its epilogue, with g * h from producer CTAs in the
-GEMV's own grid (the shipped path) or from a producer grid the GEMV is PDL-launched behind.
+"""The decode EC in the TMA GEMV's epilogue (``w4a16_gemv_tma_ec``), PDL-launched behind the EC's producer grid.
 
 The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU the routing is checked
 (which configs and devices take the EC epilogue) and ``w4a16_cat.ec_rows`` - the per-row EC columns the
@@ -89,8 +88,7 @@ def test_ec_epilogue_host_checks():
             gt.EcEpilogue(**dict(ok, **change)).check(64, (4, 2, 2, 2, 2))
     with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
         gt.EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2, 2))
-    with pytest.raises(ValueError, match="not both"):
-        gt.EcEpilogue(**ok, wait=True, producer=()).check(64, (4, 2, 2, 2, 2))
+
 
 
 @on_hopper
@@ -114,8 +112,8 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
         y = C.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
         assert _rel(y, ref) < 1e-2
     takes_tma = not (norm and config[4] != gt.OPS_SMEM)
-    assert len(calls) == (2 if takes_tma else 0) and all(c is not None and c.producer is not None for c in calls)
-    assert int(gt.ec_counters(x.device).abs().sum()) == 0  # the last producer and the last reader reset them
+    assert len(calls) == (2 if takes_tma else 0) and all(c is not None and c.wait for c in calls)
+    assert int(T.ec_workspace(x.device, 32)[1].abs().sum()) == 0  # the last producer reset its counter
     no_ec = torch.cat([torch.ops.spear.w4a16_linear(x if nw is None else C.rms_norm_ref(x, *nw), q, s, z, Gs, b)
                        for q, s, z, b in zip(qs, ss, zs, bs)], -1)
     assert _rel(no_ec, ref) > 5e-2  # the EC term is large enough that dropping it would fail
@@ -166,24 +164,3 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         assert _rel(y, _ref(xs, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
 
-
-@on_hopper
-@pytest.mark.parametrize("norm", [False, True])
-def test_pdl_variant_of_the_epilogue_matches_reference(norm):
-    """g * h from a separate producer grid, the TMA GEMV launched with PDL behind it (the variant the
-    in-grid producers replaced; kept for benchmarks/ec_tma_parts.py): same result."""
-    from spear_compile.lowering import w4a16_cat as C
-    from spear_compile.lowering import w4a16_triton as T
-    from spear_compile.lowering.ec_decode_triton import ec_produce
-
-    K, G, config = 1280, 128, (4, 2, 2, 2, 2)
-    x, qs, ss, zs, bs, ecl = _parts(K, G)
-    nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5) if norm else None
-    descs, _, s, z, b = C.concatenated_tma(qs, ss, zs, bs, G, config)
-    rows, offs = C.ec_rows(ecl[1], ecl[6])
-    ec = C.concatenated_ecs(*ecl)
-    for _ in range(2):
-        gh, pdl = ec_produce(x, ec, "silu", nw)
-        epi = gt.EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], T.GH_COPIES, wait=pdl)
-        y = gt.w4a16_gemv_tma(x, None, s, z, G, b, config=config, descs=descs, norm=nw, ec=epi)
-        assert _rel(y, _ref(x, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
