@@ -342,3 +342,50 @@ def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", la
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return glu_of(w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], layout, norm_weight,
                                         norm_eps), act)
+
+
+_EC_GLU_ROWS: dict = {}  # per GLU half-block: ec_rows interleaved like the gate / up weights
+
+
+def ec_glu_rows(Bs, alphas, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ec_rows`` of a gate / up pair, rows interleaved in blocks of ``half`` (``glu_interleave``) like
+    the weights of ``concatenated_glu_tma``, so each GLU CTA's EC rows are its own. Cached."""
+    from .w4a16_gemv_tma import glu_interleave
+    from .w4a16_triton import derived_cached
+
+    def make() -> tuple:
+        rows, offs = ec_rows(Bs, alphas)
+        F = Bs[0].shape[0]
+        return glu_interleave(rows, F, half).contiguous(), glu_interleave(offs, F, half).contiguous()
+
+    return derived_cached(_EC_GLU_ROWS.setdefault(half, {}), [*Bs, *alphas], make)
+
+
+def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu",
+                       layout="spear", norm_weight=None, norm_eps=1e-6):
+    """``spear::ec_linear_glu`` on CUDA: the TMA kernel with the GLU epilogue and each row's EC added
+    before it, PDL-launched behind the ECs' producer grid (``ec_produce``), where ``glu_config`` finds a
+    config and ``ec_epilogue_ok``; else ``glu_of`` of the EC concatenation."""
+    from ..quant.ops import _check_ec_glu, check_norm
+    from .dispatch import _triton_ok
+    from .ec_decode_triton import ec_produce
+    from .w4a16_gemv_tma import EcEpilogue, tile_geometry, w4a16_gemv_tma
+    from .w4a16_triton import GH_COPIES
+
+    # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
+    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
+    x2 = x.reshape(-1, x.shape[-1])
+    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
+    cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None
+    if ec_epilogue_ok(cfg, x.device, norm is not None):
+        x2 = x2.contiguous()
+        descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
+        rows, offs = ec_glu_rows(Bs, alphas, tile_geometry(cfg)[0] // 2)
+        ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
+        gh, pdl = ec_produce(x2, ec, act, norm)
+        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+        y = w4a16_gemv_tma(x2, None, s, z, group_size, None, config=cfg, descs=descs, glu=True, norm=norm, ec=epi)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return glu_of(ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
+                                     alphas, act, layout, norm_weight, norm_eps))

@@ -1,11 +1,13 @@
 """Pass: at decode, ``silu(gate(h)) * up(h)`` over one concatenated GEMV becomes one GLU GEMV.
 
 Matches:     ``aten.mul(silu(slice(%cat, 0, F)), slice(%cat, F, 2F))`` (either order) where ``%cat`` is a
-             ``spear::w4a16_linear_cat`` of exactly two parts of F rows each, without biases, made by
-             ``fuse_shared_input`` (so M == 1), and nothing else reads the slices or the silu. silu is
+             ``spear::w4a16_linear_cat`` (or ``spear::ec_linear_cat``: gate and up with ECs) of exactly
+             two parts of F rows each, without biases, made by ``fuse_shared_input`` (so M == 1), and
+             nothing else reads the slices or the silu. silu is
              matched in the forms the post-grad graph has: ``aten.silu``, its decomposition
              ``x / (1 + exp(-x))`` and ``x * sigmoid(x)``, each possibly between dtype conversions.
-Rewrites to: one ``spear::w4a16_linear_glu(h, [Wg, Wu], ...)`` in place of the mul.
+Rewrites to: one ``spear::w4a16_linear_glu(h, [Wg, Wu], ...)`` (``spear::ec_linear_glu`` with the ECs) in
+             place of the mul.
 
 Example graph:
     before: %cat = spear.w4a16_linear_cat(%h, [%wg, %wu], [%sg, %su], [%zg, %zu], 128, [None, None], 'spear')
@@ -19,7 +21,9 @@ GEMV. With the gate and up rows interleaved per CTA, the GEMV's epilogue holds b
 outputs and stores only the product: the act-mul kernel (about 1.3 us on an H200) disappears and the
 GEMV writes half the values. On a GPU the pass rewrites only where that epilogue runs (the tuned
 table's TMA kernel for the concatenated shape, ``lowering.w4a16_cat.glu_config_for``); elsewhere
-Inductor's fused act-mul kernel is at least as good. On the CPU the op is the reference either way
+Inductor's fused act-mul kernel is at least as good. With ECs the same kernel adds each row's EC before
+the product (``lowering/w4a16_gemv_tma_ec.py``), PDL-launched behind the ECs' producer grid, where that
+runs (``w4a16_cat.ec_epilogue_ok``). On the CPU the op is the reference either way
 (the same work as the unfused graph), so the rewrite is made there too, which keeps it tested.
 """
 from __future__ import annotations
@@ -33,7 +37,10 @@ from .base import SpearPass
 from .common import bind, call_op, copy_meta, record
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
+EC_CAT = torch.ops.spear.ec_linear_cat.default
 GLU = torch.ops.spear.w4a16_linear_glu.default
+EC_GLU = torch.ops.spear.ec_linear_glu.default
+EC_ARGS = ("As", "Bs", "W1s", "b1s", "W2s", "b2s", "alphas")
 SLICE = torch.ops.aten.slice.Tensor
 MUL = torch.ops.aten.mul.Tensor
 CONVERT = torch.ops.prims.convert_element_type.default
@@ -130,7 +137,7 @@ class FuseGLU(SpearPass):
         return count
 
     def _try(self, graph: fx.Graph, mul: fx.Node, act_out, up) -> bool:
-        if not (_is(up, SLICE) and _is(up.args[0], W4A16_CAT)):
+        if not (_is(up, SLICE) and (_is(up.args[0], W4A16_CAT) or _is(up.args[0], EC_CAT))):
             return False
         gate = silu_input(act_out)
         cat = up.args[0]
@@ -144,13 +151,17 @@ class FuseGLU(SpearPass):
         if mul.meta["val"].dtype != cat.meta["val"].dtype or not self._epilogue_runs(cat, halves[2]):
             return False
         kw = bind(cat)
+        has_ec = cat.target is EC_CAT
         args = {"x": kw["x"], "qweights": kw["qweights"], "scales": kw["scales"], "zeros": kw["zeros"],
-                "group_size": kw["group_size"], "act": "silu", "layout": kw["layout"]}
+                "group_size": kw["group_size"], **{k: kw[k] for k in EC_ARGS if has_ec},
+                "act": kw["act"] if has_ec else "silu", "layout": kw["layout"]}
         with graph.inserting_before(mul):
-            glu = call_op(graph, GLU, args)
+            glu = call_op(graph, EC_GLU if has_ec else GLU, args)
         copy_meta(mul, glu)
         info = dict(cat.meta.get("spear", {}))
-        kernel = KERNEL if kw["x"].meta["val"].device.type == "cuda" else "pytorch reference"
+        kernel = "pytorch reference"
+        if kw["x"].meta["val"].device.type == "cuda":
+            kernel = KERNEL + (", each row's EC added first (PDL behind the ECs' producer grid)" if has_ec else "")
         info["members"] = [{**m, "fused_into": glu.name, "kernel": kernel, "glu": True}
                            for m in info.get("members", [])]
         record(glu, **{**info, "source_form": "fused_glu", "kernel": kernel})
@@ -159,9 +170,18 @@ class FuseGLU(SpearPass):
         return True
 
     def _epilogue_runs(self, cat: fx.Node, F: int) -> bool:
-        """CPU: always (the reference either way); GPU: where the GLU epilogue kernel takes the shape."""
+        """CPU: always (the reference either way); GPU: where the GLU epilogue kernel takes the shape (with
+        ECs: where it also adds them, ``ec_epilogue_ok``)."""
         kw = bind(cat)
-        return kw["x"].meta["val"].device.type != "cuda" or tma_config_of(kw, F, glu=True) is not None
+        dev = kw["x"].meta["val"].device
+        if dev.type != "cuda":
+            return True
+        cfg = tma_config_of(kw, F, glu=True)
+        if cat.target is EC_CAT:
+            from ..lowering.w4a16_cat import ec_epilogue_ok
+
+            return ec_epilogue_ok(cfg, dev, norm=False)
+        return cfg is not None
 
 
 def tma_config_of(kw: dict, rows: int, glu: bool) -> Optional[tuple]:

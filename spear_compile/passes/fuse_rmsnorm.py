@@ -1,7 +1,7 @@
 """Pass: at decode, the RMSNorm in front of a concatenated / GLU GEMV moves into the GEMV's x staging.
 
-Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``spear::w4a16_linear_glu`` / ``spear::ec_linear_cat``
-             node (made at M == 1 by ``fuse_shared_input`` / ``fuse_glu``) when it is an RMSNorm computed in fp32 and read by
+Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``spear::w4a16_linear_glu`` / ``spear::ec_linear_cat`` /
+             ``spear::ec_linear_glu`` node (made at M == 1 by ``fuse_shared_input`` / ``fuse_glu``) when it is an RMSNorm computed in fp32 and read by
              nothing else: ``mul(convert(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps))), dt), w)``
              with ``xf = convert(x, f32)`` (or x itself in an fp32 model) and ``w`` one weight per feature
              (the Llama / HF ``LlamaRMSNorm`` form, either operand order of the multiplies).
@@ -34,11 +34,10 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import bind, positional, record
-from .fuse_glu import GLU, MUL, W4A16_CAT, _is, _strip_convert, tma_config_of
-from .fuse_shared_input import EC_CAT
+from .fuse_glu import EC_CAT, EC_GLU, GLU, MUL, W4A16_CAT, _is, _strip_convert, tma_config_of
 
 ATEN = torch.ops.aten
-TARGETS = (W4A16_CAT, GLU, EC_CAT)
+TARGETS = (W4A16_CAT, GLU, EC_CAT, EC_GLU)
 
 
 def rms_norm_of(out) -> Optional[tuple[fx.Node, fx.Node, float, list[fx.Node]]]:
@@ -119,7 +118,7 @@ class FuseRMSNorm(SpearPass):
         from ..lowering.w4a16_cat import ec_epilogue_ok
         from ..lowering.w4a16_gemv_tma import norm_ok
 
-        cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target is GLU)
-        if node.target is EC_CAT:
+        cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target in (GLU, EC_GLU))
+        if node.target in (EC_CAT, EC_GLU):
             return ec_epilogue_ok(cfg, dev, norm=True)
         return cfg is not None and norm_ok(cfg)

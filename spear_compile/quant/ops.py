@@ -314,6 +314,55 @@ def _(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s
     return x.new_empty((*x.shape[:-1], n))
 
 
+@torch.library.custom_op("spear::ec_linear_glu", mutates_args=())
+def ec_linear_glu(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    As: list[Tensor],
+    Bs: list[Tensor],
+    W1s: list[Tensor],
+    b1s: list[Tensor],
+    W2s: list[Tensor],
+    b2s: list[Tensor],
+    alphas: list[Tensor],
+    act: str = "silu",
+    layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """``silu(gate) * up`` of a gate / up pair of EC-compensated 4-bit linears (no biases): the
+    ``w4a16_linear_glu`` of ``ec_linear_cat``, rounded as the unfused graph rounds (``glu_of``). ``act`` is
+    the ECs' gate activation (the GLU's is silu). Made by the ``fuse_glu`` pass at decode so that a GPU
+    runs one GEMV whose epilogue adds each row's EC and stores only the product
+    (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
+    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
+    return glu_of(torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+                             ec_parts(qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
+                                      alphas)], dim=-1))
+
+
+def _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout) -> None:
+    if len(qweights) != 2:
+        raise QuantFormatError(f"spear::ec_linear_glu: expected [gate, up] weights, got {len(qweights)}")
+    _check_ec_cat(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
+    if None not in n and n[0] != n[1]:
+        raise QuantFormatError(f"spear::ec_linear_glu: gate has {n[0]} outputs but up has {n[1]}")
+
+
+@ec_linear_glu.register_fake
+def _(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu", layout="spear",
+      norm_weight=None, norm_eps=1e-6):
+    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
+    return x.new_empty((*x.shape[:-1], out_features(qweights[0], scales[0], layout)))
+
+
 # ---------------------------------------------------------------------------- autograd
 # Differentiable inputs by position; qweight/scales/zeros are frozen quantized state.
 _W4A16_DIFF = (0, 5)  # x, bias

@@ -123,7 +123,6 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
 def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
     """The op's CUDA entry (norm_weight) and a single ec_linear's M = 1 path take the TMA epilogue where
     the table has the shape, and match the reference."""
-    from spear_compile.lowering import w4a16_cat as C
     from spear_compile.lowering import w4a16_triton as T
 
     K, G = 1280, 128
@@ -164,3 +163,45 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         assert _rel(y, _ref(xs, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
 
+
+
+def test_glu_ec_rows_follow_the_interleaved_weights():
+    """ec_glu_rows: the EC rows of a gate / up pair interleaved like concatenated_glu_tma's weights, so
+    through the epilogue's arithmetic row i of the GLU kernel gets the EC of interleaved row i."""
+    from spear_compile.lowering.w4a16_cat import concatenated_ecs, ec_glu_rows, ec_rows_emulated
+
+    F, half = 48, 8
+    ecs = [_ec(F, 64, r, 4, seed=s) for s, r in enumerate((8, 5))]
+    ecl = [list(v) for v in zip(*ecs)]
+    rows, offs = ec_glu_rows(ecl[1], ecl[6], half)
+    gh = torch.randn(13, generator=torch.Generator().manual_seed(0))
+    full = concatenated_ecs(*ecl)[1].float() @ gh  # [2F] in gate-then-up order
+    torch.testing.assert_close(ec_rows_emulated(gh, rows, offs, 13), gt.glu_interleave(full, F, half),
+                               rtol=1e-5, atol=1e-5)
+
+
+@on_hopper
+@pytest.mark.parametrize("norm", [False, True])
+def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch):
+    """spear::ec_linear_glu on CUDA where the table runs [2F, K] on the TMA kernel: GLU epilogue with each
+    row's EC (and the RMSNorm prologue), twice, against the op's reference."""
+    from spear_compile.lowering import w4a16_triton as T
+    from spear_compile.lowering.w4a16_cat import glu_of, rms_norm_ref
+
+    F, K, G = 144, 1280, 128
+    cases = [_case(F, K, G, seed=s) for s in (1, 2)]
+    x = (cases[0][0] * 3).cuda()
+    qs, ss, zs = ([c[i].cuda() for c in cases] for i in (2, 3, 4))
+    ecl = [list(v) for v in zip(*[[t.cuda() for t in _ec(F, K, r, 4, seed=s)] for s, r in enumerate((8, 5))])]
+    w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
+    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}))
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append((k.get("glu"), k.get("ec"))) or real(*a, **k))
+    nargs = ("silu", "spear", w, 1e-5) if norm else ()
+    xr = rms_norm_ref(x, w, 1e-5) if norm else x
+    ref = glu_of(torch.cat([ec_linear_ref(xr, q, s, z, G, None, *ec) for q, s, z, *ec in zip(qs, ss, zs, *ecl)], -1))
+    for _ in range(2):
+        y = torch.ops.spear.ec_linear_glu(x.view(1, 1, K), qs, ss, zs, G, *ecl, *nargs)
+        assert y.shape == (1, 1, F) and _rel(y.view(1, F), ref) < 1e-2
+    assert len(calls) == 2 and all(g and e is not None and e.wait for g, e in calls)

@@ -160,3 +160,39 @@ def test_gpu_rewrite_condition_asks_what_the_runtime_asks(monkeypatch):
     assert tma_config_of({**kw, "zeros": [node(s), None]}, 16, glu=True) is None
     assert tma_config_of({**kw, "qweights": [node(q), node(torch.zeros(32, 16, dtype=torch.uint8).t())]}, 16,
                          glu=True) is None
+
+
+def test_gate_up_with_ecs_become_one_ec_glu_op_and_match_eager():
+    """gate / up with ECs (an ec_linear_cat after fuse_shared_input) -> spear::ec_linear_glu; the decode
+    step equals eager; off with fuse_glu=False; the op is glu_of(ec_linear_cat) exactly and checks its parts."""
+    from spear_compile.lowering.w4a16_cat import glu_of
+    from spear_compile.quant import quantize_rtn
+    from tests.passes.test_fuse_shared_input import _ec, _llama_with_ecs
+
+    m = _llama_with_ecs()
+    x = torch.randn(1, 1, 64)
+    rep = capture(m, (x,))
+    assert snapshot(rep, "fuse_glu").matched_count == 1
+    ops = spear_ops_after(rep)
+    assert ops["spear.ec_linear_glu.default"] == 1 and ops["spear.ec_linear_cat.default"] == 1, ops
+    glu = [r for r in rep.linears if r.get("glu")]
+    assert {r["weight"].split(".")[-2] for r in glu} == {"gate_proj", "up_proj"}, glu
+    assert_compiled_matches_eager(m, x, tol=1e-5)
+    ops = spear_ops_after(capture(m, (x,), config=CompileConfig(fuse_glu=False)))
+    assert "spear.ec_linear_glu.default" not in ops and ops["spear.ec_linear_cat.default"] == 2, ops
+    parts = [quantize_rtn(torch.randn(24, 64) * 0.05, spear.QuantConfig(group_size=32)) for _ in range(2)]
+    ecs = [_ec(64, 24, r, r) for r in (4, 2)]
+    lists = [[getattr(e, k).detach() for e in ecs] for k in ("A", "B", "W1", "b1", "W2", "b2", "alpha")]
+    qs, ss, zs = [p.qweight for p in parts], [p.scales for p in parts], [p.zeros for p in parts]
+    xx = torch.randn(3, 64)
+    y = torch.ops.spear.ec_linear_glu(xx, qs, ss, zs, 32, *lists)
+    ref = glu_of(torch.ops.spear.ec_linear_cat(xx, qs, ss, zs, 32, [None, None], *lists))
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    with pytest.raises(spear.QuantFormatError, match=r"expected \[gate, up\] weights, got 1"):
+        torch.ops.spear.ec_linear_glu(xx, qs[:1], ss[:1], zs[:1], 32, *[v[:1] for v in lists])
+    small = quantize_rtn(torch.randn(16, 64) * 0.05, spear.QuantConfig(group_size=32))
+    e16 = _ec(64, 16, 2, 2)
+    with pytest.raises(spear.QuantFormatError, match="gate has 24 outputs but up has 16"):
+        torch.ops.spear.ec_linear_glu(xx, [qs[0], small.qweight], [ss[0], small.scales], [zs[0], small.zeros], 32,
+                                      *[[v[0], getattr(e16, k).detach()] for v, k in
+                                        zip(lists, ("A", "B", "W1", "b1", "W2", "b2", "alpha"))])
