@@ -19,10 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import DT, G, make_ec, make_weights  # noqa: E402
-
-from spear_compile.lowering import w4a16_cat as C  # noqa: E402
-from spear_compile.lowering import w4a16_triton as T  # noqa: E402
+from kernels import DT, G, make_ec, make_weights  # noqa: E402  (also registers the spear ops)
 
 
 def distinct(fn, reps: int, graph: bool) -> dict:
