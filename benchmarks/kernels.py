@@ -233,6 +233,22 @@ def lab_gemv(args) -> None:
             if bp:
                 T.tuned_table()[T.gemv1pdl_key(N, K, G)] = [int(v) for v in bp.split("_")[1:]]
                 print(f"   pdl best {bp} {row['us'][bp]:.1f} us (r = {args.ec_pdl})", flush=True)
+            bt = row.get("best_tma")
+            cfg_t = tuple(int(v) for v in bt.split("_")[1:]) if bt else None
+            if cfg_t and GT.ec_ok(cfg_t):  # the TMA GEMV with the EC epilogue, PDL behind the producer grid
+                from spear_compile.lowering.ec_decode_triton import ec_produce
+
+                def tma_ec(xx, i):
+                    gh, pdl = ec_produce(xx, ec)
+                    epi = GT.EcEpilogue(ec[1], None, gh, ec[6], args.ec_pdl, T.GH_COPIES, wait=pdl)
+                    return GT.w4a16_gemv_tma(xx, *args_w(i), G, None, config=cfg_t, ec=epi)
+
+                row["err"]["tma_ec"] = rel_err(tma_ec(x, 0), ref_pdl)
+                timeit("tma_ec", lambda i: tma_ec(xs[i], i))
+                t_ec = row["us"].get("tma_ec")
+                if bp and t_ec and row["err"]["tma_ec"] < MAX_LAB_ERR:  # which pair a single EC takes here
+                    T.tuned_table()[T.gemv1tmaec_key(N, K, G)] = int(t_ec < row["us"][bp])
+                    print(f"   tma ec pair {t_ec:.1f} us vs pdl {row['us'][bp]:.1f} us", flush=True)
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
@@ -269,7 +285,8 @@ def main() -> None:
     ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
     ap.add_argument("--tma", action="store_true", help="--lab gemv: also time the TMA-ring GEMV")
     ap.add_argument("--ec-pdl", type=int, default=0, metavar="R",
-                    help="--lab gemv: also time the decode EC's PDL pair (rank R) in each GEMV tile -> gemv1pdl keys")
+                    help="--lab gemv: also time the decode EC's PDL pair (rank R) in each GEMV tile -> gemv1pdl keys; "
+                         "with --tma also the TMA GEMV's EC pair -> gemv1tmaec keys (which pair a single EC takes)")
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()

@@ -600,6 +600,13 @@ def gemv1pdl_key(N: int, K: int, G: int) -> str:
     return f"gemv1pdl|{N}|{K}|{G}"
 
 
+def gemv1tmaec_key(N: int, K: int, G: int) -> str:
+    """Tuned-table key: 1 if a single decode EC of this shape measured faster as the TMA GEMV's EC pair
+    than as the CUDA-core PDL pair, 0 if slower (``kernels.py --lab gemv --tma --ec-pdl R``); absent: the
+    TMA pair wherever the TMA kernel runs the shape (``gemv1_ec``)."""
+    return f"gemv1tmaec|{N}|{K}|{G}"
+
+
 def ec_pdl_config(N: int, K: int, G: int) -> tuple:
     """The GEMV tile of the decode EC's PDL pair: the one measured for that pair if the table has it,
     else the plain W4 tile of the shape (session 8: other tiles were slower with PDL on the single
@@ -777,7 +784,7 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
 
     if pdl_ok(x2.device):
         N = words.shape[0] if words is not None else qweight.shape[0]
-        if words is None and ec[1].is_contiguous():
+        if words is None and ec[1].is_contiguous() and tuned_table().get(gemv1tmaec_key(N, x2.shape[1], G), 1):
             from .w4a16_cat import ec_tma_config
 
             cfg = ec_tma_config(x2, N, G, (scales, zeros), None)

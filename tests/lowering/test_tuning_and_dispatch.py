@@ -42,7 +42,10 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemm", "ecstruct")
+                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemm", "ecstruct")
+                if kind == "gemv1tmaec":  # which decode EC pair a single EC takes (1: the TMA one)
+                    assert val in (0, 1) and len(key.split("|")) == 4
+                    continue
                 if kind == "ecstruct":  # the measured prefill EC structure
                     from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES
 
@@ -169,3 +172,25 @@ def test_derived_layouts_are_not_made_inside_a_graph_capture(monkeypatch):
     assert derived_cached(cache, [w], lambda: made.append(1) or "again") == "layout" and made == [1]
     with pytest.raises(RuntimeError, match=r"shapes \[\(2, 8\)\].*run the model \(or op\) once before capturing"):
         derived_cached(cache, [torch.zeros(2, 8)], lambda: "new")
+
+
+def test_single_ec_takes_the_pair_the_table_measured_faster(monkeypatch):
+    """gemv1_ec: the TMA GEMV's EC pair where the TMA kernel runs the shape, unless the table's gemv1tmaec
+    entry says the CUDA-core PDL pair measured faster there (0)."""
+    from spear_compile.lowering import ec_decode_triton as ED
+    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import w4a16_triton as T
+
+    asked = []
+    monkeypatch.setattr(ED, "pdl_ok", lambda device: True)
+    monkeypatch.setattr(C, "ec_tma_config", lambda *a: asked.append(a) or None)  # (then the CUDA-core pair)
+    monkeypatch.setattr(ED, "w4a16_gemv1_ec_pdl", lambda *a, **k: "cuda-core pair")
+    x, q = torch.zeros(1, 256), torch.zeros(64, 128, dtype=torch.uint8)
+    ec = (torch.zeros(4, 256), torch.zeros(64, 4)) + (None,) * 5
+    monkeypatch.setattr(T, "_TABLE", {})
+    assert T.gemv1_ec(x, q, None, None, 128, None, ec) == "cuda-core pair" and len(asked) == 1
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1tmaec_key(64, 256, 128): 0})
+    assert T.gemv1_ec(x, q, None, None, 128, None, ec) == "cuda-core pair" and len(asked) == 1  # not asked
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1tmaec_key(64, 256, 128): 1})
+    T.gemv1_ec(x, q, None, None, 128, None, ec)
+    assert len(asked) == 2
