@@ -27,6 +27,7 @@ from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_decode_triton import ec_produce, w4a16_gemv1_ec_pdl
 from spear_compile.lowering.ec_linear import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, copies_for
+from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, make_ec, make_weights  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
         gh, _ = ec_produce(xs[0], ec)
 
         def epi(wait):
-            return GT.EcEpilogue(ec[1], None, gh, ec[6], r, T.GH_COPIES, wait=wait)
+            return EcEpilogue(ec[1], None, gh, ec[6], r, T.GH_COPIES, wait=wait)
 
         def pair(i, wait):
             ec_produce(xs[i], ec)

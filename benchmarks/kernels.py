@@ -237,10 +237,11 @@ def lab_gemv(args) -> None:
             cfg_t = tuple(int(v) for v in bt.split("_")[1:]) if bt else None
             if cfg_t and GT.ec_ok(cfg_t):  # the TMA GEMV with the EC epilogue, PDL behind the producer grid
                 from spear_compile.lowering.ec_decode_triton import ec_produce
+                from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
 
                 def tma_ec(xx, i):
                     gh, pdl = ec_produce(xx, ec)
-                    epi = GT.EcEpilogue(ec[1], None, gh, ec[6], args.ec_pdl, T.GH_COPIES, wait=pdl)
+                    epi = EcEpilogue(ec[1], None, gh, ec[6], args.ec_pdl, T.GH_COPIES, wait=pdl)
                     return GT.w4a16_gemv_tma(xx, *args_w(i), G, None, config=cfg_t, ec=epi)
 
                 row["err"]["tma_ec"] = rel_err(tma_ec(x, 0), ref_pdl)

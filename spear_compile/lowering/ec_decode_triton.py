@@ -22,7 +22,7 @@ stream order, with the same result.
 
 The GEMV of the pair is the CUDA-core kernel (``w4a16_triton._w4a16_gemv1_kernel``) or, where the
 tuned table runs the shape on the TMA kernel, that kernel with its EC epilogue
-(``w4a16_gemv_tma._ec_rows``). With an RMSNorm fused in front (``norm``: the producer and the TMA
+(``w4a16_gemv_tma_ec._ec_rows``). With an RMSNorm fused in front (``norm``: the producer and the TMA
 GEMV each normalise x themselves as they read it, so neither waits for the other), every producer
 program first sums the squares of all of x (2K bytes, L2-resident) - the norm costs no extra launch
 and no ordering between the two grids.
@@ -121,9 +121,9 @@ def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tu
     K = x2.shape[1]
     A, B, W1, b1, W2, b2, alpha = ec
     R, D = A.shape[0], W1.shape[0]
-    if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
-        raise ValueError(f"ec_produce: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's K={K} "
-                         f"and dtype {x2.dtype}")
+    if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype or not norm[0].is_contiguous()):
+        raise ValueError(f"ec_produce: norm weight {tuple(norm[0].shape)} {norm[0].dtype} must be a contiguous vector of "
+                         f"x's K={K} and dtype {x2.dtype}")
     r_p, d_p = next_pow2(R), next_pow2(D)
     ws, cnt = ec_workspace(x2.device, r_p)
     gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
@@ -135,7 +135,8 @@ def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tu
         x2, A, W1, b1, W2, b2, hbuf, gh, cnt, norm[0] if norm is not None else x2,
         float(norm[1]) if norm is not None else 0.0, K, R, D,
         P_H=p_h, P_HP=next_pow2(p_h), BLOCK_KH=PRODUCER_BLOCK_K, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act],
-        GH_COPIES=GH_COPIES, PDL=pdl, NORM=norm is not None, SS_BLOCK=min(next_pow2(K), 8192), num_warps=4,
+        GH_COPIES=GH_COPIES, PDL=pdl, NORM=norm is not None,
+        SS_BLOCK=min(next_pow2(K), 8192) if norm is not None else 64, num_warps=4,
     )
     return gh, pdl
 

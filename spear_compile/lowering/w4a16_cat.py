@@ -23,6 +23,9 @@ _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenati
 _CAT_EC: dict = {}  # block-diagonal concatenations of ECs sharing an input
 _CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for the GLU epilogue
 _EC_ROWS: dict = {}  # per-row EC columns of concatenated ECs (the TMA kernel's EC epilogue)
+_EC_GLU_ROWS: dict = {}  # per GLU half-block: those rows interleaved like the gate / up weights
+EC_RC_MAX = 64  # the most EC columns per row the TMA epilogue takes (its [BN, RC] operands live in registers
+# through the K loop; compiled and measured at 64)
 GLU_ACTS = ("silu",)  # gate activations of spear::w4a16_linear_glu (the epilogue computes silu)
 
 
@@ -178,7 +181,7 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
 
 def ec_rows(Bs, alphas) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [sum N, RC], offsets [sum N] int32) of ECs sharing an input, for the TMA kernel's EC epilogue
-    (``w4a16_gemv_tma._ec_rows``): row n of part i holds ``alpha_i * B_i[n]`` (in fp32, then B's dtype,
+    (``w4a16_gemv_tma_ec._ec_rows``): row n of part i holds ``alpha_i * B_i[n]`` (in fp32, then B's dtype,
     as ``concatenated_ecs`` rounds it) padded to RC = max rank with zeros, and its offset is part i's
     first column of the stacked g * h. ``sum_j rows[n, j] gh[off[n] + j]`` is then row n of the
     block-diagonal ``B gh`` of ``concatenated_ecs``, reading RC instead of sum R columns per row (a
@@ -205,31 +208,34 @@ def ec_rows_emulated(gh: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, R
     return (rows.float() * g).sum(1)
 
 
-def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool) -> bool:
+def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool, rc: Optional[int] = None) -> bool:
     """Whether the TMA kernel in ``cfg`` (the tuned table's for the shape, or None) adds a decode EC in
     its epilogue on ``device``: PDL runs there (Hopper: the GEMV waits for the EC's producer grid only
     before its epilogue), the config allows the EC epilogue (``ec_ok``) and, with ``norm``, the RMSNorm
-    prologue (``norm_ok``). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
+    prologue (``norm_ok``), and each row reads at most ``EC_RC_MAX`` EC columns (``rc``: the largest
+    part's rank; None: not known). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
     everywhere: for A/B measurements and as an escape hatch). Asked at run time (``ec_tma_config``) and
-    by the passes before they rewrite (``fuse_rmsnorm``) or name the kernel (``phase_dispatch``)."""
+    by the passes before they rewrite (``fuse_rmsnorm``, ``fuse_glu``) or name the kernel
+    (``phase_dispatch``)."""
     import os
 
     from .ec_decode_triton import pdl_ok
     from .w4a16_gemv_tma import ec_ok, norm_ok
 
-    if cfg is None or os.environ.get("SPEAR_NO_TMA_EC", "0") not in ("", "0"):
+    if cfg is None or os.environ.get("SPEAR_NO_TMA_EC", "0") not in ("", "0") or (rc is not None and rc > EC_RC_MAX):
         return False
     return pdl_ok(device) and ec_ok(cfg) and (not norm or norm_ok(cfg))
 
 
-def ec_tma_config(x2: torch.Tensor, N: int, group_size: int, params: tuple, norm: Optional[tuple]) -> Optional[tuple]:
+def ec_tma_config(x2: torch.Tensor, N: int, group_size: int, params: tuple, norm: Optional[tuple],
+                  rc: Optional[int] = None) -> Optional[tuple]:
     """The TMA config whose EC epilogue runs a decode EC GEMV of N rows (with the RMSNorm prologue when
     ``norm``), or None: the tuned table's TMA config for the shape (``tma_config``) where
     ``ec_epilogue_ok``."""
     from .w4a16_gemv_tma import tma_config
 
     cfg = tma_config(N, x2.shape[1], group_size, x2, params=params)
-    return cfg if ec_epilogue_ok(cfg, x2.device, norm is not None) else None
+    return cfg if ec_epilogue_ok(cfg, x2.device, norm is not None, rc) else None
 
 
 def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
@@ -245,10 +251,11 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
 
     N = sum(q.shape[0] for q in qweights)
     ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
-    cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm)
+    cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm, max(b.shape[1] for b in Bs))
     if cfg is not None:
         from .ec_decode_triton import ec_produce
-        from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
+        from .w4a16_gemv_tma import w4a16_gemv_tma
+        from .w4a16_gemv_tma_ec import EcEpilogue
         from .w4a16_triton import GH_COPIES
 
         descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
@@ -263,10 +270,12 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
 
 def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
                        act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
-    from ..quant.ops import check_norm
+    from ..quant.ops import _check_ec_cat, check_norm
     from .dispatch import _triton_ok, ec_linear_cuda
 
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")  # (the op's body does not run on CUDA)
+    # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
+    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
     x2 = x.reshape(-1, x.shape[-1])
     norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
@@ -344,7 +353,6 @@ def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", la
                                         norm_eps), act)
 
 
-_EC_GLU_ROWS: dict = {}  # per GLU half-block: ec_rows interleaved like the gate / up weights
 
 
 def ec_glu_rows(Bs, alphas, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +377,8 @@ def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s,
     from ..quant.ops import _check_ec_glu, check_norm
     from .dispatch import _triton_ok
     from .ec_decode_triton import ec_produce
-    from .w4a16_gemv_tma import EcEpilogue, tile_geometry, w4a16_gemv_tma
+    from .w4a16_gemv_tma import tile_geometry, w4a16_gemv_tma
+    from .w4a16_gemv_tma_ec import EcEpilogue
     from .w4a16_triton import GH_COPIES
 
     # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
@@ -378,7 +387,7 @@ def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s,
     x2 = x.reshape(-1, x.shape[-1])
     norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
     cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None
-    if ec_epilogue_ok(cfg, x.device, norm is not None):
+    if ec_epilogue_ok(cfg, x.device, norm is not None, max(b.shape[1] for b in Bs)):
         x2 = x2.contiguous()
         descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
         rows, offs = ec_glu_rows(Bs, alphas, tile_geometry(cfg)[0] // 2)

@@ -20,7 +20,9 @@ programs per SM streaming many row blocks) were both slower (kept, measured, mos
 
 Epilogue / prologue options used by the decode fusions (``passes/fuse_glu.py``, ``fuse_rmsnorm.py``):
 GLU (gate / up rows interleaved per CTA, silu(gate) * up stored) and NORM (x RMS-normalised as it is
-staged in shared memory), both for OPS_SMEM configs without a K-split.
+staged in shared memory), both for OPS_SMEM configs without a K-split; and the decode EC's term added
+to the rows before them (``w4a16_gemv_tma_ec``: the kernel PDL-launched behind the EC's producer grid;
+no K-split, not persistent).
 
 Layout: the gluon words (``repack_gluon``) are re-tiled once per weight (``repack_tiles``) so that one
 CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous block, stored as
@@ -29,9 +31,11 @@ lanes read 512 contiguous bytes of it (4 words each): no bank conflicts, and the
 the MMA operand with no layout conversion (asserted at compile time).
 
 Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV of ``w4a16_cat``)
-takes this kernel at M = 1 without an EC for the shapes where ``benchmarks/kernels.py --lab gemv --tma``
-measured it faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table,
-``tma_config``); elsewhere the CUDA-core kernel runs. Constraints: CUDA sm_90+ (TMA), bf16 activations,
+takes this kernel at M = 1 for the shapes where ``benchmarks/kernels.py --lab gemv --tma`` measured it
+faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table, ``tma_config``);
+elsewhere the CUDA-core kernel runs. With a decode EC the same shapes take it with the EC epilogue
+(``w4a16_triton.gemv1_ec``, ``w4a16_cat.ec_gemv1_cat`` / ``ec_linear_glu_cuda``, where
+``w4a16_cat.ec_epilogue_ok``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
 bf16 scales and zero points (the shared-memory mode reads them as bf16 pairs), K % 128 == 0, G a
 multiple of 128 (or per-channel).
 """
@@ -43,7 +47,6 @@ import torch
 
 from ._triton import next_pow2
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
-from .w4a16_gemv_tma_ec import EcEpilogue
 
 HAS_TMA = False
 if HAS_GLUON:
@@ -358,7 +361,7 @@ if HAS_TMA:
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         if OPS == 1:
             xb, sc, zz = _step_operands(X, S, Z, N, K, NG, t0 * STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL, HAS_Z)
-        if OPS == 2 and PER_CHANNEL:  # unused: per-channel scales apply once, in _store_rows
+        if OPS == 2 and PER_CHANNEL:  # unused: per-channel scales apply once, in the epilogue (_rows_out)
             sc = 0.0
             zz = 0.0
         for t in range(KTS):
@@ -697,16 +700,21 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         )
         return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
-    e = ec or EcEpilogue(scales, None, scales.reshape(1, -1), scales, 1, 1)  # (unused without HAS_EC)
+    if ec is None:  # EC operands unused without HAS_EC: fixed dummies, so nothing else specialises the kernel
+        ec_args, ec_consts = (scales, cnt, scales, scales, 1, 1, 1), {}
+    else:
+        ec_args = (ec.b, ec.roff if ec.roff is not None else cnt, ec.gh, ec.alpha, ec.b.shape[-1], ec.r,
+                   ec.gh.stride(0))
+        ec_consts = dict(HAS_EC=True, RC_P=max(16, next_pow2(ec.b.shape[-1])), HAS_ROFF=ec.roff is not None,
+                         GH_COPIES=ec.copies, WAIT=ec.wait, **({"launch_pdl": True} if ec.wait else {}))
+    eb, eroff, egh, ealpha, rc, r, ghs = ec_args
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
-        e.b, e.roff if e.roff is not None else cnt, e.gh, e.alpha, N, K, scales.shape[1], e.b.shape[-1], e.r,
-        e.gh.stride(0),
+        eb, eroff, egh, ealpha, N, K, scales.shape[1], rc, r, ghs,
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
-        HAS_EC=ec is not None, RC_P=max(16, next_pow2(e.b.shape[-1])), HAS_ROFF=e.roff is not None,
-        GH_COPIES=e.copies, WAIT=e.wait, num_warps=warps, **({"launch_pdl": True} if e.wait else {}),
+        num_warps=warps, **ec_consts,
     )
     return y
 

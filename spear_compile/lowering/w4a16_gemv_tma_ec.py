@@ -1,4 +1,4 @@
-"""The decode EC inside the TMA GEMV (``w4a16_gemv_tma``): its epilogue, and producer CTAs in the same grid.
+"""The decode EC inside the TMA GEMV (``w4a16_gemv_tma``): its epilogue, behind the EC's producer grid.
 
 Reference: ``lowering/ec_linear.py:ec_linear_ref`` (y = W4 x + alpha B (g * A x), g the gate MLP of A x).
 
@@ -78,9 +78,13 @@ class EcEpilogue:
         if self.roff is not None and (tuple(self.roff.shape) != (N,) or self.roff.dtype != torch.int32):
             raise ValueError(f"w4a16_gemv_tma: EC row offsets {tuple(self.roff.shape)} {self.roff.dtype} must be int32 "
                              f"[{N}]")
-        if self.gh.dim() != 2 or self.gh.shape[0] < self.copies or self.gh.dtype != torch.float32:
-            raise ValueError(f"w4a16_gemv_tma: g * h {tuple(self.gh.shape)} {self.gh.dtype} must be fp32 with "
-                             f"{self.copies} rows")
+        if (self.gh.dim() != 2 or self.gh.shape[0] < self.copies or self.gh.shape[1] < self.r
+                or self.gh.stride(1) != 1 or self.gh.dtype != torch.float32):
+            raise ValueError(f"w4a16_gemv_tma: g * h {tuple(self.gh.shape)} {self.gh.dtype} must be fp32 rows of at "
+                             f"least {self.r} contiguous values, {self.copies} of them")
+        devs = {str(t.device) for t in (self.b, self.gh, self.alpha) + ((self.roff,) if self.roff is not None else ())}
+        if len(devs) != 1:
+            raise ValueError(f"w4a16_gemv_tma: EC operands on several devices {sorted(devs)}")
         if self.alpha.numel() != 1:
             raise ValueError(f"w4a16_gemv_tma: EC alpha has {self.alpha.numel()} elements, expected 1")
 

@@ -607,6 +607,12 @@ def gemv1tmaec_key(N: int, K: int, G: int) -> str:
     return f"gemv1tmaec|{N}|{K}|{G}"
 
 
+def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
+    """Whether a single decode EC of this shape may take the TMA GEMV's EC pair: unless the lab measured
+    the CUDA-core PDL pair faster here (``gemv1tmaec`` entry 0)."""
+    return bool(tuned_table().get(gemv1tmaec_key(N, K, G), 1))
+
+
 def ec_pdl_config(N: int, K: int, G: int) -> tuple:
     """The GEMV tile of the decode EC's PDL pair: the one measured for that pair if the table has it,
     else the plain W4 tile of the shape (session 8: other tiles were slower with PDL on the single
@@ -784,13 +790,14 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
 
     if pdl_ok(x2.device):
         N = words.shape[0] if words is not None else qweight.shape[0]
-        if words is None and ec[1].is_contiguous() and tuned_table().get(gemv1tmaec_key(N, x2.shape[1], G), 1):
+        if words is None and ec[1].is_contiguous() and tma_ec_measured_ok(N, x2.shape[1], G):
             from .w4a16_cat import ec_tma_config
 
-            cfg = ec_tma_config(x2, N, G, (scales, zeros), None)
+            cfg = ec_tma_config(x2, N, G, (scales, zeros), None, ec[0].shape[0])
             if cfg is not None:
                 from .ec_decode_triton import ec_produce
-                from .w4a16_gemv_tma import EcEpilogue, w4a16_gemv_tma
+                from .w4a16_gemv_tma import w4a16_gemv_tma
+                from .w4a16_gemv_tma_ec import EcEpilogue
 
                 gh, pdl = ec_produce(x2, ec, act)
                 epi = EcEpilogue(ec[1], None, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)

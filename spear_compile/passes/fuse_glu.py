@@ -154,7 +154,8 @@ class FuseGLU(SpearPass):
         has_ec = cat.target is EC_CAT
         args = {"x": kw["x"], "qweights": kw["qweights"], "scales": kw["scales"], "zeros": kw["zeros"],
                 "group_size": kw["group_size"], **{k: kw[k] for k in EC_ARGS if has_ec},
-                "act": kw["act"] if has_ec else "silu", "layout": kw["layout"]}
+                "act": kw["act"] if has_ec else "silu", "layout": kw["layout"],
+                "norm_weight": kw["norm_weight"], "norm_eps": kw["norm_eps"]}  # (a norm fused before: kept)
         with graph.inserting_before(mul):
             glu = call_op(graph, EC_GLU if has_ec else GLU, args)
         copy_meta(mul, glu)
@@ -179,8 +180,9 @@ class FuseGLU(SpearPass):
         cfg = tma_config_of(kw, F, glu=True)
         if cat.target is EC_CAT:
             from ..lowering.w4a16_cat import ec_epilogue_ok
+            from .phase_dispatch import ec_rank
 
-            return ec_epilogue_ok(cfg, dev, norm=False)
+            return ec_epilogue_ok(cfg, dev, norm=kw["norm_weight"] is not None, rc=ec_rank(*kw["As"]))
         return cfg is not None
 
 

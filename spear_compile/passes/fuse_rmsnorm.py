@@ -1,8 +1,8 @@
 """Pass: at decode, the RMSNorm in front of a concatenated / GLU GEMV moves into the GEMV's x staging.
 
-Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``spear::w4a16_linear_glu`` / ``spear::ec_linear_cat`` /
-             ``spear::ec_linear_glu`` node (made at M == 1 by ``fuse_shared_input`` / ``fuse_glu``) when it is an RMSNorm computed in fp32 and read by
-             nothing else: ``mul(convert(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps))), dt), w)``
+Matches:     the ``x`` of a ``spear::w4a16_linear_cat`` / ``w4a16_linear_glu`` / ``ec_linear_cat`` /
+             ``ec_linear_glu`` node (made at M == 1 by ``fuse_shared_input`` / ``fuse_glu``) when it is an
+             RMSNorm computed in fp32 and read by nothing else: ``mul(convert(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps))), dt), w)``
              with ``xf = convert(x, f32)`` (or x itself in an fp32 model) and ``w`` one weight per feature
              (the Llama / HF ``LlamaRMSNorm`` form, either operand order of the multiplies).
 Rewrites to: the same op reading ``x`` with ``norm_weight = w, norm_eps = eps``.
@@ -120,5 +120,7 @@ class FuseRMSNorm(SpearPass):
 
         cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target in (GLU, EC_GLU))
         if node.target in (EC_CAT, EC_GLU):
-            return ec_epilogue_ok(cfg, dev, norm=True)
+            from .phase_dispatch import ec_rank
+
+            return ec_epilogue_ok(cfg, dev, norm=True, rc=ec_rank(*kw["As"]))
         return cfg is not None and norm_ok(cfg)

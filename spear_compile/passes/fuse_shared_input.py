@@ -88,12 +88,13 @@ class FuseSharedInput(SpearPass):
         dim = cat.meta["val"].dim() - 1
         x_val = x.meta["val"]
         K = int(x_val.shape[-1])
-        from .phase_dispatch import _dtypes, ec_gemv_name, gemv_name
+        from .phase_dispatch import _dtypes, ec_gemv_name, ec_rank, gemv_name
 
         total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
         params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
         if has_ec:
-            kernel = EC_KERNEL.format(gemv=ec_gemv_name(total, K, G, x_val, params))
+            kernel = EC_KERNEL.format(gemv=ec_gemv_name(total, K, G, x_val, params,
+                                                        ec_rank(*[kw["A"] for _, kw in members])))
         else:
             kernel = KERNEL.format(gemv=gemv_name(total, K, G, x_val, params))
         off, sizes, weights, members_info = 0, [], [], []

@@ -69,22 +69,25 @@ def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, p
     return "triton GEMV (M = 1)"
 
 
-def ec_gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = ()) -> str:
-    """The M = 1 GEMV that runs an [N, K] weight with a decode EC: the TMA-fed Gluon kernel with the EC
-    in its epilogue where its config allows it and PDL runs (``w4a16_cat.ec_tma_config``), else the
-    CUDA-core Triton kernel."""
+def ec_gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = (),
+                 rc: Optional[int] = None, single: bool = False) -> str:
+    """The M = 1 GEMV that runs an [N, K] weight with a decode EC (``rc``: its largest rank): the TMA-fed
+    Gluon kernel with the EC in its epilogue where its config allows it and PDL runs
+    (``w4a16_cat.ec_tma_config``) - for a ``single`` EC also unless the lab measured the CUDA-core pair
+    faster for the shape (``w4a16_triton.tma_ec_measured_ok``) - else the CUDA-core Triton kernel."""
     from ..lowering.w4a16_cat import ec_epilogue_ok
     from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
+    from ..lowering.w4a16_triton import tma_ec_measured_ok
 
     cfg = (tma_config_for(N, K, G, x_val.dtype, x_val.device, param_dtypes=param_dtypes)
            if N is not None and G is not None and HAS_GLUON else None)
-    if ec_epilogue_ok(cfg, x_val.device, norm=False):
+    if ec_epilogue_ok(cfg, x_val.device, norm=False, rc=rc) and not (single and not tma_ec_measured_ok(N, K, G)):
         return "gluon TMA-ring GEMV"
     return "triton GEMV"
 
 
 def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N: Optional[int] = None,
-               G: Optional[int] = None, param_dtypes: tuple = ()) -> str:
+               G: Optional[int] = None, param_dtypes: tuple = (), rc: Optional[int] = None) -> str:
     """Which implementation will run this node (for the inspection report); N and G (the weight's
     rows and group size) name the M = 1 GEMV exactly."""
     from ..lowering._triton import HAS_TRITON
@@ -97,7 +100,7 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N:
     gemm = "triton GEMM (M < 256) / dequant + cuBLAS"
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
     K = int(x_val.shape[-1])
-    fused = (f"{producers} {ec_gemv_name(N, K, G, x_val, param_dtypes)} with EC epilogue" if has_ec
+    fused = (f"{producers} {ec_gemv_name(N, K, G, x_val, param_dtypes, rc, single=True)} with EC epilogue" if has_ec
              else f"{gemv_name(N, K, G, x_val, param_dtypes)} / {gemm}")
     over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
             "side stream, or first and into the GEMM's C operand" if has_ec else gemm)
@@ -124,6 +127,13 @@ def _rows(kwargs: dict) -> Optional[int]:
     """The weight's rows N from its fake value, when the graph carries one."""
     val = getattr(kwargs.get("qweight"), "meta", {}).get("val")
     return int(val.shape[0]) if val is not None else None
+
+
+def ec_rank(*As) -> Optional[int]:
+    """The largest rank among EC ``A`` nodes (their fake values' rows); None if none is known."""
+    vals = [getattr(a, "meta", {}).get("val") for a in As]
+    ranks = [int(v.shape[0]) for v in vals if v is not None]
+    return max(ranks) if ranks else None
 
 
 def _dtypes(*nodes) -> tuple:
@@ -153,7 +163,8 @@ class PhaseDispatch(SpearPass):
                    crossover=crossover, crossover_source=source,
                    kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16,
                                      N=_rows(kwargs), G=kwargs.get("group_size"),
-                                     param_dtypes=_dtypes(kwargs.get("scales"), kwargs.get("zeros"))))
+                                     param_dtypes=_dtypes(kwargs.get("scales"), kwargs.get("zeros")),
+                                     rc=ec_rank(kwargs.get("A"))))
             count += 1
         return count
 

@@ -72,22 +72,27 @@ def test_ec_epilogue_routing(monkeypatch):
     assert C.ec_tma_config(x, N, 128, (), None) is None
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "0")
     assert C.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
+    assert C.ec_tma_config(x, N, 128, (), None, rc=C.EC_RC_MAX) == (4, 2, 2, 2, 2)
+    assert C.ec_tma_config(x, N, 128, (), None, rc=C.EC_RC_MAX + 1) is None  # its operands would spill
     monkeypatch.setattr(ED, "pdl_ok", lambda device: False)
     assert C.ec_tma_config(x, N, 128, (), None) is None
 
 
 def test_ec_epilogue_host_checks():
     """Wrong EC operands are refused before any launch, naming what is wrong."""
+    from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
+
     ok = dict(b=torch.zeros(64, 8), roff=None, gh=torch.zeros(16, 8), alpha=torch.ones(()), r=8, copies=16)
-    gt.EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2))
+    EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2))
     for change, msg in ((dict(b=torch.zeros(32, 8)), r"EC rows \(32, 8\) must be a contiguous \[64, RC\]"),
                         (dict(roff=torch.zeros(64, dtype=torch.int64)), "row offsets"),
-                        (dict(gh=torch.zeros(4, 8)), "must be fp32 with 16 rows"),
+                        (dict(gh=torch.zeros(4, 8)), "at least 8 contiguous values, 16 of them"),
+                        (dict(gh=torch.zeros(16, 4)), "at least 8 contiguous values"),
                         (dict(alpha=torch.ones(2)), "alpha has 2 elements")):
         with pytest.raises(ValueError, match=msg):
-            gt.EcEpilogue(**dict(ok, **change)).check(64, (4, 2, 2, 2, 2))
+            EcEpilogue(**dict(ok, **change)).check(64, (4, 2, 2, 2, 2))
     with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
-        gt.EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2, 2))
+        EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2, 2))
 
 
 
@@ -151,6 +156,9 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
     x, qs, ss, zs, bs, ecl = _parts(K, G)
     nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5)
     monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2]}))
+    calls = []
+    real = gt.w4a16_gemv_tma
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
     xs = x.clone()
     C.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
     torch.cuda.synchronize()
@@ -162,6 +170,7 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
         g.replay()
         torch.cuda.synchronize()
         assert _rel(y, _ref(xs, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
+    assert len(calls) == 2 and all(c is not None and c.wait for c in calls)  # warm-up and capture: the TMA pair
 
 
 
@@ -197,7 +206,8 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
     monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}))
     calls = []
     real = gt.w4a16_gemv_tma
-    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append((k.get("glu"), k.get("ec"))) or real(*a, **k))
+    monkeypatch.setattr(gt, "w4a16_gemv_tma",
+                        lambda *a, **k: calls.append((k.get("glu"), k.get("ec"))) or real(*a, **k))
     nargs = ("silu", "spear", w, 1e-5) if norm else ()
     xr = rms_norm_ref(x, w, 1e-5) if norm else x
     ref = glu_of(torch.cat([ec_linear_ref(xr, q, s, z, G, None, *ec) for q, s, z, *ec in zip(qs, ss, zs, *ecl)], -1))
