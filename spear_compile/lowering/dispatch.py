@@ -148,7 +148,8 @@ def register_cuda_kernels() -> None:
         return
     torch.library.register_kernel("spear::w4a16_linear", "cuda", w4a16_linear_cuda)
     torch.library.register_kernel("spear::ec_linear", "cuda", ec_linear_cuda)
-    from .w4a16_cat import ec_linear_cat_cuda, ec_linear_glu_cuda, w4a16_linear_cat_cuda, w4a16_linear_glu_cuda
+    from .ec_cat import ec_linear_cat_cuda, ec_linear_glu_cuda
+    from .w4a16_cat import w4a16_linear_cat_cuda, w4a16_linear_glu_cuda
 
     torch.library.register_kernel("spear::w4a16_linear_cat", "cuda", w4a16_linear_cat_cuda)
     torch.library.register_kernel("spear::ec_linear_cat", "cuda", ec_linear_cat_cuda)

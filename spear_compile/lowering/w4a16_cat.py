@@ -20,12 +20,7 @@ import torch
 
 _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
 _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
-_CAT_EC: dict = {}  # block-diagonal concatenations of ECs sharing an input
 _CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for the GLU epilogue
-_EC_ROWS: dict = {}  # per-row EC columns of concatenated ECs (the TMA kernel's EC epilogue)
-_EC_GLU_ROWS: dict = {}  # per GLU half-block: those rows interleaved like the gate / up weights
-EC_RC_MAX = 64  # the most EC columns per row the TMA epilogue takes (its [BN, RC] operands live in registers
-# through the K loop; compiled and measured at 64)
 GLU_ACTS = ("silu",)  # gate activations of spear::w4a16_linear_glu (the epilogue computes silu)
 
 
@@ -69,14 +64,6 @@ def _cat_params(qweights, scales, zeros, biases) -> tuple:
     return torch.cat(list(scales)), z, b
 
 
-def ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas) -> list:
-    """Per part of an ``ec_linear_cat``: the ``(qweight, scales, zeros, group_size, bias, A, B, W1, b1,
-    W2, b2, alpha)`` arguments of its ``ec_linear`` (the op's checks, reference and fallback)."""
-    return [(q, s, z, group_size, b, A, B, W1, b1, W2, b2, al)
-            for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s, b1s,
-                                                               W2s, b2s, alphas)]
-
-
 def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
     """Whether the M = 1 kernel takes every part (and the zero points concatenate)."""
     from .w4a16_triton import gemv1_ok
@@ -84,37 +71,6 @@ def gemv1_cat_ok(x2: torch.Tensor, qweights, zeros, group_size: int) -> bool:
     K = x2.shape[1]
     return (all(gemv1_ok(x2.shape[0], K, group_size, q) for q in qweights)
             and len({z is None for z in zeros}) == 1)
-
-
-def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas) -> tuple:
-    """One EC equal to several ECs that share an input, for one GEMV over their concatenated weights:
-    ``(A, B, W1, b1, W2, b2, alpha)`` with A stacked ([sum R, K]), the gate block-diagonal (W1 [sum D,
-    sum R], W2 [sum R, sum D], biases stacked: each part's gate sees only its own h), B block-diagonal
-    ([sum N, sum R]: part i's rows read only part i's g * h) with each part's alpha folded into its
-    rows (in fp32, then B's dtype), and alpha = 1. Through ``ec_linear_ref`` or the fused EC kernels
-    it computes what the parts compute separately (up to the rounding of alpha * B). Cached while
-    every part lives and is unchanged, like ``concatenated``.
-
-    Used by ``spear::ec_linear_cat`` (``fuse_shared_input`` with ``CompileConfig.fuse_shared_input_ec``:
-    q/k/v or gate/up with ECs as one GEMV + one EC; on by default since it measured 2.731 -> 2.691 ms
-    per E2E step, NOTES.md session 12)."""
-    from .w4a16_triton import derived_cached
-
-    def make() -> tuple:
-        A = torch.cat(list(As))
-        R = [a.shape[0] for a in As]
-        N = [b.shape[0] for b in Bs]
-        B = Bs[0].new_zeros(sum(N), sum(R))
-        r0 = n0 = 0
-        for b, al, r, n in zip(Bs, alphas, R, N):
-            B[n0:n0 + n, r0:r0 + r] = (al.float() * b.float()).to(B.dtype)
-            r0, n0 = r0 + r, n0 + n
-        W1 = torch.block_diag(*W1s)
-        W2 = torch.block_diag(*W2s)
-        alpha = torch.ones((), dtype=alphas[0].dtype, device=alphas[0].device)
-        return A, B, W1, torch.cat(list(b1s)), W2, torch.cat(list(b2s)), alpha
-
-    return derived_cached(_CAT_EC, [*As, *Bs, *W1s, *b1s, *W2s, *b2s, *alphas], make)
 
 
 def concatenated_tma(qweights, scales, zeros, biases, group_size: int, config: tuple) -> tuple:
@@ -177,114 +133,6 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
     x = rms_norm_ref(x, *norm) if norm is not None else x
     return torch.cat([w4a16_linear_cuda(x, q, s, z, group_size, b, layout)
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
-
-
-def ec_rows(Bs, alphas) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [sum N, RC], offsets [sum N] int32) of ECs sharing an input, for the TMA kernel's EC epilogue
-    (``w4a16_gemv_tma_ec._ec_rows``): row n of part i holds ``alpha_i * B_i[n]`` (in fp32, then B's dtype,
-    as ``concatenated_ecs`` rounds it) padded to RC = max rank with zeros, and its offset is part i's
-    first column of the stacked g * h. ``sum_j rows[n, j] gh[off[n] + j]`` is then row n of the
-    block-diagonal ``B gh`` of ``concatenated_ecs``, reading RC instead of sum R columns per row (a
-    third of the bytes for q/k/v). Cached like ``concatenated``."""
-    from .w4a16_triton import derived_cached
-
-    def make() -> tuple:
-        rc = max(b.shape[1] for b in Bs)
-        rows, offs, r0 = [], [], 0
-        for b, al in zip(Bs, alphas):
-            n, r = b.shape
-            rows.append(torch.nn.functional.pad((al.float() * b.float()).to(b.dtype), (0, rc - r)))
-            offs.append(torch.full((n,), r0, dtype=torch.int32, device=b.device))
-            r0 += r
-        return torch.cat(rows).contiguous(), torch.cat(offs)
-
-    return derived_cached(_EC_ROWS, [*Bs, *alphas], make)
-
-
-def ec_rows_emulated(gh: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, R: int) -> torch.Tensor:
-    """What the TMA kernel's EC epilogue adds per row, in PyTorch (fp32): the CPU check of ``ec_rows``."""
-    cols = offs.long()[:, None] + torch.arange(rows.shape[1], device=rows.device)[None, :]
-    g = torch.where(cols < R, gh.float()[cols.clamp_max(R - 1)], torch.zeros((), device=gh.device))
-    return (rows.float() * g).sum(1)
-
-
-def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool, rc: Optional[int] = None) -> bool:
-    """Whether the TMA kernel in ``cfg`` (the tuned table's for the shape, or None) adds a decode EC in
-    its epilogue on ``device``: PDL runs there (Hopper: the GEMV waits for the EC's producer grid only
-    before its epilogue), the config allows the EC epilogue (``ec_ok``) and, with ``norm``, the RMSNorm
-    prologue (``norm_ok``), and each row reads at most ``EC_RC_MAX`` EC columns (``rc``: the largest
-    part's rank; None: not known). ``SPEAR_NO_TMA_EC=1`` in the environment turns it off (the CUDA-core EC pair
-    everywhere: for A/B measurements and as an escape hatch). Asked at run time (``ec_tma_config``) and
-    by the passes before they rewrite (``fuse_rmsnorm``, ``fuse_glu``) or name the kernel
-    (``phase_dispatch``)."""
-    import os
-
-    from .ec_decode_triton import pdl_ok
-    from .w4a16_gemv_tma import ec_ok, norm_ok
-
-    if cfg is None or os.environ.get("SPEAR_NO_TMA_EC", "0") not in ("", "0") or (rc is not None and rc > EC_RC_MAX):
-        return False
-    return pdl_ok(device) and ec_ok(cfg) and (not norm or norm_ok(cfg))
-
-
-def ec_tma_config(x2: torch.Tensor, N: int, group_size: int, params: tuple, norm: Optional[tuple],
-                  rc: Optional[int] = None) -> Optional[tuple]:
-    """The TMA config whose EC epilogue runs a decode EC GEMV of N rows (with the RMSNorm prologue when
-    ``norm``), or None: the tuned table's TMA config for the shape (``tma_config``) where
-    ``ec_epilogue_ok``."""
-    from .w4a16_gemv_tma import tma_config
-
-    cfg = tma_config(N, x2.shape[1], group_size, x2, params=params)
-    return cfg if ec_epilogue_ok(cfg, x2.device, norm is not None, rc) else None
-
-
-def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
-                 act: str = "silu", out=None, norm: Optional[tuple] = None) -> torch.Tensor:
-    """Y[1, sum N] of several EC-compensated linears sharing x: one M = 1 GEMV over the concatenated
-    weights with one block-diagonal EC (``concatenated_ecs``). Where the tuned table runs the
-    concatenated shape on the TMA kernel (``ec_tma_config``): the EC's producer grid, then the TMA GEMV
-    launched with PDL adding each row's part of the EC in its epilogue (``ec_rows``). Elsewhere the same
-    fused-EC kernels as a single ``ec_linear`` (the PDL producer + CUDA-core GEMV pair on Hopper, else
-    the single launch). ``norm`` (weight, eps): x is RMS-normalised first - by the producer and the TMA
-    GEMV as they read it, or by ``rms_norm_ref`` on the other paths."""
-    from .w4a16_triton import gemv1_ec
-
-    N = sum(q.shape[0] for q in qweights)
-    ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
-    cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm, max(b.shape[1] for b in Bs))
-    if cfg is not None:
-        from .ec_decode_triton import ec_produce
-        from .w4a16_gemv_tma import w4a16_gemv_tma
-        from .w4a16_gemv_tma_ec import EcEpilogue
-        from .w4a16_triton import GH_COPIES
-
-        descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
-        rows, offs = ec_rows(Bs, alphas)
-        gh, pdl = ec_produce(x2, ec, act, norm)
-        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm, ec=epi)
-    words, s, z, b = concatenated(qweights, scales, zeros, biases)
-    x2 = rms_norm_ref(x2, *norm) if norm is not None else x2
-    return gemv1_ec(x2, None, s, z, group_size, b, ec, act, out=out, words=words)
-
-
-def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
-                       act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
-    from ..quant.ops import _check_ec_cat, check_norm
-    from .dispatch import _triton_ok, ec_linear_cuda
-
-    # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
-    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
-    x2 = x.reshape(-1, x.shape[-1])
-    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
-    if _triton_ok(x, layout) and x2.shape[0] == 1 and gemv1_cat_ok(x2, qweights, zeros, group_size):
-        y = ec_gemv1_cat(x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
-                         alphas, act, norm=norm)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    x = rms_norm_ref(x, *norm) if norm is not None else x
-    return torch.cat([ec_linear_cuda(x, *part, act, layout) for part in
-                      ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)], dim=-1)
 
 
 def concatenated_glu_tma(qweights, scales, zeros, group_size: int, config: tuple) -> tuple:
@@ -351,50 +199,3 @@ def w4a16_linear_glu_cuda(x, qweights, scales, zeros, group_size, act="silu", la
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return glu_of(w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], layout, norm_weight,
                                         norm_eps), act)
-
-
-
-
-def ec_glu_rows(Bs, alphas, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ec_rows`` of a gate / up pair, rows interleaved in blocks of ``half`` (``glu_interleave``) like
-    the weights of ``concatenated_glu_tma``, so each GLU CTA's EC rows are its own. Cached."""
-    from .w4a16_gemv_tma import glu_interleave
-    from .w4a16_triton import derived_cached
-
-    def make() -> tuple:
-        rows, offs = ec_rows(Bs, alphas)
-        F = Bs[0].shape[0]
-        return glu_interleave(rows, F, half).contiguous(), glu_interleave(offs, F, half).contiguous()
-
-    return derived_cached(_EC_GLU_ROWS.setdefault(half, {}), [*Bs, *alphas], make)
-
-
-def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu",
-                       layout="spear", norm_weight=None, norm_eps=1e-6):
-    """``spear::ec_linear_glu`` on CUDA: the TMA kernel with the GLU epilogue and each row's EC added
-    before it, PDL-launched behind the ECs' producer grid (``ec_produce``), where ``glu_config`` finds a
-    config and ``ec_epilogue_ok``; else ``glu_of`` of the EC concatenation."""
-    from ..quant.ops import _check_ec_glu, check_norm
-    from .dispatch import _triton_ok
-    from .ec_decode_triton import ec_produce
-    from .w4a16_gemv_tma import tile_geometry, w4a16_gemv_tma
-    from .w4a16_gemv_tma_ec import EcEpilogue
-    from .w4a16_triton import GH_COPIES
-
-    # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
-    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
-    x2 = x.reshape(-1, x.shape[-1])
-    norm = (norm_weight.contiguous(), norm_eps) if norm_weight is not None else None
-    cfg = glu_config(x2, qweights, scales, zeros, group_size) if _triton_ok(x, layout) else None
-    if ec_epilogue_ok(cfg, x.device, norm is not None, max(b.shape[1] for b in Bs)):
-        x2 = x2.contiguous()
-        descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
-        rows, offs = ec_glu_rows(Bs, alphas, tile_geometry(cfg)[0] // 2)
-        ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
-        gh, pdl = ec_produce(x2, ec, act, norm)
-        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-        y = w4a16_gemv_tma(x2, None, s, z, group_size, None, config=cfg, descs=descs, glu=True, norm=norm, ec=epi)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return glu_of(ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
-                                     alphas, act, layout, norm_weight, norm_eps))

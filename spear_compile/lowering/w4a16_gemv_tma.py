@@ -34,8 +34,8 @@ Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV 
 takes this kernel at M = 1 for the shapes where ``benchmarks/kernels.py --lab gemv --tma`` measured it
 faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table, ``tma_config``);
 elsewhere the CUDA-core kernel runs. With a decode EC the same shapes take it with the EC epilogue
-(``w4a16_triton.gemv1_ec``, ``w4a16_cat.ec_gemv1_cat`` / ``ec_linear_glu_cuda``, where
-``w4a16_cat.ec_epilogue_ok``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
+(``w4a16_triton.gemv1_ec``, ``ec_cat.ec_gemv1_cat`` / ``ec_linear_glu_cuda``, where
+``ec_cat.ec_epilogue_ok``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
 bf16 scales and zero points (the shared-memory mode reads them as bf16 pairs), K % 128 == 0, G a
 multiple of 128 (or per-channel).
 """

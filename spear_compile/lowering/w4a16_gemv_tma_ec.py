@@ -4,7 +4,7 @@ Reference: ``lowering/ec_linear.py:ec_linear_ref`` (y = W4 x + alpha B (g * A x)
 
 Epilogue (``_ec_operands`` before the K loop, ``_ec_rows`` after it): each CTA adds
 ``alpha * sum_j b[n, j] gh[off[n] + j]`` to its rows, ``b`` being B's rows (or, for a concatenation of
-ECs, each row's own part of the block-diagonal B: ``w4a16_cat.ec_rows``) and ``gh`` = g * h.
+ECs, each row's own part of the block-diagonal B: ``ec_cat.ec_rows``) and ``gh`` = g * h.
 
 g * h comes from the EC's producer grid (``ec_decode_triton.ec_produce``, launched just before); the
 GEMV is launched behind it by programmatic dependent launch (PDL) and executes ``griddepcontrol.wait``
@@ -59,7 +59,7 @@ if HAS_GLUON:
 
 class EcEpilogue:
     """The decode EC's operands for the TMA kernel (module docstring): ``b`` [N, RC] each row's EC
-    columns (B itself, or ``w4a16_cat.ec_rows`` of a concatenation), ``roff`` [N] int32 each row's first
+    columns (B itself, or ``ec_cat.ec_rows`` of a concatenation), ``roff`` [N] int32 each row's first
     column of g * h (None: 0 for every row), ``gh`` the fp32 [copies, >= r] rows the producer publishes
     g * h in (``ec_decode_triton.ec_produce``), ``alpha`` a one-element tensor, ``r`` the length of
     g * h, and ``wait``: the GEMV is launched with PDL behind the producer grid and waits for it before

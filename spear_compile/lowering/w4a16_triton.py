@@ -783,7 +783,7 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
              out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: on Hopper the producer launch + a PDL-launched GEMV -
     the TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
-    (``w4a16_cat.ec_tma_config``), else the CUDA-core kernel (1.09-1.26x W4 against 1.16-1.98x for
+    (``ec_cat.ec_tma_config``), else the CUDA-core kernel (1.09-1.26x W4 against 1.16-1.98x for
     the single launch, NOTES.md); elsewhere the single launch. ``words``: the GEMV layout itself
     (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the TMA route themselves)."""
     from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
@@ -791,7 +791,7 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
     if pdl_ok(x2.device):
         N = words.shape[0] if words is not None else qweight.shape[0]
         if words is None and ec[1].is_contiguous() and tma_ec_measured_ok(N, x2.shape[1], G):
-            from .w4a16_cat import ec_tma_config
+            from .ec_cat import ec_tma_config
 
             cfg = ec_tma_config(x2, N, G, (scales, zeros), None, ec[0].shape[0])
             if cfg is not None:

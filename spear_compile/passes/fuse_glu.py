@@ -23,7 +23,7 @@ GEMV writes half the values. On a GPU the pass rewrites only where that epilogue
 table's TMA kernel for the concatenated shape, ``lowering.w4a16_cat.glu_config_for``); elsewhere
 Inductor's fused act-mul kernel is at least as good. With ECs the same kernel adds each row's EC before
 the product (``lowering/w4a16_gemv_tma_ec.py``), PDL-launched behind the ECs' producer grid, where that
-runs (``w4a16_cat.ec_epilogue_ok``). On the CPU the op is the reference either way
+runs (``ec_cat.ec_epilogue_ok``). On the CPU the op is the reference either way
 (the same work as the unfused graph), so the rewrite is made there too, which keeps it tested.
 """
 from __future__ import annotations
@@ -179,7 +179,7 @@ class FuseGLU(SpearPass):
             return True
         cfg = tma_config_of(kw, F, glu=True)
         if cat.target is EC_CAT:
-            from ..lowering.w4a16_cat import ec_epilogue_ok
+            from ..lowering.ec_cat import ec_epilogue_ok
             from .phase_dispatch import ec_rank
 
             return ec_epilogue_ok(cfg, dev, norm=kw["norm_weight"] is not None, rc=ec_rank(*kw["As"]))

@@ -111,11 +111,11 @@ class FuseRMSNorm(SpearPass):
     def _prologue_runs(self, node: fx.Node, kw: dict) -> bool:
         """CPU: always (the reference either way); GPU: where the TMA kernel stages x for the shape (for
         an EC concatenation: where that kernel adds the EC in its epilogue behind a PDL producer, as
-        ``w4a16_cat.ec_tma_config`` asks at run time)."""
+        ``ec_cat.ec_tma_config`` asks at run time)."""
         dev = kw["x"].meta["val"].device
         if dev.type != "cuda":
             return True
-        from ..lowering.w4a16_cat import ec_epilogue_ok
+        from ..lowering.ec_cat import ec_epilogue_ok
         from ..lowering.w4a16_gemv_tma import norm_ok
 
         cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target in (GLU, EC_GLU))

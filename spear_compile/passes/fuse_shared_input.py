@@ -17,7 +17,7 @@ Why only M == 1: there the GPU runs one GEMV over the concatenation (``lowering/
 at M > 1 the GEMMs are already large and the concatenation would only add a copy. Linears with an
 EC group apart: with ``CompileConfig.fuse_shared_input_ec`` (on by default) EC linears sharing an
 input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
-(``w4a16_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):
+(``ec_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):
 Llama-2-7B-shaped decode at batch 1 on one H200 went 2.82 -> 2.60 ms/token for plain W4 (predicted
 ~2.64) and 2.731 -> 2.691 ms/token with ECs on 25 % of linears (predicted ~2.64; benchmarks/NOTES.md).
 """

@@ -73,9 +73,9 @@ def ec_gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor
                  rc: Optional[int] = None, single: bool = False) -> str:
     """The M = 1 GEMV that runs an [N, K] weight with a decode EC (``rc``: its largest rank): the TMA-fed
     Gluon kernel with the EC in its epilogue where its config allows it and PDL runs
-    (``w4a16_cat.ec_tma_config``) - for a ``single`` EC also unless the lab measured the CUDA-core pair
+    (``ec_cat.ec_tma_config``) - for a ``single`` EC also unless the lab measured the CUDA-core pair
     faster for the shape (``w4a16_triton.tma_ec_measured_ok``) - else the CUDA-core Triton kernel."""
-    from ..lowering.w4a16_cat import ec_epilogue_ok
+    from ..lowering.ec_cat import ec_epilogue_ok
     from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
     from ..lowering.w4a16_triton import tma_ec_measured_ok
 

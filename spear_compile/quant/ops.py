@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ..lowering.ec_linear import _ACTS, ec_linear_ref
 from ..lowering.w4a16 import w4a16_linear_ref
-from ..lowering.w4a16_cat import GLU_ACTS, ec_parts, glu_of, rms_norm_ref
+from ..lowering.ec_cat import ec_parts
+from ..lowering.w4a16_cat import GLU_ACTS, glu_of, rms_norm_ref
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")

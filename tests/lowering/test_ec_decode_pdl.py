@@ -70,7 +70,7 @@ def test_ec_rows_equal_the_block_diagonal_b():
     """ec_rows (each row's own part of the concatenated EC's B, alpha folded, with its g * h offset) gives,
     through the TMA epilogue's arithmetic (ec_rows_emulated), the block-diagonal B g h of concatenated_ecs;
     parts of different rank and alpha."""
-    from spear_compile.lowering.w4a16_cat import concatenated_ecs, ec_rows, ec_rows_emulated
+    from spear_compile.lowering.ec_cat import concatenated_ecs, ec_rows, ec_rows_emulated
 
     parts = [_ec(n, 64, r, 4, torch.bfloat16, seed=s) for s, (n, r) in enumerate([(48, 8), (16, 5), (32, 8)])]
     parts = [p[:6] + (torch.tensor(a, device=DEV),) for p, a in zip(parts, (1.25, -0.5, 2.0))]

@@ -1,7 +1,7 @@
 """The decode EC in the TMA GEMV's epilogue (``w4a16_gemv_tma_ec``), PDL-launched behind the EC's producer grid.
 
 The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU the routing is checked
-(which configs and devices take the EC epilogue) and ``w4a16_cat.ec_rows`` - the per-row EC columns the
+(which configs and devices take the EC epilogue) and ``ec_cat.ec_rows`` - the per-row EC columns the
 epilogue reads - is checked through its emulation in ``test_ec_decode_pdl.py``; the kernel is compiled
 for sm_90 in ``test_gemv_tma.py``. On a Hopper GPU the concatenated and single EC GEMVs run against
 the reference, with and without the RMSNorm prologue, twice (the counters must be left zeroed), and
@@ -54,7 +54,7 @@ def test_ec_epilogue_routing(monkeypatch):
     """ec_tma_config: only a tuned TMA config without a K-split or persistence, only where PDL runs,
     and with an RMSNorm only where the config stages x in shared memory."""
     from spear_compile.lowering import ec_decode_triton as ED
-    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import ec_cat as E
     from spear_compile.lowering import w4a16_triton as T
 
     K, N = 1280, 256
@@ -64,18 +64,18 @@ def test_ec_epilogue_routing(monkeypatch):
     for cfg, plain, normed in (([4, 2, 2, 2, 2], True, True), ([8, 2, 1, 3, 0], True, False),
                                ([4, 2, 2, 2, 2, 2], False, False), ([4, 2, 2, 3, 2, 1, 2], False, False)):
         monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): cfg})
-        assert (C.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
-        assert (C.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
+        assert (E.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
+        assert (E.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
     monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
-    assert C.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
+    assert E.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")  # the escape hatch / A/B switch
-    assert C.ec_tma_config(x, N, 128, (), None) is None
+    assert E.ec_tma_config(x, N, 128, (), None) is None
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "0")
-    assert C.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
-    assert C.ec_tma_config(x, N, 128, (), None, rc=C.EC_RC_MAX) == (4, 2, 2, 2, 2)
-    assert C.ec_tma_config(x, N, 128, (), None, rc=C.EC_RC_MAX + 1) is None  # its operands would spill
+    assert E.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
+    assert E.ec_tma_config(x, N, 128, (), None, rc=E.EC_RC_MAX) == (4, 2, 2, 2, 2)
+    assert E.ec_tma_config(x, N, 128, (), None, rc=E.EC_RC_MAX + 1) is None  # its operands would spill
     monkeypatch.setattr(ED, "pdl_ok", lambda device: False)
-    assert C.ec_tma_config(x, N, 128, (), None) is None
+    assert E.ec_tma_config(x, N, 128, (), None) is None
 
 
 def test_ec_epilogue_host_checks():
@@ -101,6 +101,7 @@ def test_ec_epilogue_host_checks():
 @pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (8, 2, 1, 3, 0)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, norm, monkeypatch):
+    from spear_compile.lowering import ec_cat as E
     from spear_compile.lowering import w4a16_cat as C
     from spear_compile.lowering import w4a16_triton as T
 
@@ -114,7 +115,7 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
     monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, Gs): list(config)}))
     ref = _ref(x, qs, ss, zs, Gs, bs, ecl, nw)
     for _ in range(2):  # the second launch relies on the producer's counter having been reset
-        y = C.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
+        y = E.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
         assert _rel(y, ref) < 1e-2
     takes_tma = not (norm and config[4] != gt.OPS_SMEM)
     assert len(calls) == (2 if takes_tma else 0) and all(c is not None and c.wait for c in calls)
@@ -149,7 +150,7 @@ def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
 @on_hopper
 def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
     """The producer grid + PDL-launched TMA GEMV captured once and replayed with new inputs."""
-    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import ec_cat as E
     from spear_compile.lowering import w4a16_triton as T
 
     K, G = 1280, 128
@@ -160,11 +161,11 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
     xs = x.clone()
-    C.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
+    E.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = C.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)
+        y = E.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)
     for seed in range(3):
         xs.copy_(torch.randn(1, K, generator=torch.Generator().manual_seed(seed)).to(xs) * 2)
         g.replay()
@@ -177,7 +178,7 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
 def test_glu_ec_rows_follow_the_interleaved_weights():
     """ec_glu_rows: the EC rows of a gate / up pair interleaved like concatenated_glu_tma's weights, so
     through the epilogue's arithmetic row i of the GLU kernel gets the EC of interleaved row i."""
-    from spear_compile.lowering.w4a16_cat import concatenated_ecs, ec_glu_rows, ec_rows_emulated
+    from spear_compile.lowering.ec_cat import concatenated_ecs, ec_glu_rows, ec_rows_emulated
 
     F, half = 48, 8
     ecs = [_ec(F, 64, r, 4, seed=s) for s, r in enumerate((8, 5))]

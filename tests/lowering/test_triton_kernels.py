@@ -312,7 +312,7 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     """Three ECs sharing an input (different ranks, gate widths and alphas) as one block-diagonal EC
     over the concatenated weights: the reference and the fused M = 1 kernel (interpreted on CPU; the
     block-diagonal rank 56 pads to 64) give what the parts give separately."""
-    from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.lowering import ec_cat as E
     from spear_compile.lowering.w4a16_triton import w4a16_gemv
 
     K, G = 256, 64
@@ -322,13 +322,13 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     ecs = [e[:-1] + (e[-1] * (1 + 0.5 * i),) for i, e in enumerate(ecs)]  # distinct alphas
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     ref = torch.cat([ec_linear_ref(x, w[0], w[1], w[2], G, w[3], *e) for w, e in zip(ws, ecs)], -1)
-    cat_ec = C.concatenated_ecs(*[list(t) for t in zip(*ecs)])
+    cat_ec = E.concatenated_ecs(*[list(t) for t in zip(*ecs)])
     assert cat_ec[0].shape == (56, K) and cat_ec[1].shape == (123, 56) and cat_ec[2].shape == (28, 56)
     q, s, z, b = (torch.cat([w[i] for w in ws]) for i in range(4))
     _close(ec_linear_ref(x, q, s, z, G, b, *cat_ec), ref, dtype)
     _close(w4a16_gemv(x, q, s, z, G, b, ec=cat_ec), ref, dtype)
-    assert C.concatenated_ecs(*[list(t) for t in zip(*ecs)]) is cat_ec  # cached
+    assert E.concatenated_ecs(*[list(t) for t in zip(*ecs)]) is cat_ec  # cached
     # spear::ec_linear_cat's CUDA path end to end (concatenated words + block-diagonal EC), interpreted here
-    y = C.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
+    y = E.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
                        *[list(t) for t in zip(*ecs)])
     _close(y, ref, dtype)

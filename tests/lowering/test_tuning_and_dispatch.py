@@ -177,8 +177,8 @@ def test_derived_layouts_are_not_made_inside_a_graph_capture(monkeypatch):
 def test_single_ec_takes_the_pair_the_table_measured_faster(monkeypatch):
     """gemv1_ec: the TMA GEMV's EC pair where the TMA kernel runs the shape, unless the table's gemv1tmaec
     entry says the CUDA-core PDL pair measured faster there (0)."""
+    from spear_compile.lowering import ec_cat as C
     from spear_compile.lowering import ec_decode_triton as ED
-    from spear_compile.lowering import w4a16_cat as C
     from spear_compile.lowering import w4a16_triton as T
 
     asked = []
