@@ -111,9 +111,10 @@ def _halves(cat: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
     F2 = int(cat.meta["val"].shape[-1])
     parts = {}
     for s in cat.users:
-        if not _is(s, SLICE) or s.args[1] not in (dim, -1) or len(s.args) != 4:
+        if (not _is(s, SLICE) or s.args[1] not in (dim, -1) or len(s.args) != 4
+                or not all(isinstance(v, int) for v in s.args[2:])):
             return None
-        parts[(s.args[2], s.args[3])] = s
+        parts[(s.args[2], min(s.args[3], F2))] = s  # (an open end, y[..., F:], is traced as 2^63 - 1)
     F = F2 // 2
     if set(parts) != {(0, F), (F, F2)}:
         return None

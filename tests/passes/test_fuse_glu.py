@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 import spear_compile as spear
 from spear_compile import CompileConfig
@@ -196,3 +197,36 @@ def test_gate_up_with_ecs_become_one_ec_glu_op_and_match_eager():
         torch.ops.spear.ec_linear_glu(xx, [qs[0], small.qweight], [ss[0], small.scales], [zs[0], small.zeros], 32,
                                       *[[v[0], getattr(e16, k).detach()] for v, k in
                                         zip(lists, ("A", "B", "W1", "b1", "W2", "b2", "alpha"))])
+
+
+class _CatWithNorm(nn.Module):
+    """A concatenation that already carries an RMSNorm (norm_weight), then silu(y[..., :F]) * y[..., F:]
+    (an open-ended slice, as user code writes it)."""
+
+    def __init__(self):
+        super().__init__()
+        from spear_compile.quant import quantize_rtn
+
+        for i in range(2):
+            p = quantize_rtn(torch.randn(24, 64) * 0.05, spear.QuantConfig(group_size=32))
+            self.register_buffer(f"q{i}", p.qweight)
+            self.register_buffer(f"s{i}", p.scales)
+            self.register_buffer(f"z{i}", p.zeros)
+        self.nw = nn.Parameter(torch.rand(64) + 0.5)
+
+    def forward(self, x):
+        y = torch.ops.spear.w4a16_linear_cat(x, [self.q0, self.q1], [self.s0, self.s1], [self.z0, self.z1], 32,
+                                             [None, None], "spear", self.nw, 1e-5)
+        return torch.nn.functional.silu(y[..., :24]) * y[..., 24:]
+
+
+def test_a_norm_already_in_the_cat_stays_with_the_glu_op():
+    """fuse_glu rewrites a cat that carries norm_weight into a GLU op with the same norm (not dropped),
+    and matches the open-ended up slice; compiled equals eager (which applies the norm)."""
+    m = _CatWithNorm()
+    x = torch.randn(1, 1, 64)
+    snap = snapshot(capture(m, (x,)), "fuse_glu")
+    assert snap.matched_count == 1
+    glu = [ln for ln in snap.after.splitlines() if "spear.w4a16_linear_glu.default" in ln]
+    assert len(glu) == 1 and "1e-05" in glu[0], glu
+    assert_compiled_matches_eager(m, x, tol=1e-5)
