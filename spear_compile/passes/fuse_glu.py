@@ -149,10 +149,10 @@ class FuseGLU(SpearPass):
         # nothing outside the pattern may read the slices or the silu's intermediates
         if len(up.users) != 1 or any(u not in chain and u is not mul for n in (gate, *chain) for u in n.users):
             return False
-        if mul.meta["val"].dtype != cat.meta["val"].dtype or not self._epilogue_runs(cat, halves[2]):
-            return False
         kw = bind(cat)
         has_ec = cat.target is EC_CAT
+        if mul.meta["val"].dtype != cat.meta["val"].dtype or not self._epilogue_runs(kw, halves[2], has_ec):
+            return False
         args = {"x": kw["x"], "qweights": kw["qweights"], "scales": kw["scales"], "zeros": kw["zeros"],
                 "group_size": kw["group_size"], **{k: kw[k] for k in EC_ARGS if has_ec},
                 "act": kw["act"] if has_ec else "silu", "layout": kw["layout"],
@@ -171,15 +171,15 @@ class FuseGLU(SpearPass):
         graph.erase_node(mul)
         return True
 
-    def _epilogue_runs(self, cat: fx.Node, F: int) -> bool:
+    def _epilogue_runs(self, kw: dict, F: int, has_ec: bool) -> bool:
         """CPU: always (the reference either way); GPU: where the GLU epilogue kernel takes the shape (with
-        ECs: where it also adds them, ``ec_epilogue_ok``)."""
-        kw = bind(cat)
+        ECs, ``has_ec``: where it also adds them, ``ec_epilogue_ok``). ``kw``: the concatenation's bound
+        arguments."""
         dev = kw["x"].meta["val"].device
         if dev.type != "cuda":
             return True
         cfg = tma_config_of(kw, F, glu=True)
-        if cat.target is EC_CAT:
+        if has_ec:
             from ..lowering.ec_cat import ec_epilogue_ok
             from .phase_dispatch import ec_rank
 

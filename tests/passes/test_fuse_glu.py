@@ -230,3 +230,32 @@ def test_a_norm_already_in_the_cat_stays_with_the_glu_op():
     glu = [ln for ln in snap.after.splitlines() if "spear.w4a16_linear_glu.default" in ln]
     assert len(glu) == 1 and "1e-05" in glu[0], glu
     assert_compiled_matches_eager(m, x, tol=1e-5)
+
+
+def test_gpu_rewrite_conditions_with_ecs_ask_the_ec_epilogue(monkeypatch):
+    """On a GPU, fuse_glu (gate/up with ECs) and fuse_rmsnorm (EC concatenations and EC GLU ops) rewrite
+    only where the TMA kernel adds the ECs: they ask ec_cat.ec_epilogue_ok with the table's config, the
+    largest EC rank and whether a norm is fused; without ECs the plain condition holds."""
+    from types import SimpleNamespace
+
+    from spear_compile.lowering import ec_cat
+    from spear_compile.passes import fuse_glu, fuse_rmsnorm
+    from spear_compile.passes.context import PassContext
+
+    asked = []
+    monkeypatch.setattr(ec_cat, "ec_epilogue_ok",
+                        lambda cfg, dev, norm, rc=None: asked.append((cfg, norm, rc)) or rc <= 8)
+    monkeypatch.setattr(fuse_glu, "tma_config_of", lambda kw, rows, glu: ("cfg", rows, glu))
+    monkeypatch.setattr(fuse_rmsnorm, "tma_config_of", lambda kw, rows, glu: ("cfg", rows, glu))
+    node = lambda t: SimpleNamespace(meta={"val": t})  # noqa: E731
+    x = node(SimpleNamespace(device=torch.device("cuda")))
+    kw = {"x": x, "norm_weight": None, "As": [node(torch.zeros(4, 64)), node(torch.zeros(8, 64))]}
+    ctx = PassContext(spear.CompileConfig())
+    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 16, has_ec=True)
+    assert asked[-1] == (("cfg", 16, True), False, 8)
+    assert not fuse_glu.FuseGLU(ctx)._epilogue_runs({**kw, "As": [node(torch.zeros(16, 64))]}, 16, has_ec=True)
+    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 16, has_ec=False) and len(asked) == 2  # plain: not asked
+    out = node(torch.zeros(1, 1, 32))
+    for target, glu in ((fuse_glu.EC_CAT, False), (fuse_glu.EC_GLU, True)):
+        assert fuse_rmsnorm.FuseRMSNorm(ctx)._prologue_runs(SimpleNamespace(target=target, meta=out.meta), kw)
+        assert asked[-1] == (("cfg", 32, glu), True, 8)
