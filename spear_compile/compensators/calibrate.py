@@ -75,11 +75,6 @@ class CalibConfig:
     (LLM-QAT's data-free generation does the same). Measured (H200, GPU_PRESET, session 10): no
     gain - 0.25 is within noise of 0 and larger fractions cost recovery (the random starts lead
     to code and lists, not to older English). 0 (default): every sequence from BOS.
-    ab_anchor: after every Adam step, A, B and alpha are pulled toward their values before calibration
-    (the activation-aware SVD / QERA initialisation) by ``lr_ab * ab_anchor * (p - p0)``: a decoupled
-    L2 prior on the KL-trained deviation. Why: the ECs fit their self-sampled calibration tokens far
-    better than fresh ones (CPU preset: KL 0.11 vs 0.26, NOTES.md session 7), and the init is the
-    closed-form optimum of the output error, a sensible centre. 0 (default): off.
     """
 
     n_seqs: int = 32
@@ -102,11 +97,10 @@ class CalibConfig:
     train_quant: bool = False
     lr_quant: float = 1e-3
     random_first: float = 0.0
-    ab_anchor: float = 0.0
 
     def __post_init__(self) -> None:
         check_types(self)
-        for f in ("lr", "lr_ab", "lr_norm", "lr_quant", "teacher_cache_bytes", "seed", "ab_anchor"):
+        for f in ("lr", "lr_ab", "lr_norm", "lr_quant", "teacher_cache_bytes", "seed"):
             if getattr(self, f) < 0:
                 raise ValueError(f"CalibConfig.{f}={getattr(self, f)}: must be >= 0")
         if self.temperature <= 0:
@@ -333,13 +327,6 @@ def _dense_forward(model: nn.Module, enabled: bool, qparams: Sequence[QuantParam
             del m.forward
 
 
-@torch.no_grad()
-def _pull_toward(params: list, anchors: list, rate: float) -> None:
-    """``p -= rate * (p - p0)`` for every parameter (rate clipped to [0, 1]: at 1 each step ends at p0)."""
-    rate = min(max(rate, 0.0), 1.0)
-    torch._foreach_add_(params, torch._foreach_sub(params, anchors), alpha=-rate)
-
-
 def _logits(model, ids):
     out = model(ids)
     return getattr(out, "logits", out)
@@ -413,8 +400,6 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
     model.eval()
     trained = gate + ab + norms
     before = [p.detach().clone() for p in trained]  # small (ECs, norms): restored if the KL blows up
-    ab0 = [b for p, b in zip(trained, before) if any(p is q for q in ab)] if cfg.ab_anchor and ab else []
-    ab_group = next((g for g in opt.param_groups if ab and g["params"][0] is ab[0]), None)
     try:
         with _dense_forward(model, cfg.dense_weights, qparams):
             for step in bar:
@@ -432,8 +417,6 @@ def calibrate_(model: nn.Module, ref: nn.Module, seqs: torch.Tensor, cfg: CalibC
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
-                if ab0:  # the decoupled pull toward the initialisation (ab_anchor)
-                    _pull_toward(ab, ab0, float(ab_group["lr"]) * cfg.ab_anchor)
                 if sched is not None:
                     sched.step()
                 losses.append(float(loss.detach()))
