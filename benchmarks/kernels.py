@@ -236,13 +236,10 @@ def lab_gemv(args) -> None:
             bt = row.get("best_tma")
             cfg_t = tuple(int(v) for v in bt.split("_")[1:]) if bt else None
             if cfg_t and GT.ec_ok(cfg_t):  # the TMA GEMV with the EC epilogue, PDL behind the producer grid
-                from spear_compile.lowering.ec_decode_triton import ec_produce
-                from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
+                from spear_compile.lowering.w4a16_gemv_tma_ec import tma_ec_gemv
 
                 def tma_ec(xx, i):
-                    gh, pdl = ec_produce(xx, ec)
-                    epi = EcEpilogue(ec[1], None, gh, ec[6], args.ec_pdl, T.GH_COPIES, wait=pdl)
-                    return GT.w4a16_gemv_tma(xx, *args_w(i), G, None, config=cfg_t, ec=epi)
+                    return tma_ec_gemv(xx, *args_w(i), G, None, ec, "silu", cfg_t, ec[1], None)
 
                 row["err"]["tma_ec"] = rel_err(tma_ec(x, 0), ref_pdl)
                 timeit("tma_ec", lambda i: tma_ec(xs[i], i))

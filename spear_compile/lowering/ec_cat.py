@@ -141,16 +141,11 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
     ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
     cfg = ec_tma_config(x2, N, group_size, (*scales, *zeros), norm, max(b.shape[1] for b in Bs))
     if cfg is not None:
-        from .ec_decode_triton import ec_produce
-        from .w4a16_gemv_tma import w4a16_gemv_tma
-        from .w4a16_gemv_tma_ec import EcEpilogue
-        from .w4a16_triton import GH_COPIES
+        from .w4a16_gemv_tma_ec import tma_ec_gemv
 
         descs, _, s, z, b = concatenated_tma(qweights, scales, zeros, biases, group_size, cfg)
         rows, offs = ec_rows(Bs, alphas)
-        gh, pdl = ec_produce(x2, ec, act, norm)
-        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-        return w4a16_gemv_tma(x2, None, s, z, group_size, b, config=cfg, out=out, descs=descs, norm=norm, ec=epi)
+        return tma_ec_gemv(x2, None, s, z, group_size, b, ec, act, cfg, rows, offs, norm=norm, descs=descs, out=out)
     words, s, z, b = concatenated(qweights, scales, zeros, biases)
     x2 = rms_norm_ref(x2, *norm) if norm is not None else x2
     return gemv1_ec(x2, None, s, z, group_size, b, ec, act, out=out, words=words)
@@ -196,10 +191,8 @@ def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s,
     config and ``ec_epilogue_ok``; else ``glu_of`` of the EC concatenation."""
     from ..quant.ops import _check_ec_glu, check_norm
     from .dispatch import _triton_ok
-    from .ec_decode_triton import ec_produce
-    from .w4a16_gemv_tma import tile_geometry, w4a16_gemv_tma
-    from .w4a16_gemv_tma_ec import EcEpilogue
-    from .w4a16_triton import GH_COPIES
+    from .w4a16_gemv_tma import tile_geometry
+    from .w4a16_gemv_tma_ec import tma_ec_gemv
 
     # (the op's own checks do not run here: registering a CUDA kernel replaces the op's body)
     _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
@@ -212,9 +205,7 @@ def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s,
         descs, _, s, z = concatenated_glu_tma(qweights, scales, zeros, group_size, cfg)
         rows, offs = ec_glu_rows(Bs, alphas, tile_geometry(cfg)[0] // 2)
         ec = concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
-        gh, pdl = ec_produce(x2, ec, act, norm)
-        epi = EcEpilogue(rows, offs, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-        y = w4a16_gemv_tma(x2, None, s, z, group_size, None, config=cfg, descs=descs, glu=True, norm=norm, ec=epi)
+        y = tma_ec_gemv(x2, None, s, z, group_size, None, ec, act, cfg, rows, offs, norm=norm, descs=descs, glu=True)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return glu_of(ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
                                      alphas, act, layout, norm_weight, norm_eps))

@@ -88,3 +88,19 @@ class EcEpilogue:
         if self.alpha.numel() != 1:
             raise ValueError(f"w4a16_gemv_tma: EC alpha has {self.alpha.numel()} elements, expected 1")
 
+
+def tma_ec_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple, b, roff,
+                norm=None, descs=None, glu: bool = False, out=None) -> torch.Tensor:
+    """The decode EC pair on the TMA kernel: the producer grid for ``ec = (A, B, W1, b1, W2, b2, alpha)``
+    (x RMS-normalised first with ``norm``), then ``w4a16_gemv_tma`` PDL-launched behind it with the EC
+    epilogue reading B's rows ``b`` (and row offsets ``roff``, see ``EcEpilogue``). The other arguments
+    are ``w4a16_gemv_tma``'s."""
+    from .ec_decode_triton import ec_produce
+    from .w4a16_gemv_tma import w4a16_gemv_tma
+    from .w4a16_triton import GH_COPIES
+
+    gh, pdl = ec_produce(x2, ec, act, norm)
+    epi = EcEpilogue(b, roff, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
+    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, descs=descs, glu=glu,
+                          norm=norm, ec=epi)
+

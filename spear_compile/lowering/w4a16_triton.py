@@ -795,13 +795,9 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
 
             cfg = ec_tma_config(x2, N, G, (scales, zeros), None, ec[0].shape[0])
             if cfg is not None:
-                from .ec_decode_triton import ec_produce
-                from .w4a16_gemv_tma import w4a16_gemv_tma
-                from .w4a16_gemv_tma_ec import EcEpilogue
+                from .w4a16_gemv_tma_ec import tma_ec_gemv
 
-                gh, pdl = ec_produce(x2, ec, act)
-                epi = EcEpilogue(ec[1], None, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-                return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out, ec=epi)
+                return tma_ec_gemv(x2, qweight, scales, zeros, G, bias, ec, act, cfg, ec[1], None, out=out)
         cfg = ec_pdl_config(N, x2.shape[1], G)
         return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)

@@ -216,3 +216,27 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
         y = torch.ops.spear.ec_linear_glu(x.view(1, 1, K), qs, ss, zs, G, *ecl, *nargs)
         assert y.shape == (1, 1, F) and _rel(y.view(1, F), ref) < 1e-2
     assert len(calls) == 2 and all(g and e is not None and e.wait for g, e in calls)
+
+
+def test_tma_ec_gemv_launches_the_producer_then_the_gemv_behind_it(monkeypatch):
+    """tma_ec_gemv (the one place the TMA EC pair is put together): the producer gets x, the EC, the gate
+    activation and the norm; the GEMV waits for it exactly when the producer was launched for PDL and
+    gets B's rows, offsets, alpha and the rank."""
+    from spear_compile.lowering import ec_decode_triton as ED
+    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_ec_gemv
+
+    A, B, alpha = torch.zeros(5, 64), torch.zeros(32, 5), torch.ones(())
+    ec = (A, B, None, None, None, None, alpha)
+    gh = torch.zeros(16, 8)
+    seen = {}
+    monkeypatch.setattr(ED, "ec_produce",
+                        lambda x2, e, act, norm: seen.update(produce=(x2, e, act, norm)) or (gh, True))
+    monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: seen.update(gemv=(a, k)) or "y")
+    x, norm, roff = torch.zeros(1, 64), (torch.ones(64), 1e-5), torch.zeros(32, dtype=torch.int32)
+    assert tma_ec_gemv(x, None, "s", "z", 128, None, ec, "relu", (4, 2, 2, 2, 2), B, roff, norm=norm, glu=True) == "y"
+    assert seen["produce"] == (x, ec, "relu", norm)
+    args, kw = seen["gemv"]
+    assert args == (x, None, "s", "z", 128, None) and kw["config"] == (4, 2, 2, 2, 2)
+    assert kw["glu"] and kw["norm"] is norm
+    epi = kw["ec"]
+    assert epi.b is B and epi.roff is roff and epi.gh is gh and epi.alpha is alpha and epi.r == 5 and epi.wait
