@@ -43,34 +43,16 @@ if HAS_TRITON:
     from .w4a16_triton import _ec_gate_operands, _ec_gate_publish, _ec_h_partial
 
     @triton.jit
-    def _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr,
-                           SS_BLOCK: tl.constexpr):
-        """``_ec_h_partial`` of the RMS-normalised x, rounded as the model's RMSNorm rounds (fp32, to x's
-        dtype, times the weight, to x's dtype: ``w4a16_cat.rms_norm_ref``). The sum of squares is over all
-        of x, which every producer reads (2K bytes, L2-resident) before its own slice, SS_BLOCK values
-        per load (all of x at once up to 8192: one round trip on the producer's critical path)."""
+    def _rms_rstd(X, EPS, K, SS_BLOCK: tl.constexpr):
+        """1 / rms(x) over all of x [K] (2K bytes, L2-resident: every producer reads it before its own
+        slice), SS_BLOCK values per load (all of x at once up to 8192: one round trip on the producer's
+        critical path)."""
         ss = tl.zeros([SS_BLOCK], dtype=tl.float32)
         for k0 in range(0, K, SS_BLOCK):
             offs_k = k0 + tl.arange(0, SS_BLOCK)
             xv = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             ss += xv * xv
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + EPS)
-        offs_r = tl.arange(0, R_P)
-        mask_r = offs_r < R
-        chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
-        k_lo = pid * chunk
-        h = tl.zeros([R_P], dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_KH):
-            offs_k = k0 + tl.arange(0, BLOCK_KH)
-            mask_k = offs_k < K
-            a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
-            xv = tl.load(X + offs_k, mask=mask_k, other=0.0)
-            wv = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)
-            xn = (xn * wv).to(xv.dtype).to(tl.float32)
-            h += tl.sum(a * xn[None, :], axis=1)
-        return h
+        return tl.rsqrt(tl.sum(ss, axis=0) / K + EPS)
 
     @triton.jit
     def _ec_decode_producer_kernel(
@@ -84,7 +66,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_r = tl.arange(0, R_P)
         if NORM:  # x RMS-normalised (weight NW, epsilon EPS) as it is read
-            h = _ec_h_partial_norm(X, NW, EPS, A, K, R, pid, P_H, BLOCK_KH, R_P, SS_BLOCK)
+            h = _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P, NW, _rms_rstd(X, EPS, K, SS_BLOCK), True)
         else:
             h = _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P)
         tl.store(HBUF + pid * R_P + offs_r, h)

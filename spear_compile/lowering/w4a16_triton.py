@@ -162,8 +162,11 @@ if HAS_TRITON:
         return tl.sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2) * h
 
     @triton.jit
-    def _ec_h_partial(X, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr):
-        """Producer ``pid``'s split-K slice of ``h = A x`` ([R_P], fp32; rows >= R are zero)."""
+    def _ec_h_partial(X, A, K, R, pid, P_H: tl.constexpr, BLOCK_KH: tl.constexpr, R_P: tl.constexpr, NW=None,
+                      rstd=1.0, NORM: tl.constexpr = False):
+        """Producer ``pid``'s split-K slice of ``h = A x`` ([R_P], fp32; rows >= R are zero). NORM: of the
+        RMS-normalised x (``rstd`` = 1 / rms(x), weight NW), rounded as the model's RMSNorm rounds (fp32,
+        to x's dtype, times the weight, to x's dtype: ``w4a16_cat.rms_norm_ref``)."""
         offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
         chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
@@ -174,7 +177,13 @@ if HAS_TRITON:
             mask_k = offs_k < K
             a = tl.load(A + offs_r[:, None] * K + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
                         other=0.0).to(tl.float32)
-            h += tl.sum(a * tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :], axis=1)
+            xv = tl.load(X + offs_k, mask=mask_k, other=0.0)
+            if NORM:
+                xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)
+                xf = (xn * tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)).to(xv.dtype).to(tl.float32)
+            else:
+                xf = xv.to(tl.float32)
+            h += tl.sum(a * xf[None, :], axis=1)
         return h
 
     @triton.jit
