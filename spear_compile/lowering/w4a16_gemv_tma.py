@@ -169,6 +169,22 @@ if HAS_TMA:
         return xb, sc, zz
 
     @gluon.jit
+    def _ring(desc, sdesc, STAGES: gl.constexpr, TR: gl.constexpr, NB: gl.constexpr, BN: gl.constexpr,
+              SZ_TMA: gl.constexpr):
+        """The TMA ring: STAGES weight tiles [TR, 256], with SZ_TMA their (scale, zero) bf16 pairs [1, NB BN]
+        (else the weight ring stands in, never read: ``_request_tile`` copies scale tiles only with
+        SZ_TMA), and one initialised mbarrier per slot."""
+        smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
+        if SZ_TMA:
+            ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
+        else:
+            ssmem = smem
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        return smem, ssmem, bars
+
+    @gluon.jit
     def _request_tile(desc, sdesc, smem, ssmem, bars, slot, wrow, stile, nbytes: gl.constexpr, pred,
                       SZ_TMA: gl.constexpr):
         """One thread's TMA request of a weight tile (rows ``wrow``.. of the re-tiled weight) and, with
@@ -329,17 +345,11 @@ if HAS_TMA:
         else:
             t0 = gl.program_id(1) * KTS  # first K step of this program
         row0 = (pid * KT + t0) * TR
-        smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
-        if SZ_TMA:  # (scale, zero) bf16 pairs of the tile's [NB, BN] groups
-            ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
+        smem, ssmem, bars = _ring(desc, sdesc, STAGES, TR, NB, BN, SZ_TMA)
+        if SZ_TMA:  # bytes each slot's barrier expects: the weight tile and its (scale, zero) pairs
             nbytes: gl.constexpr = desc.block_type.nbytes + sdesc.block_type.nbytes
         else:
             nbytes: gl.constexpr = desc.block_type.nbytes
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        if not SZ_TMA:
-            ssmem = smem  # (never read: _request_tile copies scale tiles only with SZ_TMA)
         for i in gl.static_range(STAGES - 1):
             if i < KTS:
                 _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
@@ -416,17 +426,11 @@ if HAS_TMA:
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         T = ((ROWS - pid + P - 1) // P) * KT  # this program's tiles: its row blocks x K steps
-        smem = gl.allocate_shared_memory(gl.int32, [STAGES, TR, 256], desc.layout)
-        if SZ_TMA:
-            ssmem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, NB * BN], sdesc.layout)
+        smem, ssmem, bars = _ring(desc, sdesc, STAGES, TR, NB, BN, SZ_TMA)
+        if SZ_TMA:  # bytes each slot's barrier expects: the weight tile and its (scale, zero) pairs
             nbytes: gl.constexpr = desc.block_type.nbytes + sdesc.block_type.nbytes
         else:
             nbytes: gl.constexpr = desc.block_type.nbytes
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        if not SZ_TMA:
-            ssmem = smem  # (never read: _request_tile copies scale tiles only with SZ_TMA)
         for i in gl.static_range(STAGES - 1):
             tile = (pid + (i // KT) * P) * KT + i % KT  # tile index in the re-tiled weight
             _request_tile(desc, sdesc, smem, ssmem, bars, i, tile * TR, tile, nbytes, i < T, SZ_TMA)
