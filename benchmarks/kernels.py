@@ -183,7 +183,9 @@ def lab_gemv(args) -> None:
                 row["best_gluon"] = fastest("gluon_")
                 print(f"   gluon best {row['best_gluon']} {row['us'][row['best_gluon']]:.1f} us", flush=True)
         if args.tma:  # the TMA-ring GEMV (w4a16_gemv_tma.py) in each config
-            for cfg in GT.TMA_CONFIGS:
+            tma_configs = [tuple(int(v) for v in c.split(",")) for c in args.tma_configs] if args.tma_configs \
+                else GT.TMA_CONFIGS
+            for cfg in tma_configs:
                 name = f"tma_{'_'.join(map(str, cfg))}"
                 check(name, lambda xx, o: GT.w4a16_gemv_tma(xx, qw.qweight, qw.scales, qw.zeros, G, None,
                                                             config=cfg, out=o))
@@ -282,6 +284,8 @@ def main() -> None:
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
     ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
     ap.add_argument("--tma", action="store_true", help="--lab gemv: also time the TMA-ring GEMV")
+    ap.add_argument("--tma-configs", nargs="+", default=None, metavar="W,RB,CH,ST,OPS",
+                    help="--lab gemv --tma: only these TMA configs (default: all of w4a16_gemv_tma.TMA_CONFIGS)")
     ap.add_argument("--ec-pdl", type=int, default=0, metavar="R",
                     help="--lab gemv: also time the decode EC's PDL pair (rank R) in each GEMV tile -> gemv1pdl keys; "
                          "with --tma also the TMA GEMV's EC pair -> gemv1tmaec keys (which pair a single EC takes)")

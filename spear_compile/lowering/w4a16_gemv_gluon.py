@@ -111,11 +111,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr,
-                   PER_CHANNEL: gl.constexpr):
+                   PER_CHANNEL: gl.constexpr, XSUM: gl.constexpr = False):
         """One K step of the tensor-core GEMV: words [NB, BN, 16] (``word_layout``) -> bf16 ``128 + q``
         A fragments (no layout conversion, asserted), D = A x and D_ones = 1 x by mma.sync. Per-channel:
         both accumulate raw (``_store_rows`` applies 128, z and s once); groups: ``acc += s (D - zz
-        D_ones)`` with zz = 128 + z per [NB, BN] entry. Shared by the register-fed and TMA-fed kernels."""
+        D_ones)`` with zz = 128 + z per [NB, BN] entry. Shared by the register-fed and TMA-fed kernels.
+        XSUM: ``ones`` is D_ones itself (fp32 [NB, BN, 8], each entry's sum of x, computed once when x
+        was staged) instead of the all-ones A operand: a third of the step's MMAs saved."""
         w6 = gl.reshape(w, [NB, BN, 4, 2, 2])  # [j, n, t, i1, i0]
         o00, o01, o10, o11, o20, o21, o30, o31 = _pairs(w6)
         v = gl.join(gl.join(gl.join(o00, o01), gl.join(o10, o11)),
@@ -124,10 +126,16 @@ if HAS_GLUON:
         a = gl.convert_layout(gl.reshape(v, [NB, BN, 128]), la, assert_trivial=True)
         if PER_CHANNEL:
             acc = mma_v2(a, xb, acc)
-            acc1 = mma_v2(ones, xb, acc1)
+            if XSUM:
+                acc1 += ones
+            else:
+                acc1 = mma_v2(ones, xb, acc1)
         else:
             d = mma_v2(a, xb, zero)
-            d1 = mma_v2(ones, xb, zero)
+            if XSUM:
+                d1 = ones
+            else:
+                d1 = mma_v2(ones, xb, zero)
             acc += gl.expand_dims(sc, 2) * (d - gl.expand_dims(zz, 2) * d1)
         return acc, acc1
 

@@ -75,7 +75,7 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # 12, ``_w4a16_gemv_tma_persistent_kernel``, written after that session's measurements of the others).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
-               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2),
+               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 2, 3, 2), (4, 4, 2, 2, 2),
                (4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 3, 2, 1, 4), (4, 2, 4, 2, 2, 1, 2), (8, 2, 2, 3, 2, 1, 1),
                (2, 2, 2, 2, 2, 1, 4)]
 
@@ -196,9 +196,11 @@ if HAS_TMA:
 
     @gluon.jit
     def _x_operand(xsmem, k, x_c0, lb: gl.constexpr):
-        """K step ``k`` of the staged x as the MMA's B operand (x in its column 0)."""
+        """K step ``k`` of the staged x as the MMA's B operand: x in all 8 columns (every column of D is
+        then y, and ``_rows_out`` reads column 0). Masking columns 1-7 to zero cost a SEL per B register
+        and step (64 of the 627 SASS instructions of a (4, 2, 2, 2, 2) step) and bought nothing."""
         xv = xsmem.index(k).load(gl.SliceLayout(2, lb))
-        return gl.where(x_c0, gl.expand_dims(xv, 2), 0.0).to(gl.bfloat16)
+        return gl.broadcast(gl.expand_dims(xv, 2), x_c0)[0]
 
     @gluon.jit
     def _scale_operands(ssmem, slot, NB: gl.constexpr, BN: gl.constexpr, mma: gl.constexpr):
@@ -208,11 +210,19 @@ if HAS_TMA:
 
     @gluon.jit
     def _tile_mma(smem, slot, xb, sc, zz, acc, acc1, ones, zero, WL: gl.constexpr, TL: gl.constexpr,
-                  NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr, PER_CHANNEL: gl.constexpr):
+                  NB: gl.constexpr, BN: gl.constexpr, la: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                  XSUM: gl.constexpr = False):
         """The weight tile in ring slot ``slot`` times x, into the accumulators (``_mma_words``)."""
         w2 = smem.index(slot).load(TL)
         w = gl.convert_layout(gl.reshape(w2, [NB, BN, 16]), WL, assert_trivial=True)
-        return _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL)
+        return _mma_words(w, xb, sc, zz, acc, acc1, ones, zero, NB, BN, la, PER_CHANNEL, XSUM)
+
+    @gluon.jit
+    def _x_sums(xsum, k, zero, mma: gl.constexpr):
+        """K step ``k``'s sums of x per 128-column entry (staged by ``_stage_x``) as D_ones: [NB]
+        broadcast over the accumulator's [NB, BN, 8] (the same for every row and column)."""
+        xs = xsum.index(k).load(gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        return gl.broadcast(gl.expand_dims(gl.expand_dims(xs, 1), 2), zero)[0]
 
     @gluon.jit
     def _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN: gl.constexpr, mma: gl.constexpr,
@@ -241,11 +251,14 @@ if HAS_TMA:
         bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1): a first
         pass reads x for it (L2-resident, 2K bytes), the second stages the normalised values. (Staging x
         and the weight raw in one pass and normalising in shared memory measured slower on the H200:
-        +0.45 us per GEMV, NOTES.md session 12.)"""
+        +0.45 us per GEMV, NOTES.md session 12.) Also returns each 128-column entry's sum of the staged
+        values, fp32 [KTS, NB] in shared memory: D_ones of every step (``_x_sums``), once per CTA instead
+        of an all-ones MMA per step."""
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         xo = (gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
               + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))
         xsmem = gl.allocate_shared_memory(gl.bfloat16, [KTS, NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        xsum = gl.allocate_shared_memory(gl.float32, [KTS, NB], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if NORM:
             ss = gl.zeros([NB, 128], gl.float32, layout=xl)
             for i in gl.static_range(KTS):
@@ -259,13 +272,17 @@ if HAS_TMA:
                 xv = gl.load(X + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
                 wv = gl.load(NW + xk0 + xo, mask=mk, other=0.0).to(gl.float32)
                 h = (xv * r).to(gl.bfloat16).to(gl.float32)
-                xsmem.index(i).store((h * wv).to(gl.bfloat16))
+                xn = (h * wv).to(gl.bfloat16)
+                xsmem.index(i).store(xn)
+                xsum.index(i).store(gl.sum(xn.to(gl.float32), axis=1))
         else:
             for i in gl.static_range(KTS):
                 xk0 = (t0 + i) * STEP
-                xsmem.index(i).store(gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0))
+                xv = gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0)
+                xsmem.index(i).store(xv)
+                xsum.index(i).store(gl.sum(xv.to(gl.float32), axis=1))
         gl.thread_barrier()
-        return xsmem
+        return xsmem, xsum
 
     @gluon.jit
     def _store_glu(out, Y, N, pid, BN: gl.constexpr, WARPS: gl.constexpr):
@@ -363,10 +380,11 @@ if HAS_TMA:
             eca = 0
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
-            xsmem = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
+            xsmem, xsum = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
         s_row, s_k = _scale_index(pid, NB, BN, mma)
-        ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
+        if OPS != 2:  # D_ones by an all-ones MMA per step (OPS = 2: from the sums staged with x)
+            ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         if OPS == 1:
@@ -388,9 +406,11 @@ if HAS_TMA:
             mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
             if OPS == 2:
                 xb = _x_operand(xsmem, t, x_c0, lb)
+                ones = _x_sums(xsum, t, zero, mma)
                 if SZ_TMA:
                     sc, zz = _scale_operands(ssmem, t % STAGES, NB, BN, mma)
-            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, ones, zero, WL, TL, NB, BN, la, PER_CHANNEL)
+            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, ones, zero, WL, TL, NB, BN, la, PER_CHANNEL,
+                                  OPS == 2)
             if OPS == 1:
                 xb, sc, zz = xn, scn, zzn
         for i in gl.static_range(STAGES):
@@ -435,8 +455,7 @@ if HAS_TMA:
             tile = (pid + (i // KT) * P) * KT + i % KT  # tile index in the re-tiled weight
             _request_tile(desc, sdesc, smem, ssmem, bars, i, tile * TR, tile, nbytes, i < T, SZ_TMA)
         x_k, x_c0 = _x_index(NB, lb)
-        xsmem = _stage_x(X, NW, EPS, K, 0, NB, STEP, KT, WARPS, NORM)
-        ones = gl.full([NB, BN, 128], 1.0, gl.bfloat16, layout=la)
+        xsmem, xsum = _stage_x(X, NW, EPS, K, 0, NB, STEP, KT, WARPS, NORM)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
@@ -455,7 +474,8 @@ if HAS_TMA:
             xb = _x_operand(xsmem, kk, x_c0, lb)
             if SZ_TMA:
                 sc, zz = _scale_operands(ssmem, t % STAGES, NB, BN, mma)
-            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, ones, zero, WL, TL, NB, BN, la, PER_CHANNEL)
+            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, _x_sums(xsum, kk, zero, mma), zero, WL, TL,
+                                  NB, BN, la, PER_CHANNEL, True)
             if kk == KT - 1:  # the row block's last K step: store its rows, start the next one
                 rb = pid + (t // KT) * P
                 if GLU:
