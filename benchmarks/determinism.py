@@ -38,7 +38,7 @@ def distinct(fn, reps: int, graph: bool) -> dict:
         outs = [fn().clone() for _ in range(reps)]
     torch.cuda.synchronize()
     first = outs[0].float()
-    uniq = {o.cpu().numpy().tobytes() for o in outs}
+    uniq = {o.contiguous().view(torch.uint8).cpu().numpy().tobytes() for o in outs}  # bytes: numpy has no bf16
     worst = max(((o.float() - first).norm() / first.norm()).item() for o in outs)
     return {"distinct": len(uniq), "max_rel_diff": worst}
 
