@@ -171,7 +171,14 @@ def build(variant, batch, base_state):
 FIRST_OUT: dict = {}  # (backend, EC fraction, batch) -> (variant, logits) of the first variant of that model
 
 
-def time_variant(variant, batch, base_state, reps=50):
+def distinct_reruns(model, ids, pos, n: int) -> int:
+    """How many bitwise-distinct logits ``n`` eager calls of the compiled step give on the same inputs (1: the
+    step is run-to-run deterministic)."""
+    outs = {model(ids, pos).contiguous().view(torch.uint8).cpu().numpy().tobytes() for _ in range(n)}
+    return len(outs)
+
+
+def time_variant(variant, batch, base_state, reps=50, reruns=0):
     model, backend = build(variant, batch, base_state)
     n_ec = sum(1 for mod in model.modules() if getattr(mod, "ec", None) is not None)
     opts = {"options": OPTION_SUFFIXES[variant.rsplit("_", 1)[-1]]} if variant.rsplit("_", 1)[-1] in OPTION_SUFFIXES else {}
@@ -188,6 +195,7 @@ def time_variant(variant, batch, base_state, reps=50):
         ms = bench_graph(lambda i: model(ids, pos), copies=1, calls=1, replays=reps) / 1e3
         out = model(ids, pos)
         rerun_equal = bool(torch.equal(out, model(ids, pos)))  # run-to-run determinism of one compilation
+        n_distinct = distinct_reruns(model, ids, pos, reruns) if reruns else None
     ok = bool(torch.isfinite(out.float()).all())
     # the same weights (and ECs) under other compile options must give the same logits: A/B variants
     # are compared with the first variant of their model (e.g. ours_w4_s11 with ours_w4)
@@ -199,6 +207,7 @@ def time_variant(variant, batch, base_state, reps=50):
     torch._dynamo.reset()
     return {"variant": variant, "batch": batch, "ms_per_token": ms, "ec_linears": n_ec,
             "logits_rel_diff": {"vs": first[0], "value": rel}, "rerun_bitwise_equal": rerun_equal,
+            **({"distinct_logits_of_reruns": [n_distinct, reruns]} if reruns else {}),
             "compile_and_warmup_s": compile_s, "finite": ok}
 
 
@@ -209,6 +218,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["bf16", "int4_tinygemm", "ours_w4", "spear_ec10", "spear_ec25",
                                                       "spear_ec100", "unfused_ec25", "ours_w4_nocat",
                                                       "spear_ec25_nocat"])
+    ap.add_argument("--reruns", type=int, default=0,
+                    help="also count the distinct logits of this many eager reruns of each compiled step")
     args = ap.parse_args()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -222,7 +233,7 @@ def main():
     for batch in args.batch:
         for v in args.variants:
             try:
-                row = time_variant(v, batch, base_state)
+                row = time_variant(v, batch, base_state, reruns=args.reruns)
             except Exception as e:  # keep the other variants' numbers
                 row = {"variant": v, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             res["rows"].append(row)
