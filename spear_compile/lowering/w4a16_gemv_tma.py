@@ -72,15 +72,12 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # TMA), SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid where
 # the row blocks alone fill half the GPU: measured slower everywhere in session 12, one config kept for
 # its tests), and PERSIST, persistent programs per SM (default 0: one program per row block; session
-# 12, ``_w4a16_gemv_tma_persistent_kernel``, written after that session's measurements of the others), and
-# PF, tiles prefetched into L2 beyond the ring (default 0; session 14, ``_prefetch_tile``).
+# 12, ``_w4a16_gemv_tma_persistent_kernel``, written after that session's measurements of the others).
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
                (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 2, 3, 2), (4, 4, 2, 2, 2),
                (4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 3, 2, 1, 4), (4, 2, 4, 2, 2, 1, 2), (8, 2, 2, 3, 2, 1, 1),
-               (2, 2, 2, 2, 2, 1, 4),
-               (4, 2, 2, 2, 2, 1, 0, 2), (4, 2, 4, 2, 2, 1, 0, 1), (4, 2, 4, 2, 2, 1, 0, 2), (2, 2, 4, 2, 2, 1, 0, 2),
-               (4, 2, 2, 2, 2, 1, 0, 4)]
+               (2, 2, 2, 2, 2, 1, 4)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
@@ -196,34 +193,6 @@ if HAS_TMA:
         tma.async_copy_global_to_shared(desc, [wrow, 0], bars.index(slot), smem.index(slot), pred=pred)
         if SZ_TMA:
             tma.async_copy_global_to_shared(sdesc, [stile, 0], bars.index(slot), ssmem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _prefetch_tile(WP, SP, tile0, step, KTS, TR: gl.constexpr, SZN: gl.constexpr, SZ_TMA: gl.constexpr,
-                       WARPS: gl.constexpr):
-        """One thread's L2 prefetch (``cp.async.bulk.prefetch.L2``) of K step ``step``'s weight tile - TR rows
-        of 1 KB, contiguous, tile ``tile0 + step`` of the re-tiled weight ``WP`` - and, with SZ_TMA, its SZN
-        (scale, zero) words in ``SP``; nothing past the program's KTS steps. A hint only: the TMA copy of that
-        tile later finds it in L2 instead of waiting a DRAM round trip, with no shared memory held for it."""
-        l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        zero = gl.zeros([1], gl.int32, layout=l1)
-        st = zero + step
-        go = st < KTS
-        tile = (st + tile0).to(gl.int64)
-        asm: gl.constexpr = """{
-        .reg .pred p, q;
-        .reg .u32 t;
-        mov.u32 t, %tid.x;
-        setp.eq.u32 p, t, 0;
-        setp.ne.u32 q, $2, 0;
-        and.pred p, p, q;
-        @p cp.async.bulk.prefetch.L2.global [$1], $3;
-        mov.u32 $0, 0;
-        }"""
-        gl.inline_asm_elementwise(asm, "=r,l,r,r", [WP + tile * (TR * 256), go.to(gl.int32), zero + TR * 1024],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        if SZ_TMA:
-            gl.inline_asm_elementwise(asm, "=r,l,r,r", [SP + tile * SZN, go.to(gl.int32), zero + SZN * 4],
-                                      dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _x_operand(xsmem, k, x_c0, lb: gl.constexpr):
@@ -357,14 +326,14 @@ if HAS_TMA:
             gl.store(Y + on, out.to(Y.dtype.element_ty), mask=mo)
 
     @gluon.jit
-    def _w4a16_gemv_tma_kernel(X, desc, sdesc, WP, SP, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K,
-                               NG, RC, R, GHS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+    def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K, NG, RC, R,
+                               GHS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
                                HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
                                NORM: gl.constexpr = False, HAS_EC: gl.constexpr = False, RC_P: gl.constexpr = 16,
                                HAS_ROFF: gl.constexpr = False, GH_COPIES: gl.constexpr = 16,
-                               WAIT: gl.constexpr = False, PF: gl.constexpr = 0):
+                               WAIT: gl.constexpr = False):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
@@ -375,8 +344,7 @@ if HAS_TMA:
         NORM (OPS = 2, SPLIT = 1): x is RMS-normalised (weight NW, epsilon EPS) as it is staged
         (``_stage_x``), in place of a separate RMSNorm kernel. HAS_EC (SPLIT = 1): the decode EC's term
         is added to the rows before the bias / GLU (``w4a16_gemv_tma_ec``; WAIT when launched with PDL
-        behind the EC's producer grid). PF > 0: the weight (and scale) tiles PF steps beyond the ring's
-        are prefetched into L2 (``_prefetch_tile``; WP / SP: the tensors behind ``desc`` / ``sdesc``)."""
+        behind the EC's producer grid)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -403,8 +371,6 @@ if HAS_TMA:
             if i < KTS:
                 _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
                               SZ_TMA)
-        for i in gl.static_range(STAGES - 1, STAGES - 1 + PF):  # the tiles the loop's first steps prefetch past
-            _prefetch_tile(WP, SP, pid * KT + t0, i, KTS, TR, NB * BN, SZ_TMA, WARPS)
         if HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
             ecb, ecg, ecm, eca = _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN, RC_P, HAS_ROFF, WARPS)
         else:
@@ -432,8 +398,6 @@ if HAS_TMA:
             nt = t + STAGES - 1
             _request_tile(desc, sdesc, smem, ssmem, bars, nt % STAGES, row0 + nt * TR, pid * KT + t0 + nt, nbytes,
                           nt < KTS, SZ_TMA)
-            if PF > 0:
-                _prefetch_tile(WP, SP, pid * KT + t0, nt + PF, KTS, TR, NB * BN, SZ_TMA, WARPS)
             if OPS == 1:  # the next step's x, scales and zeros are in flight while this step computes
                 xn, scn, zzn = _step_operands(X, S, Z, N, K, NG, k0 + STEP, x_k, x_c0, s_row, s_k, G, PER_CHANNEL,
                                               HAS_Z)
@@ -545,22 +509,22 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     shape like N = 200 compiles a slightly different variant)."""
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
-    warps, rb, ch, stages, ops, split, persist, pf = unpack_config(config)
+    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
     bn, step, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
-                 sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", WP="*i32", SP="*i32", S="*bf16", Z="*bf16", BIAS="*bf16",
+                 sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", EB="*bf16", ROFF="*i32", GH="*fp32",
                  ALPHA="*bf16", N="i32", K="i32", NG="i32", RC="i32", R="i32", GHS="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
-                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm, PF=pf)
+                  SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
     if ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
         consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
     if persist:
-        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS", "WP", "SP"):
+        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS"):
             del types[name]
         types["ROWS"] = "i32"
-        for name in ("OPS", "SPLIT", "PF"):
+        for name in ("OPS", "SPLIT"):
             del consts[name]
         return compile_gluon_sm90(_w4a16_gemv_tma_persistent_kernel, types, consts, warps)
     return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
@@ -573,16 +537,12 @@ _SPLIT_WS_ALL: list = []  # every workspace ever made: a CUDA graph may hold a p
 
 
 def unpack_config(config: tuple) -> tuple:
-    """(WARPS, RB, CH, STAGES, OPS, SPLIT, PERSIST, PF): SPLIT (K runs per row block) defaults to 1,
-    PERSIST (persistent programs per SM; 0 = one program per row block) to 0, PF (tiles prefetched into
-    L2 beyond the ring) to 0."""
-    if len(config) not in (5, 6, 7, 8):
-        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST[, PF]]])")
+    """(WARPS, RB, CH, STAGES, OPS, SPLIT, PERSIST): SPLIT (K runs per row block) defaults to 1,
+    PERSIST (persistent programs per SM; 0 = one program per row block) to 0."""
+    if len(config) not in (5, 6, 7):
+        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]])")
     vals = tuple(int(v) for v in config)
-    warps, rb, ch, stages, ops, split, persist, pf = vals + (1, 0, 0)[len(vals) - 5:]
-    if pf < 0 or (pf and persist):
-        raise ValueError(f"TMA GEMV config {config}: PF (tiles prefetched into L2 ahead of the ring) must be >= 0, "
-                         f"and 0 for a persistent config")
+    warps, rb, ch, stages, ops, split, persist = vals + (1, 0)[len(vals) - 5:]
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (warps, rb, ch))
     if not pow2 or stages < 1 or ops not in (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM) or split not in (1, 2):
         raise ValueError(f"TMA GEMV config {config}: WARPS, RB and CH must be powers of two, STAGES >= 1, OPS in "
@@ -590,7 +550,7 @@ def unpack_config(config: tuple) -> tuple:
     if persist < 0 or (persist and (ops != OPS_SMEM or split != 1)):
         raise ValueError(f"TMA GEMV config {config}: PERSIST (programs per SM) must be >= 0, and a persistent "
                          f"config stages x in shared memory (OPS {OPS_SMEM}) without a K-split")
-    return warps, rb, ch, stages, ops, split, persist, pf
+    return warps, rb, ch, stages, ops, split, persist
 
 
 def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -713,7 +673,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
                          f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
     config = tuple(config or TMA_CONFIGS[0])
-    warps, rb, ch, stages, ops, split, persist, pf = unpack_config(config)
+    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
     per_channel = G >= K
     N = scales.shape[0]
     if scales.dim() != 2 or scales.shape[1] != (1 if per_channel else K // G):
@@ -773,12 +733,12 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                          GH_COPIES=ec.copies, WAIT=ec.wait, **({"launch_pdl": True} if ec.wait else {}))
     eb, eroff, egh, ealpha, rc, r, ghs = ec_args
     _w4a16_gemv_tma_kernel[(rows, split)](
-        x2, desc, sdesc, desc.base, sdesc.base, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
         eb, eroff, egh, ealpha, N, K, scales.shape[1], rc, r, ghs,
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
-        PF=pf, num_warps=warps, **ec_consts,
+        num_warps=warps, **ec_consts,
     )
     return y
 
@@ -786,13 +746,13 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def ec_ok(config: tuple) -> bool:
     """Whether a config can add the decode EC in its epilogue: no K-split, not persistent."""
-    _, _, _, _, _, split, persist, _ = unpack_config(config)
+    _, _, _, _, _, split, persist = unpack_config(config)
     return split == 1 and persist == 0
 
 
 def norm_ok(config: tuple) -> bool:
     """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
-    _, _, _, _, ops, split, _, _ = unpack_config(config)
+    _, _, _, _, ops, split, _ = unpack_config(config)
     return ops == OPS_SMEM and split == 1
 
 
