@@ -29,6 +29,7 @@ and no ordering between the two grids.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -82,9 +83,13 @@ _PDL: dict = {}  # device index -> whether launches there take the PDL attribute
 
 
 def pdl_ok(device: torch.device) -> bool:
-    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0)."""
+    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0).
+    ``SPEAR_NO_PDL=1`` in the environment turns it off: the decode EC's producer and GEMV then run in plain
+    stream order (a diagnostic switch; same results, ~2-5 us slower per EC)."""
     if INTERPRET or gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
         return False  # (gdc_wait is None: a Triton without grid dependency control)
+    if os.environ.get("SPEAR_NO_PDL", "0") not in ("", "0"):
+        return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
         _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
