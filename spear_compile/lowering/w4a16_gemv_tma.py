@@ -1,9 +1,12 @@
 """M = 1 W4A16 GEMV fed by a TMA ring: weight tiles stream into shared memory while the warps compute.
 
 Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the arithmetic is the Gluon mma.sync kernel's
-(``w4a16_gemv_gluon.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments, x as the
-one non-zero column of B, ``s * (D - (128 + z) D_ones)`` per group), mirrored in PyTorch by
-``tiles_emulated`` for the CPU tests (Gluon kernels do not run in Triton's interpreter).
+(``w4a16_gemv_gluon.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments,
+``s * (D - (128 + z) D_ones)`` per group), mirrored in PyTorch by ``tiles_emulated`` for the CPU tests
+(Gluon kernels do not run in Triton's interpreter). With x staged in shared memory (OPS_SMEM, every
+shipped config) x fills all 8 columns of the MMA's B operand (each column of D is then y) and D_ones is
+each 128-column entry's sum of x, computed once per CTA as x is staged - session 14: the column mask
+and the all-ones MMA were 1 / 5 of the K step's instructions and on its critical path (-7.5 to -15 %).
 
 Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, persistent) stalls at
 1.5-1.8x the time of a kernel that only reads the same bytes (benchmarks/NOTES.md, sessions 2-7): each
@@ -14,9 +17,10 @@ current one, and the bytes in flight cost shared memory, not registers. What the
 session 11): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
 per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
 brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
-wait overhead). Best: 0.65x tinygemm at 28672x8192, 0.74-0.76x at 8192x8192, where 256 row blocks are
-half a wave. Session 12: K-split configs (two programs per row block) and a persistent variant (a few
+wait overhead). Session 12: K-split configs (two programs per row block) and a persistent variant (a few
 programs per SM streaming many row blocks) were both slower (kept, measured, mostly out of the table).
+Session 14: after the leaner K step (above), 0.58x tinygemm at 28672x8192 and 0.63x at 8192x8192; an
+L2 prefetch of the tiles past the ring was slower everywhere, like deeper rings (removed).
 
 Epilogue / prologue options used by the decode fusions (``passes/fuse_glu.py``, ``fuse_rmsnorm.py``):
 GLU (gate / up rows interleaved per CTA, silu(gate) * up stored) and NORM (x RMS-normalised as it is
