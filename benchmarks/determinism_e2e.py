@@ -2,10 +2,13 @@
 
 ``benchmarks/determinism.py`` found every spear kernel bitwise deterministic alone, yet the compiled
 SPEAR EC steps gave 2 distinct logit vectors in 8 eager reruns now and then (benchmarks/NOTES.md,
-session 14). This probe reruns one variant's compiled step ``--reruns`` times, hashes every decoder
-layer's output (forward hooks on the 32 layers, outside their compiled graphs) and reports, per rerun,
-the first layer whose output differs from the first rerun's, and whether that layer carries ECs. Run it
-once with and once without ``SPEAR_NO_PDL=1`` to see whether the decode EC's dependent launches matter.
+session 14). This probe reruns one variant's compiled step ``--reruns`` times and counts distinct logits
+(no hooks: the step's launches queue back to back as in ``e2e_decode.py``), then reruns it with forward
+hooks on the 32 layers that keep a device copy of each layer's output (no host synchronisation inside the
+step; hashed after it) and reports, per rerun, the first layer whose output differs from the first rerun's,
+and which layers carry ECs. Run it once with and once without ``SPEAR_NO_PDL=1`` (the same kernels, the EC
+pair's GEMV launched after its producer instead of PDL-overlapped) to see whether the dependent launches
+matter.
 
     python benchmarks/determinism_e2e.py --out DIR [--variants spear_ec25 ours_w4] [--reruns 32] [--batch 1]
 """
@@ -20,30 +23,37 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_decode import CTX, POS, V, Model, build  # noqa: E402
+from e2e_decode import CTX, OPTION_SUFFIXES, POS, V, Model, build  # noqa: E402
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def probe(variant: str, batch: int, reruns: int, base_state: dict) -> dict:
     model, backend = build(variant, batch, base_state)
     ec_layers = sorted({int(n.split(".")[1]) for n, m in model.named_modules()
                         if n.startswith("layers.") and getattr(m, "ec", None) is not None})
-    for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
-    hashes: list = []
-    for i, layer in enumerate(model.layers):
-        layer.register_forward_hook(
-            lambda mod, args, out, i=i: hashes.append(
-                (i, hashlib.sha1(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest())))
+    suffix = variant.rsplit("_", 1)[-1]
+    opts = {"options": OPTION_SUFFIXES[suffix]} if suffix in OPTION_SUFFIXES else {}
+    for layer in model.layers:  # compiled as e2e_decode.time_variant compiles them
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False, **opts)
     ids = torch.randint(0, V, (batch, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     pos = torch.tensor([POS], device="cuda")
-    runs, logits = [], set()
     with torch.no_grad():
         model(ids, pos)  # compile
+        outs = [model(ids, pos).clone() for _ in range(reruns)]  # queued back to back, no hooks
+        logits = {_digest(o) for o in outs}
+        kept: list = []
+        handles = [layer.register_forward_hook(lambda mod, args, out, i=i: kept.append((i, out.detach().clone())))
+                   for i, layer in enumerate(model.layers)]
+        runs = []
         for _ in range(reruns):
-            hashes.clear()
-            out = model(ids, pos)
-            logits.add(hashlib.sha1(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
-            runs.append([h for _, h in sorted(hashes)])
+            kept.clear()
+            model(ids, pos)
+            runs.append([_digest(o) for _, o in sorted(kept, key=lambda e: e[0])])  # hashed after the step
+        for h in handles:
+            h.remove()
     first_diff = []
     for r in runs[1:]:
         diff = [i for i, (a, b) in enumerate(zip(runs[0], r)) if a != b]

@@ -221,6 +221,8 @@ def main():
     ap.add_argument("--reruns", type=int, default=0,
                     help="also count the distinct logits of this many eager reruns of each compiled step")
     args = ap.parse_args()
+    if args.reruns < 0:
+        ap.error(f"--reruns {args.reruns}: must be >= 0")
     torch.manual_seed(0)
     with torch.device("cuda"):
         ref = Model(1)

@@ -183,9 +183,7 @@ def lab_gemv(args) -> None:
                 row["best_gluon"] = fastest("gluon_")
                 print(f"   gluon best {row['best_gluon']} {row['us'][row['best_gluon']]:.1f} us", flush=True)
         if args.tma:  # the TMA-ring GEMV (w4a16_gemv_tma.py) in each config
-            tma_configs = [tuple(int(v) for v in c.split(",")) for c in args.tma_configs] if args.tma_configs \
-                else GT.TMA_CONFIGS
-            for cfg in tma_configs:
+            for cfg in args.tma_configs or GT.TMA_CONFIGS:
                 name = f"tma_{'_'.join(map(str, cfg))}"
                 check(name, lambda xx, o: GT.w4a16_gemv_tma(xx, qw.qweight, qw.scales, qw.zeros, G, None,
                                                             config=cfg, out=o))
@@ -254,7 +252,11 @@ def lab_gemv(args) -> None:
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
         # the TMA kernel serves this shape (M = 1, no EC) only where it measured faster than the best v4
         bt = row.get("best_tma")
-        if bt and row["us"][bt] < row["us"][best]:
+        stored = T.tuned_table().get(GT.tma_key(N, K, G))
+        if args.tma_configs and stored is not None and tuple(stored) not in args.tma_configs:
+            # a restricted run did not time the stored config: it cannot tell whether to replace it
+            print(f"   table entry {stored} kept (not among --tma-configs)", flush=True)
+        elif bt and row["us"][bt] < row["us"][best]:
             T.tuned_table()[GT.tma_key(N, K, G)] = [int(v) for v in bt.split("_")[1:]]
         elif args.tma:
             T.tuned_table().pop(GT.tma_key(N, K, G), None)
@@ -292,6 +294,15 @@ def main() -> None:
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"], choices=sorted(T.GEMV1_NIBS),
                     help="--lab gemv: the M = 1 kernel's nibble modes to time")
     args = ap.parse_args()
+    if args.tma_configs:  # validated before any GPU work, with unpack_config's message
+        if not (args.lab == "gemv" and args.tma):
+            ap.error("--tma-configs needs --lab gemv --tma")
+        try:
+            args.tma_configs = [tuple(int(v) for v in c.split(",")) for c in args.tma_configs]
+            for c in args.tma_configs:
+                GT.unpack_config(c)
+        except ValueError as e:
+            ap.error(f"--tma-configs: {e}")
     os.makedirs(args.out, exist_ok=True)
     if args.lab == "gemv":
         return lab_gemv(args)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 14, last call: where the compiled SPEAR EC decode step first differs between reruns
+# Session 14, determinism calls: where the compiled SPEAR EC decode step first differs between reruns
 # (benchmarks/determinism_e2e.py, 32 reruns, per-layer output hashes), with the decode EC's PDL launches and
-# without them (SPEAR_NO_PDL=1).
+# without them (SPEAR_NO_PDL=1; from the second run on: the same kernels in plain stream order).
 # Usage on the device: PYTHONPATH=$PWD bash benchmarks/device/s14_det.sh OUT_DIR
 set -uo pipefail
 out=$1

@@ -83,17 +83,21 @@ _PDL: dict = {}  # device index -> whether launches there take the PDL attribute
 
 
 def pdl_ok(device: torch.device) -> bool:
-    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0).
-    ``SPEAR_NO_PDL=1`` in the environment turns it off: the decode EC's producer and GEMV then run in plain
-    stream order (a diagnostic switch; same results, ~2-5 us slower per EC)."""
+    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0): decides which
+    decode EC kernels run (the producer + GEMV pair), see ``pdl_launch_ok`` for how they are launched."""
     if INTERPRET or gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
         return False  # (gdc_wait is None: a Triton without grid dependency control)
-    if os.environ.get("SPEAR_NO_PDL", "0") not in ("", "0"):
-        return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
         _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return _PDL[idx]
+
+
+def pdl_launch_ok(device: torch.device) -> bool:
+    """Whether the decode EC's GEMV is launched with PDL behind its producer grid (``pdl_ok``), unless
+    ``SPEAR_NO_PDL=1`` is set: a diagnostic switch that keeps the same kernels but runs the pair in plain
+    stream order (same results; the GEMV then starts after the producer ends)."""
+    return pdl_ok(device) and os.environ.get("SPEAR_NO_PDL", "0") in ("", "0")
 
 
 def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tuple] = None,
@@ -116,7 +120,7 @@ def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tu
     gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
     hbuf = ws[GEMV_MAX_M + GH_COPIES:]
     p_h = producers or max(1, min(MAX_PRODUCERS, triton.cdiv(K, PRODUCER_BLOCK_K)))
-    pdl = pdl_ok(x2.device)
+    pdl = pdl_launch_ok(x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _ec_decode_producer_kernel[(p_h,)](
         x2, A, W1, b1, W2, b2, hbuf, gh, cnt, norm[0] if norm is not None else x2,

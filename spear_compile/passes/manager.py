@@ -8,8 +8,8 @@ Dead nodes (the dequantize chains a matcher replaced) are removed after each pas
 
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
 compile config, and what the decode passes ask at compile time on a GPU - the tuned table
-of this GPU and ``SPEAR_NO_TMA_GEMV`` / ``SPEAR_NO_TMA_EC`` / ``SPEAR_NO_PDL`` (``fuse_glu`` / ``fuse_rmsnorm``
-rewrite only where the TMA kernel runs) - so a cached artifact is never reused after any of them changes. (EC
+of this GPU and ``SPEAR_NO_TMA_GEMV`` / ``SPEAR_NO_TMA_EC`` (``fuse_glu`` / ``fuse_rmsnorm`` rewrite only where
+the TMA kernel runs) - so a cached artifact is never reused after any of them changes. (EC
 parameters are graph inputs, never baked-in constants, so their values need no key.)
 """
 from __future__ import annotations
@@ -64,6 +64,6 @@ class SpearPassManager(CustomGraphPass):
         from ..lowering.w4a16_triton import tuned_table
 
         h.update(json.dumps(tuned_table(), sort_keys=True).encode())
-        for var in ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL"):
+        for var in ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC"):
             h.update(f"{var}={os.environ.get(var, '')}".encode())
         return h.hexdigest()

@@ -83,3 +83,18 @@ def test_ec_rows_equal_the_block_diagonal_b():
     bad = offs.clone()
     bad[48:64] = 0  # a mutant reading the first part's g * h for the second part's rows
     assert (ec_rows_emulated(gh, rows, bad, 21) - ref).abs().max() > 1e-3
+
+
+def test_spear_no_pdl_keeps_the_kernels_and_drops_only_the_dependent_launch(monkeypatch):
+    """SPEAR_NO_PDL=1 (diagnostic) must not change which kernels run (``pdl_ok`` routes them), only whether
+    the pair's GEMV is PDL-launched behind its producer (``pdl_launch_ok``)."""
+    from spear_compile.lowering import ec_decode_triton as E
+
+    monkeypatch.setattr(E, "pdl_ok", lambda device: True)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("SPEAR_NO_PDL", raising=False)
+    assert E.pdl_launch_ok(dev)
+    monkeypatch.setenv("SPEAR_NO_PDL", "1")
+    assert not E.pdl_launch_ok(dev) and E.pdl_ok(dev)
+    monkeypatch.setenv("SPEAR_NO_PDL", "0")
+    assert E.pdl_launch_ok(dev)

@@ -89,9 +89,7 @@ def test_uuid_covers_what_the_decode_passes_ask_on_a_gpu(monkeypatch):
     monkeypatch.setattr(T, "_TABLE", {"gemv1tma|22016|4096|128": [2, 2, 2, 2, 2]})
     with_table = SpearPassManager(PassContext(CompileConfig())).uuid()
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
-    no_tma = SpearPassManager(PassContext(CompileConfig())).uuid()
-    monkeypatch.setenv("SPEAR_NO_PDL", "1")  # the decode EC epilogue's fusions ask pdl_ok too
-    assert len({base, with_table, no_tma, SpearPassManager(PassContext(CompileConfig())).uuid()}) == 4
+    assert len({base, with_table, SpearPassManager(PassContext(CompileConfig())).uuid()}) == 3
 
 
 def test_fqn_from_dynamo_source():
