@@ -71,6 +71,9 @@ def cases(M: int):
     q = torch.randn(M, 32, 1, 128, device="cuda", dtype=DT)
     kv = torch.randn(M, 32, 1024, 128, device="cuda", dtype=DT)
     yield "sdpa decode (1 query, 1024 keys)", lambda: F.scaled_dot_product_attention(q, kv, kv)
+    mask = (torch.arange(1024, device="cuda") <= 512)[None, None, None, :]  # e2e_decode.py's call
+    yield "sdpa decode + boolean mask (e2e_decode's call)", lambda: F.scaled_dot_product_attention(
+        q, kv, kv, attn_mask=mask)
 
 
 def main() -> None:
