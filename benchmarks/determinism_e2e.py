@@ -15,7 +15,6 @@ matter.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -23,11 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_decode import CTX, OPTION_SUFFIXES, POS, V, Model, build  # noqa: E402
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+from e2e_decode import CTX, OPTION_SUFFIXES, POS, V, Model, build, digest  # noqa: E402
 
 
 def probe(variant: str, batch: int, reruns: int, base_state: dict) -> dict:
@@ -43,7 +38,7 @@ def probe(variant: str, batch: int, reruns: int, base_state: dict) -> dict:
     with torch.no_grad():
         model(ids, pos)  # compile
         outs = [model(ids, pos).clone() for _ in range(reruns)]  # queued back to back, no hooks
-        logits = {_digest(o) for o in outs}
+        logits = {digest(o) for o in outs}
         kept: list = []
         handles = [layer.register_forward_hook(lambda mod, args, out, i=i: kept.append((i, out.detach().clone())))
                    for i, layer in enumerate(model.layers)]
@@ -51,7 +46,7 @@ def probe(variant: str, batch: int, reruns: int, base_state: dict) -> dict:
         for _ in range(reruns):
             kept.clear()
             model(ids, pos)
-            runs.append([_digest(o) for _, o in sorted(kept, key=lambda e: e[0])])  # hashed after the step
+            runs.append([digest(o) for _, o in sorted(kept, key=lambda e: e[0])])  # hashed after the step
         for h in handles:
             h.remove()
     first_diff = []

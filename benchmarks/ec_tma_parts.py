@@ -26,7 +26,7 @@ from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_decode_triton import ec_produce, w4a16_gemv1_ec_pdl
 from spear_compile.lowering.ec_linear import ec_linear_ref
-from spear_compile.lowering.tuning import bench_graph, copies_for
+from spear_compile.lowering.tuning import bench_graph, capture_graph, copies_for
 from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,15 +38,7 @@ def trace(fn, copies: int, calls: int = 8) -> list:
     ``calls`` calls of fn, as torch.profiler (CUPTI) sees them."""
     from torch.profiler import ProfilerActivity, profile
 
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(fn, copies, calls)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()

@@ -25,9 +25,9 @@ def gpu_key(device=None) -> str:
     return name.replace(" ", "_")
 
 
-def bench_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20, replays: int = 15,
-                warmup: int = 3) -> float:
-    """Median microseconds per ``fn(i)`` call, ``i`` cycling over ``copies``, inside a CUDA graph. The
+def capture_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20,
+                  warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls ``fn(i)``, ``i`` cycling over ``copies``, replayed once. The
     warm-up calls every copy at least once, so that whatever a kernel derives from its inputs on first
     use (weight layouts, TMA tiles) is made before the capture, not recorded into the graph."""
     stream = torch.cuda.Stream()
@@ -43,6 +43,14 @@ def bench_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20, r
             fn(i % copies)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def bench_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20, replays: int = 15,
+                warmup: int = 3) -> float:
+    """Median microseconds per ``fn(i)`` call, ``i`` cycling over ``copies``, inside a CUDA graph
+    (``capture_graph``)."""
+    g = capture_graph(fn, copies, calls, warmup)
     times = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
