@@ -279,12 +279,21 @@ if HAS_TMA:
                 xn = (h * wv).to(gl.bfloat16)
                 xsmem.index(i).store(xn)
                 xsum.index(i).store(gl.sum(xn.to(gl.float32), axis=1))
-        else:
+        elif (KTS * NB) & (KTS * NB - 1) != 0:  # (a step count that is no power of two: per-step stores)
             for i in gl.static_range(KTS):
                 xk0 = (t0 + i) * STEP
                 xv = gl.load(X + xk0 + xo, mask=xk0 + xo < K, other=0.0)
                 xsmem.index(i).store(xv)
                 xsum.index(i).store(gl.sum(xv.to(gl.float32), axis=1))
+        else:  # all of x in one load and one store, the sums in one store (per-step stores each drew a CTA
+            # barrier that held back the next steps' loads: ~KTS / 2 dependent L2 round trips per CTA)
+            xa = (t0 * STEP + gl.expand_dims(gl.arange(0, KTS * NB, layout=gl.SliceLayout(1, xl)) * 128, 1)
+                  + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, xl)), 0))  # [KTS NB, 128]
+            xv = gl.load(X + xa, mask=xa < K, other=0.0)
+            flat = xsmem._reinterpret(gl.bfloat16, [KTS * NB, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            flat.store(xv)
+            fsum = xsum._reinterpret(gl.float32, [KTS * NB], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            fsum.store(gl.sum(xv.to(gl.float32), axis=1))
         gl.thread_barrier()
         return xsmem, xsum
 
