@@ -360,8 +360,9 @@ def main() -> None:
                                    T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
             cfg, t_gemm = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)),
-                                 T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE], copies)
+                                 T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE] + T.wgmma_choices(), copies)
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
+            chk["w4_gemm_chosen_rel_err"] = rel_err(T.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
             # ---- timing, all providers in this same run
             row = {"N": N, "K": K, "M": M}
             bf = [w["bf16"] for w in ws if w["bf16"] is not None]

@@ -873,6 +873,14 @@ def w4_dequantize(qweight, scales, zeros, G: int, dtype: torch.dtype) -> torch.T
 DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize pass
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
+WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
+
+
+def wgmma_choices() -> list:
+    """Table values for every config of the warpgroup-MMA GEMM, where this Triton has it (else none)."""
+    from .w4a16_gemm_wgmma import HAS_WGMMA, WGMMA_CONFIGS
+
+    return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
@@ -903,10 +911,18 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for any M: the tiled in-loop-dequant Triton GEMM, or (when the tuned table says
     it is faster for this M, as for large M where cuBLAS's tensor-core pipeline wins)
-    one dequantize pass plus cuBLAS."""
+    one dequantize pass plus cuBLAS, or on Hopper the warpgroup-MMA GEMM that dequantizes in its K loop
+    (``w4a16_gemm_wgmma``; where its constraints do not hold, this M's default runs instead)."""
     M, K = x2.shape
     N = qweight.shape[0]
     config = config or gemm_config(M, N, K, G)
+    if config[0] == WGMMA:
+        from . import w4a16_gemm_wgmma as wg
+
+        params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+        if x2.is_cuda and wg.wgmma_ok(M, N, K, G, x2.dtype, params) and (out is None or out.is_contiguous()):
+            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
+        config = _default_gemm(M)  # (a table entry measured for bf16; this call's dtypes or shape differ)
     if is_dequant_cublas(config):
         from .dequant_cublas import dequant_cublas
 

@@ -1,0 +1,335 @@
+"""Large-M W4A16 GEMM on Hopper's warpgroup MMA, dequantizing in the K loop (Gluon).
+
+Reference: ``lowering/w4a16.py:w4a16_linear_ref`` (``dequantize_ref`` then a GEMM). The weight is
+dequantized exactly as the reference does it, ``(q - z) * s`` rounded to bf16 after each operation, so
+this kernel multiplies the same bf16 weight cuBLAS gets on the dequantize-then-cuBLAS path and differs
+from it only in the fp32 accumulation order.
+
+Why: from M ~ 256 on, the shipped prefill path dequantizes the whole weight into a bf16 scratch
+(N K / 2 bytes read, 2 N K written: 48 us at 8192^2 on the H200) and hands it to cuBLAS; at M = 1024 that
+pass is 1.21-1.29x cuBLAS bf16's time (benchmarks/NOTES.md, sessions 4 and 9) and the target is 1.15x.
+The pass cannot overlap cuBLAS (a cuBLAS CTA holds a whole SM's registers, so the dequantize programs
+only time-slice with it: session 4, run 3). Here the dequantization rides inside the GEMM: 4-bit words
+come in by TMA (a quarter of the bf16 weight's bytes) and are expanded in registers while the previous
+K step's warpgroup MMAs run. An earlier attempt in Triton (session 4) put the dequantized tile through a
+register -> shared -> register layout conversion and waited on every MMA (2.9x cuBLAS); Gluon gives the
+layouts and the MMA wait depth by hand.
+
+Per K step (BK = 64 columns) of a CTA's [BM, BN] output tile:
+  1. wait for the step's TMA tiles (x [BM, BK] bf16, packed words [BN, BK / 8] int32) in ring slot
+     ``i % STAGES``;
+  2. every thread expands 4 words (32 weights of one row) into bf16 with one inline-asm block per word
+     (byte permute + mask + OR builds ``128 + q`` bf16 pairs; three ``fma.rn.bf16x2`` give ``q``,
+     ``q - z`` and ``(q - z) * s``, each rounded once like the reference's bf16 ops) and stores them
+     into dequantized buffer ``i % 3`` (128-byte swizzled, the MMA's B operand as a transposed view);
+  3. one CTA barrier: every thread's step-i stores are visible and (by the wait of step i - 1) every
+     warpgroup's step i - 2 MMA is done, so ring slot (i - 2) % STAGES is refilled with step
+     i + STAGES - 2's tiles and buffer (i + 1) % 3 may be overwritten by step i + 1;
+  4. issue step i's MMA asynchronously, then ``warpgroup_mma_wait(1)``: step i - 1's MMA is done, step
+     i's runs on while the warps expand step i + 1.
+The wait sits after the issue in the same iteration: waiting at the top of the next iteration (the
+pending MMA's accumulators crossing the loop's back edge) makes ptxas serialise every MMA (its
+C7515 "wgmma serialized" note), and so does storing the accumulator tile to shared memory for a TMA
+store; the epilogue therefore adds the bias and stores bf16 pairs straight from the MMA layout. The CPU
+tests compile the kernel for sm_90 and assert ptxas leaves the MMAs asynchronous.
+
+Configs (BM, BN, STAGES, WARPS): BM rows of x per CTA (64 per warpgroup), BN weight rows, ring depth.
+Constraints: CUDA sm_90+, bf16 x / scales / zero points / bias, K % 64 == 0, G % 64 == 0 or per-channel
+(G >= K), N % 8 == 0 (TMA row strides). ``dispatch`` takes it at the M where
+``benchmarks/kernels.py`` measured it faster than dequantize + cuBLAS (tuned table, ``gemmwg`` keys).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .w4a16_gemv_gluon import HAS_GLUON
+
+HAS_WGMMA = False
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    try:  # Hopper TMA, mbarriers and warpgroup MMA in Gluon (Triton 3.5+)
+        from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                      warpgroup_mma, warpgroup_mma_wait)
+
+        HAS_WGMMA = True
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
+
+BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
+# (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
+# the other multiplies); the others one CTA with a deeper ring or a wider tile.
+WGMMA_CONFIGS = [(128, 128, 5, 8), (128, 128, 3, 8), (128, 256, 4, 8), (128, 256, 3, 8), (64, 128, 4, 4),
+                 (128, 128, 6, 8)]
+
+# One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
+# Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)
+# with one byte permute, keeps the two nibbles under a bf16 128 (0x43 high byte): 128 + q exactly. Then
+# q = (128 + q) - 128 (exact), q - z and (q - z) * s by fma.rn.bf16x2, one rounding each (the reference's
+# bf16 subtraction and multiplication). Operands: $0-$3 out, $4-$11 the word (8 copies), $12-$15 (z, z),
+# $16-$19 (s, s).
+_ASM_PAIR_Z = """
+    prmt.b32 p, $4, t, {sel};
+    lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 p, p, one, m128;
+    fma.rn.bf16x2 p, $12, neg1, p;
+    fma.rn.bf16x2 ${o}, p, $16, nz;"""
+# Without zero points the reference is q * s: (128 + q) s - 128 s, exact before its one rounding (128 s
+# is exact). Operands: $0-$3 out, $4-$11 the word, $12-$15 (s, s).
+_ASM_PAIR = """
+    prmt.b32 p, $4, t, {sel};
+    lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 ${o}, p, $12, c;"""
+_SELS = ("0x4400", "0x5511", "0x6622", "0x7733")
+
+
+def _asm(has_z: bool) -> str:
+    head = """{
+    .reg .b32 t, p, one, m128, neg1, nz, c;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 m128, 0xC300C300;
+    mov.b32 neg1, 0xBF80BF80;
+    mov.b32 nz, 0x80008000;
+    shr.u32 t, $4, 4;"""
+    if not has_z:
+        head += "\n    fma.rn.bf16x2 c, $12, m128, nz;"  # -128 s, exact
+    body = "".join((_ASM_PAIR_Z if has_z else _ASM_PAIR).format(sel=s, o=i) for i, s in enumerate(_SELS))
+    return head + body + "\n    }"
+
+
+ASM_Z, ASM_NOZ = _asm(True), _asm(False)
+CONSTRAINTS_Z = ",".join(["=r"] * 4 + ["r"] * 16)
+CONSTRAINTS_NOZ = ",".join(["=r"] * 4 + ["r"] * 12)
+
+
+if HAS_WGMMA:
+    _BK = gl.constexpr(BK)  # (module globals reach a Gluon kernel only as constexprs)
+    _ASM_Z, _ASM_NOZ = gl.constexpr(ASM_Z), gl.constexpr(ASM_NOZ)
+    _CONS_Z, _CONS_NOZ = gl.constexpr(CONSTRAINTS_Z), gl.constexpr(CONSTRAINTS_NOZ)
+
+    @gluon.jit
+    def _group_params(S, Z, offs_n, mask_n, g, NG, HAS_Z: gl.constexpr):
+        """(s, z) of rows ``offs_n`` in scale group ``g`` (z = s when there are no zero points: unused)."""
+        s = gl.load(S + offs_n * NG + g, mask=mask_n, other=0.0)
+        if HAS_Z:
+            z = gl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0)
+        else:
+            z = s
+        return s, z
+
+    @gluon.jit
+    def _dequant(words, s, z, HAS_Z: gl.constexpr, BN: gl.constexpr):
+        """words int32 [BN, _BK / 8], s / z bf16 [BN] (slice layouts of the same 3-D layout) -> bf16 [BN, _BK]."""
+        w3 = gl.expand_dims(words, 2)  # [BN, _BK / 8, 1]: broadcast to 8 in-thread copies by the asm
+        s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)
+        z3 = gl.expand_dims(gl.expand_dims(z, 1), 2)
+        w3, _ = gl.broadcast(w3, gl.full([BN, _BK // 8, 8], 0, gl.int32, w3.type.layout))
+        if HAS_Z:
+            d = gl.inline_asm_elementwise(_ASM_Z, _CONS_Z, [w3, z3, s3], dtype=gl.bfloat16, is_pure=True,
+                                          pack=8)
+        else:
+            d = gl.inline_asm_elementwise(_ASM_NOZ, _CONS_NOZ, [w3, s3], dtype=gl.bfloat16, is_pure=True,
+                                          pack=8)
+        return gl.reshape(d, [BN, _BK])
+
+    @gluon.jit
+    def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
+                                 G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                 HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        BKW: gl.constexpr = _BK // 8
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(M, BM)
+        off_m = (pid % num_m) * BM  # CTAs that share a weight tile run side by side: it leaves DRAM once
+        off_n = (pid // num_m) * BN
+
+        # [BN, _BK / 8, 8]: a thread holds 4 words (32 consecutive weights) of one row
+        l3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [16, 2, 1], [WARPS, 1, 1], [2, 1, 0])
+        lw: gl.constexpr = gl.SliceLayout(2, l3)
+        ln: gl.constexpr = gl.SliceLayout(1, lw)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BN, 16])
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, _BK], gl.bfloat16)
+
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, _BK], x_desc.layout)
+        ws = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+        dq = gl.allocate_shared_memory(gl.bfloat16, [3, BN, _BK], dq_layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+
+        KT = K // _BK
+        for i in gl.static_range(STAGES - 2):  # the ring's first STAGES - 2 steps
+            mbarrier.expect(bars.index(i), nbytes, pred=i < KT)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], bars.index(i), xs.index(i), pred=i < KT)
+            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], bars.index(i), ws.index(i), pred=i < KT)
+
+        offs_n = off_n + gl.arange(0, BN, layout=ln)
+        mask_n = offs_n < N
+        s, z = _group_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)
+        acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+        for i in range(KT):
+            slot = i % STAGES
+            if not PER_CHANNEL:  # the next step's group parameters are in flight while this step runs
+                gn = gl.minimum((i + 1) * _BK // G, NG - 1)
+                sn, zn = _group_params(S, Z, offs_n, mask_n, gn, NG, HAS_Z)
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            d = _dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN)
+            buf = dq.index(i % 3)
+            buf.store(d)
+            fence_async_shared()
+            gl.thread_barrier()
+            nt = i + STAGES - 2
+            ns = nt % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nt < KT)
+            tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], bars.index(ns), xs.index(ns), pred=nt < KT)
+            tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ns), ws.index(ns), pred=nt < KT)
+            acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
+            # wait in the same iteration (a wait at the top of the next one makes ptxas serialise every MMA:
+            # C7515, the pending MMA's accumulators cross the loop's back edge)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if not PER_CHANNEL:
+                s, z = sn, zn
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(BIAS + offs_o, mask=offs_o < N, other=0.0).to(gl.float32), 0)
+        # Stored from the MMA layout (two bf16 per thread and row): staging the tile in shared memory for a
+        # TMA store makes ptxas serialise every MMA of the loop (C7515, checked offline by the tests).
+        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_o < N, 0)
+        gl.store(Y + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_o, 0), acc.to(gl.bfloat16), mask=mask)
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """PTX ``prmt.b32`` (default mode) on int64 tensors holding 32-bit values: byte j of the result is byte
+    ``(sel >> 4 j) & 7`` of the 8-byte value (b << 32) | a."""
+    src = (b << 32) | a
+    return sum(((src >> (8 * ((sel >> (4 * j)) & 7))) & 0xFF) << (8 * j) for j in range(4))
+
+
+def dequant_emulated(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int
+                     ) -> torch.Tensor:
+    """The kernel's inline-asm dequantization replayed in PyTorch on CPU (``prmt`` / ``lop3`` bit for bit,
+    each ``fma.rn.bf16x2`` as an fp32 computation that is exact before its one rounding to bf16): bf16
+    [N, K]. The CPU tests compare it bit for bit with ``dequantize_ref``."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    w = qweight.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [N, K / 8]
+    t = w >> 4
+    per = G >= K
+    s = scales.float().expand(N, K) if per else scales.float().repeat_interleave(G, 1)
+    z = None
+    if zeros is not None:
+        z = zeros.float().expand(N, K) if per else zeros.float().repeat_interleave(G, 1)
+    bf = lambda v: v.to(torch.bfloat16).float()  # noqa: E731  (one rounding)
+    out = torch.empty(N, K // 8, 8)
+    for i, sel in enumerate(_SELS):
+        p = (_prmt(w, t, int(sel, 16)) & 0x000F000F) | 0x43004300
+        for h in range(2):  # the low and high bf16 of the pair: k = 8 word + 2 i + h
+            v = ((p >> (16 * h)) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()  # 128 + q
+            out[:, :, 2 * i + h] = v
+    v = out.reshape(N, K)
+    if z is not None:
+        v = bf(bf(v - 128.0) - z) * s
+    else:
+        v = v * s - 128.0 * s
+    return v.to(torch.bfloat16)
+
+
+def check_config(config: tuple) -> tuple[int, int, int, int]:
+    """(BM, BN, STAGES, WARPS) with a clear error for a config the kernel cannot take."""
+    if len(config) != 4:
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS)")
+    bm, bn, stages, warps = (int(v) for v in config)
+    if bm != 16 * warps or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8):
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8}}, BM = 16 WARPS (64 rows per "
+                         f"warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
+    return bm, bn, stages, warps
+
+
+def smem_bytes(config: tuple) -> int:
+    """Shared memory of a config: the TMA ring (x and packed words), three dequantized tiles, barriers."""
+    bm, bn, stages, _ = check_config(config)
+    return stages * (bm * BK * 2 + bn * BK // 2) + 3 * bn * BK * 2 + 8 * stages
+
+
+def wgmma_ok(M: int, N: int, K: int, G: int, dtype: torch.dtype, param_dtypes: tuple = ()) -> bool:
+    """Whether the kernel takes this problem (before any tensor is looked at)."""
+    per_channel = G >= K
+    return (HAS_WGMMA and dtype == torch.bfloat16 and all(d == torch.bfloat16 for d in param_dtypes)
+            and K % BK == 0 and N % 8 == 0 and (per_channel or G % BK == 0) and M >= 1)
+
+
+def _layout(block: list, dtype):
+    if dtype == gl.int32:  # packed words: 32-byte rows, no swizzle (a warp's loads are contiguous)
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _descriptor(t: torch.Tensor, block: list, dtype):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype))
+
+
+def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[M, N] = x2 @ dequant(W)^T (+ bias) through the warpgroup-MMA kernel (CUDA sm_90+ only).
+    ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
+    [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``."""
+    bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
+    M, K = x2.shape
+    N = scales.shape[0] if scales.dim() == 2 else -1
+    per_channel = G >= K
+    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+    if not wgmma_ok(M, N, K, G, x2.dtype, params):
+        raise ValueError(f"w4a16_gemm_wgmma: M={M}, N={N}, K={K}, G={G}, x {x2.dtype}, parameters {params}; needs "
+                         f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 (or per-channel), and "
+                         f"Triton with Gluon's Hopper ops")
+    if scales.shape[1] != (1 if per_channel else K // G):
+        raise ValueError(f"w4a16_gemm_wgmma: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
+    if zeros is not None and zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_gemm_wgmma: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, K // 2) or not qweight.is_contiguous():
+        raise ValueError(f"w4a16_gemm_wgmma: packed weight {qweight.dtype} {tuple(qweight.shape)} must be contiguous "
+                         f"uint8 of shape {(N, K // 2)} (x's K={K}, the scales' N={N})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"w4a16_gemm_wgmma: bias {tuple(bias.shape)} != ({N},)")
+    if not x2.is_cuda:
+        raise ValueError("w4a16_gemm_wgmma: a CUDA kernel (sm_90+); on CPU use w4a16_linear_ref")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x2.dtype or not out.is_contiguous()):
+        raise ValueError(f"w4a16_gemm_wgmma: out {out.dtype} {tuple(out.shape)} must be a contiguous {x2.dtype} "
+                         f"[{M}, {N}] (its TMA store writes whole rows)")
+    x2 = x2.contiguous()
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    xd = _descriptor(x2, [bm, BK], gl.bfloat16)
+    wd = _descriptor(qweight.view(torch.int32), [bn, BK // 8], gl.int32)
+    grid = (-(-M // bm) * -(-N // bn),)
+    _w4a16_gemm_wgmma_kernel[grid](
+        xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, num_warps=warps)
+    return y
+
+
+def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
+                 has_bias: bool = True) -> dict:
+    """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
+    shared memory and the MMA instructions are checked offline."""
+    from .w4a16_gemv_gluon import compile_gluon_sm90
+
+    bm, bn, stages, warps = check_config(config)
+    x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
+    types = dict(x_desc=f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>",
+                 Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
+    return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)
