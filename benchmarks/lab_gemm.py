@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=[256, 1024, 4096])
     ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,STAGES,WARPS")
+    ap.add_argument("--diag", action="store_true", help="also time the kernel's diagnostic variants (no expansion "
+                    "arithmetic; no expansion or stores; no MMAs) for each config that passed")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else WG.WGMMA_CONFIGS
@@ -79,6 +81,10 @@ def main() -> None:
             for name, c in ok:
                 row[name] = bench_graph(
                     lambda i: WG.w4a16_gemm_wgmma(xs[i], *args_w(i), G, None, config=c), copies)
+                if args.diag:  # what each part of a K step costs (wrong results: timed, not checked)
+                    for d in (1, 2, 3):
+                        row[f"{name}_diag{d}"] = bench_graph(
+                            lambda i: WG.w4a16_gemm_wgmma(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
             best = min((n for n, _ in ok), key=lambda n: row[n], default=None)
             row["best_wgmma"] = best
             cb = row["cublas_bf16"]
@@ -90,6 +96,10 @@ def main() -> None:
             if bad:
                 line += f"  FAILED: {bad}"
             print(line, flush=True)
+            if args.diag:
+                for n, _ in ok:
+                    print(f"   {n}: full {row[n]:.1f}  no-expand-math {row[n + '_diag1']:.1f}  no-expand "
+                          f"{row[n + '_diag2']:.1f}  no-MMA {row[n + '_diag3']:.1f} us", flush=True)
             res["rows"].append(row)
             with open(os.path.join(args.out, f"lab_gemm_{gpu_key()}.json"), "w") as f:
                 json.dump(res, f, indent=1)

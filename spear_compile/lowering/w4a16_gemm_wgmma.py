@@ -138,7 +138,8 @@ if HAS_WGMMA:
     @gluon.jit
     def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
                                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
-                                 HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+                                 HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                                 DIAG: gl.constexpr = 0):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -179,9 +180,11 @@ if HAS_WGMMA:
                 gn = gl.minimum((i + 1) * _BK // G, NG - 1)
                 sn, zn = _group_params(S, Z, offs_n, mask_n, gn, NG, HAS_Z)
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            d = _dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN)
             buf = dq.index(i % 3)
-            buf.store(d)
+            if DIAG == 0 or DIAG == 3:
+                buf.store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN))
+            elif DIAG == 1:  # (diagnostic: the tile's stores without the expansion's arithmetic)
+                buf.store(gl.reshape(gl.full([BN, _BK // 8, 8], 0, gl.bfloat16, l3), [BN, _BK]))
             fence_async_shared()
             gl.thread_barrier()
             nt = i + STAGES - 2
@@ -189,7 +192,8 @@ if HAS_WGMMA:
             mbarrier.expect(bars.index(ns), nbytes, pred=nt < KT)
             tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], bars.index(ns), xs.index(ns), pred=nt < KT)
             tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ns), ws.index(ns), pred=nt < KT)
-            acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
+            if DIAG != 3:  # (diagnostic 3: no MMA)
+                acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
             # wait in the same iteration (a wait at the top of the next one makes ptxas serialise every MMA:
             # C7515, the pending MMA's accumulators cross the loop's back edge)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -282,10 +286,12 @@ def _descriptor(t: torch.Tensor, block: list, dtype):
 
 def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, diag: int = 0) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) through the warpgroup-MMA kernel (CUDA sm_90+ only).
     ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
-    [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``."""
+    [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``diag`` (benchmarks only,
+    wrong results): 1 stores the tile without the expansion's arithmetic, 2 skips expansion and stores
+    (the MMAs read stale tiles), 3 skips the MMAs - what each part of a K step costs."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
     M, K = x2.shape
     N = scales.shape[0] if scales.dim() == 2 else -1
@@ -317,7 +323,7 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     _w4a16_gemm_wgmma_kernel[grid](
         xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, num_warps=warps)
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, DIAG=diag, num_warps=warps)
     return y
 
 
