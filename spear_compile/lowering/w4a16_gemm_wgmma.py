@@ -62,8 +62,8 @@ if HAS_GLUON:
 BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
 # the other multiplies); the others one CTA with a deeper ring or a wider tile.
-WGMMA_CONFIGS = [(128, 128, 5, 8), (128, 128, 3, 8), (128, 256, 4, 8), (128, 256, 3, 8), (64, 128, 4, 4),
-                 (128, 128, 6, 8)]
+WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),
+                 (128, 128, 5, 8)]
 
 # One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
 # Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)
@@ -83,31 +83,43 @@ _ASM_PAIR = """
     prmt.b32 p, $4, t, {sel};
     lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
     fma.rn.bf16x2 ${o}, p, $12, c;"""
+# Integer zero points (|z| < 128: what RTN, GPTQ and AWQ produce): 128 + z is exact in bf16, so
+# (128 + q) - (128 + z) = q - z is one exact fma and the pair costs two instead of three. Operands as
+# _ASM_PAIR_Z; nzz = -(128 + z) once per word.
+_ASM_PAIR_ZINT = """
+    prmt.b32 p, $4, t, {sel};
+    lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 p, p, one, nzz;
+    fma.rn.bf16x2 ${o}, p, $16, nz;"""
 _SELS = ("0x4400", "0x5511", "0x6622", "0x7733")
 
 
-def _asm(has_z: bool) -> str:
+def _asm(zmode: int) -> str:
+    """The word's asm block: zmode 0 no zero points, 1 any bf16 zero points, 2 integer ones."""
     head = """{
-    .reg .b32 t, p, one, m128, neg1, nz, c;
+    .reg .b32 t, p, one, m128, neg1, nz, c, nzz;
     mov.b32 one, 0x3F803F80;
     mov.b32 m128, 0xC300C300;
     mov.b32 neg1, 0xBF80BF80;
     mov.b32 nz, 0x80008000;
     shr.u32 t, $4, 4;"""
-    if not has_z:
+    if zmode == 0:
         head += "\n    fma.rn.bf16x2 c, $12, m128, nz;"  # -128 s, exact
-    body = "".join((_ASM_PAIR_Z if has_z else _ASM_PAIR).format(sel=s, o=i) for i, s in enumerate(_SELS))
+    elif zmode == 2:
+        head += "\n    fma.rn.bf16x2 nzz, $12, neg1, m128;"  # -(128 + z), exact for integer |z| < 128
+    pair = {0: _ASM_PAIR, 1: _ASM_PAIR_Z, 2: _ASM_PAIR_ZINT}[zmode]
+    body = "".join(pair.format(sel=s, o=i) for i, s in enumerate(_SELS))
     return head + body + "\n    }"
 
 
-ASM_Z, ASM_NOZ = _asm(True), _asm(False)
+ASM_NOZ, ASM_Z, ASM_ZINT = _asm(0), _asm(1), _asm(2)
 CONSTRAINTS_Z = ",".join(["=r"] * 4 + ["r"] * 16)
 CONSTRAINTS_NOZ = ",".join(["=r"] * 4 + ["r"] * 12)
 
 
 if HAS_WGMMA:
     _BK = gl.constexpr(BK)  # (module globals reach a Gluon kernel only as constexprs)
-    _ASM_Z, _ASM_NOZ = gl.constexpr(ASM_Z), gl.constexpr(ASM_NOZ)
+    _ASM_Z, _ASM_NOZ, _ASM_ZINT = gl.constexpr(ASM_Z), gl.constexpr(ASM_NOZ), gl.constexpr(ASM_ZINT)
     _CONS_Z, _CONS_NOZ = gl.constexpr(CONSTRAINTS_Z), gl.constexpr(CONSTRAINTS_NOZ)
 
     @gluon.jit
@@ -121,13 +133,16 @@ if HAS_WGMMA:
         return s, z
 
     @gluon.jit
-    def _dequant(words, s, z, HAS_Z: gl.constexpr, BN: gl.constexpr):
+    def _dequant(words, s, z, HAS_Z: gl.constexpr, BN: gl.constexpr, ZINT: gl.constexpr = False):
         """words int32 [BN, _BK / 8], s / z bf16 [BN] (slice layouts of the same 3-D layout) -> bf16 [BN, _BK]."""
         w3 = gl.expand_dims(words, 2)  # [BN, _BK / 8, 1]: broadcast to 8 in-thread copies by the asm
         s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)
         z3 = gl.expand_dims(gl.expand_dims(z, 1), 2)
         w3, _ = gl.broadcast(w3, gl.full([BN, _BK // 8, 8], 0, gl.int32, w3.type.layout))
-        if HAS_Z:
+        if HAS_Z and ZINT:
+            d = gl.inline_asm_elementwise(_ASM_ZINT, _CONS_Z, [w3, z3, s3], dtype=gl.bfloat16, is_pure=True,
+                                          pack=8)
+        elif HAS_Z:
             d = gl.inline_asm_elementwise(_ASM_Z, _CONS_Z, [w3, z3, s3], dtype=gl.bfloat16, is_pure=True,
                                           pack=8)
         else:
@@ -137,7 +152,7 @@ if HAS_WGMMA:
 
     @gluon.jit
     def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                 G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                 G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, ZINT: gl.constexpr,
                                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                  DIAG: gl.constexpr = 0):
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -182,7 +197,7 @@ if HAS_WGMMA:
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
             buf = dq.index(i % 3)
             if DIAG == 0 or DIAG == 3:
-                buf.store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN))
+                buf.store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN, ZINT))
             elif DIAG == 1:  # (diagnostic: the tile's stores without the expansion's arithmetic)
                 buf.store(gl.reshape(gl.full([BN, _BK // 8, 8], 0, gl.bfloat16, l3), [BN, _BK]))
             fence_async_shared()
@@ -253,10 +268,21 @@ def check_config(config: tuple) -> tuple[int, int, int, int]:
     if len(config) != 4:
         raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS)")
     bm, bn, stages, warps = (int(v) for v in config)
-    if bm != 16 * warps or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8):
-        raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8}}, BM = 16 WARPS (64 rows per "
-                         f"warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
+    if bm not in (16 * warps, 32 * warps) or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8):
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8}}, BM = 16 or 32 WARPS (64 or "
+                         f"128 rows per warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
     return bm, bn, stages, warps
+
+
+_ZINT: dict = {}
+
+
+def integer_zeros(zeros: torch.Tensor) -> bool:
+    """Whether every zero point is an integer of magnitude < 128 (the two-fma expansion is then exact);
+    checked once per zero-point tensor (and again after an in-place update)."""
+    from .w4a16_triton import derived_cached
+
+    return derived_cached(_ZINT, [zeros], lambda: bool(((zeros == zeros.round()) & (zeros.abs() < 128)).all()))
 
 
 def smem_bytes(config: tuple) -> int:
@@ -323,12 +349,13 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     _w4a16_gemm_wgmma_kernel[grid](
         xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+        ZINT=zeros is not None and integer_zeros(zeros),
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, DIAG=diag, num_warps=warps)
     return y
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                 has_bias: bool = True) -> dict:
+                 has_bias: bool = True, zint: bool = False) -> dict:
     """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
     shared memory and the MMA instructions are checked offline."""
     from .w4a16_gemv_gluon import compile_gluon_sm90
@@ -337,5 +364,5 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
     x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
     types = dict(x_desc=f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>",
                  Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
-    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)

@@ -45,7 +45,8 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
     assert not torch.equal(wg.dequant_emulated(qw, s, z, 128), dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16))
 
 
-@pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False))])
+@pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False)),
+                                       ((256, 128, 4, 8), dict(zint=True))])
 def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     import os
     import re
@@ -55,7 +56,8 @@ def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     import triton
 
     asm = wg.compile_sm90(config, **kw)
-    assert asm["ptx"].count("wgmma.mma_async") == wg.BK // 16  # one m64nBNk16 per 16 columns of the step
+    # one m64nBNk16 per 16 columns of the step and per 64 rows of x a warpgroup holds
+    assert asm["ptx"].count("wgmma.mma_async") == wg.BK // 16 * config[0] // (16 * config[3])
     assert asm["ptx"].count("prmt.b32") == 4 * (config[1] * wg.BK // 8) // (32 * config[3])  # 4 per word
     assert "convert_layout" not in asm["ttgir"]
     ptxas = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")  # shipped in Triton's wheel
@@ -68,9 +70,17 @@ def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     assert "C7515" not in log, log  # ptxas did not serialise the asynchronous MMAs
 
 
+def test_integer_zero_points_are_detected_once_per_tensor():
+    z = torch.tensor([[3.0, 15.0], [0.0, 7.0]], dtype=torch.bfloat16)
+    assert wg.integer_zeros(z)
+    assert not wg.integer_zeros(z + 0.5)
+    z[0, 0] = 2.5  # an in-place update is seen (the cached answer is keyed on the tensor's version)
+    assert not wg.integer_zeros(z)
+
+
 def test_configs_and_inputs_are_checked_with_clear_errors():
-    with pytest.raises(ValueError, match="BM = 16 WARPS"):
-        wg.check_config((128, 128, 4, 4))
+    with pytest.raises(ValueError, match="BM = 16 or 32 WARPS"):
+        wg.check_config((96, 128, 4, 4))
     with pytest.raises(ValueError, match="expected"):
         wg.check_config((128, 128, 4))
     assert wg.smem_bytes((128, 128, 5, 8)) < 227 * 1024
@@ -92,9 +102,14 @@ def test_configs_and_inputs_are_checked_with_clear_errors():
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", wg.WGMMA_CONFIGS)
 @pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, True, True), (1, 64, 128, 64, False, False),
-                                               (1024, 1024, 1024, 1024, True, False), (333, 520, 4096, 128, True, True)])
+                                               (1024, 1024, 1024, 1024, True, False), (333, 520, 4096, 128, True, True),
+                                               (300, 136, 512, 128, "int", True)])
 def test_matches_the_reference_on_gpu(config, M, N, K, G, zeros, bias):
+    """Fractional zero points take the three-fma expansion, integer ones ("int") the two-fma one."""
     x, qw, s, z, b = _case(N, K, G, M=M, device="cuda")
+    if zeros == "int":
+        z = z.round()
+        assert wg.integer_zeros(z)
     z, b = (z if zeros else None), (b if bias else None)
     w = dequantize_ref(qw, s, z, min(G, K), "spear", torch.bfloat16).double()
     ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
