@@ -11,7 +11,7 @@ graphs with input copies rotating through more than 3x the L2:
   ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
   ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above, in the structure
                    measured fastest for the shape (``dispatch.ec_overlapped`` "auto")
-  ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi}  (M >= 256) each prefill EC structure; the
+  ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi,in_gemm}  (M >= 256) each prefill EC structure; the
                    fastest is saved in the tuned table (``ecstruct|M|N|K|G``) before "auto" is timed
 
 Writes JSON (all numbers, GPU, versions, date), the tuned-config table and the measured
@@ -363,6 +363,10 @@ def main() -> None:
                                  T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE] + T.wgmma_choices(), copies)
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
             chk["w4_gemm_chosen_rel_err"] = rel_err(T.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
+            if M >= 256 and T.wgmma_choices():  # the GEMM the "in_gemm" EC structure runs (its own table entry)
+                cfg_wg, _ = search(lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c)),
+                                   T.wgmma_choices(), copies)
+                T.tuned_table()[T.wgmma_key(M, N, K, G)] = list(cfg_wg[1:])
             # ---- timing, all providers in this same run
             row = {"N": N, "K": K, "M": M}
             bf = [w["bf16"] for w in ws if w["bf16"] is not None]

@@ -102,7 +102,7 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi")
+OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "in_gemm")
 
 
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
@@ -114,8 +114,13 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
       expand-add into Y (``y += alpha * hg B^T``, reading and writing Y once more);
     * "c_operand" / "c_operand_hi": the EC first, into the C operand of a dequantize + cuBLAS
       GEMM, beside the dequantize (``dequant_cublas.ec_dequant_cublas``);
+    * "in_gemm": shrink + gate first, then the Hopper warpgroup-MMA GEMM adds ``(alpha g h) B^T`` as one
+      more K step (``w4a16_gemm_wgmma``): no pass over Y, no second stream (where that kernel cannot
+      take the call - not sm_90, fp16, an unaligned shape - "side" runs instead, "c_operand" on CPU);
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
-      (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side"."""
+      (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
+
+    (The structure decides speed only: each computes the reference's numbers within bf16 rounding.)"""
     from .ec_triton import ec_expand_add_, ec_shrink_gate
     from .w4a16_triton import ec_structure, w4a16_gemm
 
@@ -129,6 +134,15 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
 
         return ec_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
                                  side=side, high_priority_ec=structure == "c_operand_hi")
+    if structure == "in_gemm":
+        y = _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act)
+        if y is not None:
+            return y
+        if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the structure that runs there
+            from .dequant_cublas import ec_dequant_cublas
+
+            return ec_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act)
+        structure = "side"
 
     main = torch.cuda.current_stream(x2.device)
     side = side or _side_stream(x2.device, HIGH_PRIORITY if structure == "side_hi" else 0)
@@ -140,6 +154,34 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     x2.record_stream(side)
     hg.record_stream(main)
     return ec_expand_add_(y, hg, B, alpha)
+
+
+_PADDED_B: dict = {}
+
+
+def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act):
+    """The "in_gemm" structure, or None where the warpgroup-MMA GEMM cannot take the call."""
+    from . import w4a16_gemm_wgmma as wg
+    from .ec_triton import ec_shrink_gate
+    from .w4a16_triton import derived_cached, wgmma_config
+
+    M, K = x2.shape
+    N = qweight.shape[0]
+    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+    if not (x2.is_cuda and wg.wgmma_ok(M, N, K, group_size, x2.dtype, params) and A.shape[0] <= 128):
+        return None
+    R = B.shape[1]
+
+    def padded():  # bf16 [N, R8]: the TMA copy needs 16-byte rows (columns past R are zeros, as in hg)
+        r8 = -(-R // 8) * 8
+        out = torch.zeros(N, r8, dtype=torch.bfloat16, device=B.device)
+        out[:, :R] = B
+        return out
+
+    Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
+    hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)  # [M, R_P], alpha g h
+    return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, config=wgmma_config(M, N, K, group_size),
+                               ec=(hg, Bp))
 
 
 def register_cuda_kernels() -> None:

@@ -151,10 +151,10 @@ if HAS_WGMMA:
         return gl.reshape(d, [BN, _BK])
 
     @gluon.jit
-    def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
+    def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, ZINT: gl.constexpr,
                                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                 DIAG: gl.constexpr = 0):
+                                 HAS_EC: gl.constexpr = False, DIAG: gl.constexpr = 0):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -178,6 +178,15 @@ if HAS_WGMMA:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+
+        if HAS_EC:  # the EC's operands (alpha g h [BM, R_P] and B [BN, R_P], bf16) arrive while the loop runs
+            hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
+            bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
+            ecbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(ecbar, count=1)
+            mbarrier.expect(ecbar, hg_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbar, hgs)
+            tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbar, bs)
 
         KT = K // _BK
         for i in gl.static_range(STAGES - 2):  # the ring's first STAGES - 2 steps
@@ -214,9 +223,14 @@ if HAS_WGMMA:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if not PER_CHANNEL:
                 s, z = sn, zn
+        if HAS_EC:  # one more K step: y += (alpha g h) B^T, both operands bf16 as they came
+            mbarrier.wait(ecbar, 0)
+            acc = warpgroup_mma(hgs, bs.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
+        if HAS_EC:
+            mbarrier.invalidate(ecbar)
 
         offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
         offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
@@ -285,10 +299,15 @@ def integer_zeros(zeros: torch.Tensor) -> bool:
     return derived_cached(_ZINT, [zeros], lambda: bool(((zeros == zeros.round()) & (zeros.abs() < 128)).all()))
 
 
-def smem_bytes(config: tuple) -> int:
-    """Shared memory of a config: the TMA ring (x and packed words), three dequantized tiles, barriers."""
+SMEM_LIMIT = 227 * 1024  # per CTA on an H100 / H200
+
+
+def smem_bytes(config: tuple, r_p: int = 0) -> int:
+    """Shared memory of a config: the TMA ring (x and packed words), three dequantized tiles, barriers,
+    and with an EC of padded rank ``r_p`` its two operand tiles."""
     bm, bn, stages, _ = check_config(config)
-    return stages * (bm * BK * 2 + bn * BK // 2) + 3 * bn * BK * 2 + 8 * stages
+    ec = (bm + bn) * r_p * 2 + 8 if r_p else 0
+    return stages * (bm * BK * 2 + bn * BK // 2) + 3 * bn * BK * 2 + 8 * stages + ec
 
 
 def wgmma_ok(M: int, N: int, K: int, G: int, dtype: torch.dtype, param_dtypes: tuple = ()) -> bool:
@@ -312,10 +331,12 @@ def _descriptor(t: torch.Tensor, block: list, dtype):
 
 def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                     out: Optional[torch.Tensor] = None, diag: int = 0) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, ec: Optional[tuple] = None, diag: int = 0) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) through the warpgroup-MMA kernel (CUDA sm_90+ only).
     ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
-    [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``diag`` (benchmarks only,
+    [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``ec``: (hg, B) with hg the
+    EC's ``alpha g h`` [M, R_P] and B its [N, R] expand matrix (bf16, R <= R_P, R_P a power of two >= 16):
+    ``hg B^T`` is added as one more K step (``ec_in_gemm``); the ring loses stages until it fits. ``diag`` (benchmarks only,
     wrong results): 1 stores the tile without the expansion's arithmetic, 2 skips expansion and stores
     (the MMAs read stale tiles), 3 skips the MMAs - what each part of a K step costs."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
@@ -345,24 +366,43 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     xd = _descriptor(x2, [bm, BK], gl.bfloat16)
     wd = _descriptor(qweight.view(torch.int32), [bn, BK // 8], gl.int32)
+    hd, bd = xd, wd  # (stand-ins: read only with an EC)
+    if ec is not None:
+        hg, B = ec
+        r_p = hg.shape[1]
+        if (hg.dtype, B.dtype) != (torch.bfloat16, torch.bfloat16) or hg.shape[0] != M or B.shape[0] != N \
+                or B.shape[1] > r_p or r_p not in (16, 32, 64, 128) or (B.shape[1] * 2) % 16 or not B.is_contiguous():
+            raise ValueError(f"w4a16_gemm_wgmma: EC operands hg {hg.dtype} {tuple(hg.shape)}, B {B.dtype} "
+                             f"{tuple(B.shape)}; need bf16 hg [M={M}, R_P] and contiguous B [N={N}, R] with R <= "
+                             f"R_P in {{16, 32, 64, 128}} and R % 8 == 0")
+        while stages > 3 and smem_bytes((bm, bn, stages, warps), r_p) > SMEM_LIMIT:
+            stages -= 1
+        hd = _descriptor(hg.contiguous(), [bm, r_p], gl.bfloat16)
+        bd = _descriptor(B, [bn, r_p], gl.bfloat16)
     grid = (-(-M // bm) * -(-N // bn),)
     _w4a16_gemm_wgmma_kernel[grid](
-        xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         ZINT=zeros is not None and integer_zeros(zeros),
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, DIAG=diag, num_warps=warps)
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, HAS_EC=ec is not None, DIAG=diag, num_warps=warps)
     return y
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                 has_bias: bool = True, zint: bool = False) -> dict:
+                 has_bias: bool = True, zint: bool = False, r_p: int = 0) -> dict:
     """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
     shared memory and the MMA instructions are checked offline."""
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bm, bn, stages, warps = check_config(config)
     x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
-    types = dict(x_desc=f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>",
-                 Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
-    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
+    xt, wt = f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>"
+    ht, bt = xt, wt
+    if r_p:
+        ht = f"tensordesc<bf16[{bm}, {r_p}],{_layout([bm, r_p], gl.bfloat16)!r}>"
+        bt = f"tensordesc<bf16[{bn}, {r_p}],{_layout([bn, r_p], gl.bfloat16)!r}>"
+    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16",
+                 M="i32", N="i32", K="i32", NG="i32")
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
+                  HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)

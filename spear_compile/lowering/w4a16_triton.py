@@ -876,6 +876,21 @@ DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, de
 WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
 
 
+def wgmma_key(M: int, N: int, K: int, G: int) -> str:
+    return f"gemmwg|{_m_bucket(M)}|{N}|{K}|{G}"
+
+
+def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
+    """(BM, BN, STAGES, WARPS) of the warpgroup-MMA GEMM for this shape: the table's GEMM choice when it is
+    that kernel, else its fastest measured config (``gemmwg`` keys), else the first config."""
+    from .w4a16_gemm_wgmma import WGMMA_CONFIGS
+
+    cfg = gemm_config(M, N, K, G)
+    if cfg[0] == WGMMA:
+        return tuple(cfg[1:])
+    return tuple(tuned_table().get(wgmma_key(M, N, K, G), WGMMA_CONFIGS[0]))
+
+
 def wgmma_choices() -> list:
     """Table values for every config of the warpgroup-MMA GEMM, where this Triton has it (else none)."""
     from .w4a16_gemm_wgmma import HAS_WGMMA, WGMMA_CONFIGS
@@ -895,7 +910,8 @@ def ec_structure_key(M: int, N: int, K: int, G: int) -> str:
 def ec_structure(M: int, N: int, K: int, G: int) -> str:
     """The prefill EC structure (``dispatch.ec_overlapped``) measured fastest for this shape on
     this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
-    for this shape to be dequantize + cuBLAS; otherwise "side" is returned."""
+    for this shape to be dequantize + cuBLAS; otherwise "side" is returned. ("in_gemm" carries its own
+    GEMM, ``wgmma_config``.)"""
     choice = tuned_table().get(ec_structure_key(M, N, K, G), "side")
     if choice.startswith("c_operand") and not is_dequant_cublas(gemm_config(M, N, K, G)):
         return "side"

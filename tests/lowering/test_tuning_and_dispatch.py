@@ -42,7 +42,12 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemm", "ecstruct")
+                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemm", "gemmwg", "ecstruct")
+                if kind == "gemmwg" or (kind == "gemm" and val[0] == "wgmma"):  # the Hopper wgmma GEMM
+                    from spear_compile.lowering.w4a16_gemm_wgmma import check_config
+
+                    check_config(tuple(val[1:] if kind == "gemm" else val))
+                    continue
                 if kind == "gemv1tmaec":  # which decode EC pair a single EC takes (1: the TMA one)
                     assert val in (0, 1) and len(key.split("|")) == 4
                     continue
@@ -100,8 +105,9 @@ def test_kernel_for_cuda_nodes():
         assert kernel_for(x, "spear", "fused", True) == (
             "EC producer launch + PDL-launched" if pdl else "in-kernel EC producers +") + " triton GEMV with EC epilogue"
         assert kernel_for(x, "spear", "overlapped", True) == (
-            "triton GEMM (M < 256) / dequant + cuBLAS (per the tuned table) + EC in the structure measured per "
-            "shape: shrink and gate on a side stream, or first and into the GEMM's C operand")
+            "triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM (per the tuned table) + EC in "
+            "the structure measured per shape: shrink and gate on a side stream, or first and into the GEMM's C "
+            "operand, or as one more K step of the wgmma GEMM")
         assert kernel_for(x, "spear", "fused", False).startswith("triton GEMV (M = 1)")
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
