@@ -311,10 +311,23 @@ def smem_bytes(config: tuple, r_p: int = 0) -> int:
 
 
 def wgmma_ok(M: int, N: int, K: int, G: int, dtype: torch.dtype, param_dtypes: tuple = ()) -> bool:
-    """Whether the kernel takes this problem (before any tensor is looked at)."""
+    """Whether the kernel takes this problem (before any tensor is looked at; ``hopper`` for the device)."""
     per_channel = G >= K
     return (HAS_WGMMA and dtype == torch.bfloat16 and all(d == torch.bfloat16 for d in param_dtypes)
             and K % BK == 0 and N % 8 == 0 and (per_channel or G % BK == 0) and M >= 1)
+
+
+_HOPPER: dict = {}
+
+
+def hopper(device: torch.device) -> bool:
+    """A CUDA device with warpgroup MMA (sm_90+); asked once per device."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HOPPER:
+        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _HOPPER[idx]
 
 
 def _layout(block: list, dtype):
@@ -357,8 +370,9 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                          f"uint8 of shape {(N, K // 2)} (x's K={K}, the scales' N={N})")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"w4a16_gemm_wgmma: bias {tuple(bias.shape)} != ({N},)")
-    if not x2.is_cuda:
-        raise ValueError("w4a16_gemm_wgmma: a CUDA kernel (sm_90+); on CPU use w4a16_linear_ref")
+    if not hopper(x2.device):
+        raise ValueError(f"w4a16_gemm_wgmma: a CUDA sm_90+ kernel (x is on {x2.device}); elsewhere use "
+                         f"w4a16_linear_ref")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x2.dtype or not out.is_contiguous()):
         raise ValueError(f"w4a16_gemm_wgmma: out {out.dtype} {tuple(out.shape)} must be a contiguous {x2.dtype} "
                          f"[{M}, {N}] (its TMA store writes whole rows)")
