@@ -61,9 +61,11 @@ if HAS_GLUON:
 
 BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
-# the other multiplies); the others one CTA with a deeper ring or a wider tile.
+# the other multiplies); the others one CTA with a deeper ring or a wider tile. BM = 256 (128 x rows per
+# warpgroup, or 4 warpgroups of 64 with 16 warps) feeds each expanded tile to twice the MMAs: the expansion,
+# not the MMAs, bounds a step (NOTES.md, session 15).
 WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),
-                 (128, 128, 5, 8)]
+                 (128, 128, 5, 8), (256, 128, 4, 16)]
 
 # One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
 # Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)
@@ -163,8 +165,9 @@ if HAS_WGMMA:
         off_m = (pid % num_m) * BM  # CTAs that share a weight tile run side by side: it leaves DRAM once
         off_n = (pid // num_m) * BN
 
-        # [BN, _BK / 8, 8]: a thread holds 4 words (32 consecutive weights) of one row
-        l3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [16, 2, 1], [WARPS, 1, 1], [2, 1, 0])
+        # [BN, _BK / 8, 8]: a thread holds WPT words (8 WPT consecutive weights) of one row
+        WPT: gl.constexpr = 4 if WARPS <= 8 else 2
+        l3: gl.constexpr = gl.BlockedLayout([1, WPT, 8], [32 * WPT // BKW, BKW // WPT, 1], [WARPS, 1, 1], [2, 1, 0])
         lw: gl.constexpr = gl.SliceLayout(2, l3)
         ln: gl.constexpr = gl.SliceLayout(1, lw)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -282,8 +285,8 @@ def check_config(config: tuple) -> tuple[int, int, int, int]:
     if len(config) != 4:
         raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS)")
     bm, bn, stages, warps = (int(v) for v in config)
-    if bm not in (16 * warps, 32 * warps) or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8):
-        raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8}}, BM = 16 or 32 WARPS (64 or "
+    if bm not in (16 * warps, 32 * warps) or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8, 16):
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8, 16}}, BM = 16 or 32 WARPS (64 or "
                          f"128 rows per warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
     return bm, bn, stages, warps
 

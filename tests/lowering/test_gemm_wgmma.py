@@ -46,7 +46,7 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
 
 
 @pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False)),
-                                       ((256, 128, 4, 8), dict(zint=True))])
+                                       ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True))])
 def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     import os
     import re
