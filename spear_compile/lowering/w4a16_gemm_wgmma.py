@@ -66,7 +66,7 @@ BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # session 15). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 (call 8):
 # not in the searched list.
 WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),
-                 (128, 128, 5, 8)]
+                 (128, 128, 5, 8), (256, 128, 4, 8, 4)]
 
 # One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
 # Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)
@@ -282,14 +282,28 @@ def dequant_emulated(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
 
 
 def check_config(config: tuple) -> tuple[int, int, int, int]:
-    """(BM, BN, STAGES, WARPS) with a clear error for a config the kernel cannot take."""
-    if len(config) != 4:
-        raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS)")
-    bm, bn, stages, warps = (int(v) for v in config)
+    """(BM, BN, STAGES, WARPS) with a clear error for a config the kernel cannot take; a fifth element is
+    the warp-specialised variant's expander warps (``expanders``)."""
+    if len(config) not in (4, 5):
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS[, EXPANDERS])")
+    bm, bn, stages, warps = (int(v) for v in config[:4])
     if bm not in (16 * warps, 32 * warps) or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8, 16):
         raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8, 16}}, BM = 16 or 32 WARPS (64 or "
                          f"128 rows per warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
+    if len(config) == 5 and (int(config[4]) not in (0, 4) or (int(config[4]) and (warps != 8 or bn != 128))):
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: the warp-specialised variant takes 4 expander warps "
+                         f"beside 8 MMA warps and BN = 128 (or 0: the plain kernel)")
     return bm, bn, stages, warps
+
+
+def expanders(config: tuple) -> int:
+    """Expander warps of a config: 0 for the plain kernel, else the warp-specialised one
+    (``w4a16_gemm_wgmma_ws.py``)."""
+    return int(config[4]) if len(config) == 5 else 0
+
+
+WS_MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64 K register file
+WS_EXP_REGS = 96  # the expanders' share after setmaxnreg (the MMA warpgroups get the rest: 200)
 
 
 _ZINT: dict = {}
@@ -398,6 +412,16 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         hd = _descriptor(hg.contiguous(), [bm, r_p], gl.bfloat16)
         bd = _descriptor(B, [bn, r_p], gl.bfloat16)
     grid = (-(-M // bm) * -(-N // bn),)
+    exp = expanders(tuple(config or WGMMA_CONFIGS[0]))
+    if exp and ec is None and not diag:
+        from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
+
+        _w4a16_gemm_wgmma_ws_kernel[grid](
+            xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+            M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+            ZINT=zeros is not None and integer_zeros(zeros), HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps,
+            EXP=exp, EXP_REGS=WS_EXP_REGS, num_warps=warps, maxnreg=WS_MAXNREG)
+        return y
     _w4a16_gemm_wgmma_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
@@ -414,6 +438,14 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
 
     bm, bn, stages, warps = check_config(config)
     x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
+    if expanders(config):
+        from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
+
+        types = dict(x_desc=f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>",
+                     Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+        consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages,
+                      WARPS=warps, EXP=expanders(config), EXP_REGS=WS_EXP_REGS)
+        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, types, consts, warps, maxnreg=WS_MAXNREG)
     xt, wt = f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>"
     ht, bt = xt, wt
     if r_p:

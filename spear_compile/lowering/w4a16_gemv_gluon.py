@@ -273,11 +273,12 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict
     return compile_gluon_sm90(_w4a16_gemv_gluon_kernel, types, consts, warps)
 
 
-def compile_gluon_sm90(kernel, types: dict, consts: dict, warps: int) -> dict:
+def compile_gluon_sm90(kernel, types: dict, consts: dict, warps: int, **options) -> dict:
     """Compile a Gluon kernel for sm_90 without a GPU: ``types`` maps runtime arguments to Triton
     signature strings, ``consts`` constexpr arguments to values. Pointer and integer arguments are
     marked divisible by 16, as a GPU launch with such values specialises them (tensor descriptors
-    take no such mark). Returns the compiled kernel's ``asm`` dict (ttgir, ptx, cubin)."""
+    take no such mark). ``options``: further compile options (``maxnreg``). Returns the compiled kernel's
+    ``asm`` dict (ttgir, ptx, cubin)."""
     import inspect
 
     import triton
@@ -292,7 +293,7 @@ def compile_gluon_sm90(kernel, types: dict, consts: dict, warps: int) -> dict:
              if not t.startswith("tensordesc")}
     src = gluon._runtime.GluonASTSource(
         fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **options)).asm
 
 
 _PACKED: dict = {}

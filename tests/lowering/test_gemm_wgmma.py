@@ -46,7 +46,8 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
 
 
 @pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False)),
-                                       ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True))])
+                                       ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True)),
+                                       ((256, 128, 4, 8, 4), dict(zint=True))])
 def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     import os
     import re
@@ -58,7 +59,10 @@ def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     asm = wg.compile_sm90(config, **kw)
     # one m64nBNk16 per 16 columns of the step and per 64 rows of x a warpgroup holds
     assert asm["ptx"].count("wgmma.mma_async") == wg.BK // 16 * config[0] // (16 * config[3])
-    assert asm["ptx"].count("prmt.b32") == 4 * (config[1] * wg.BK // 8) // (32 * config[3])  # 4 per word
+    warps = wg.expanders(config) or config[3]  # the warps that expand (the warp-specialised variant's own)
+    assert asm["ptx"].count("prmt.b32") == 4 * (config[1] * wg.BK // 8) // (32 * warps)  # 4 per word
+    if wg.expanders(config):  # the MMA warpgroups and the expanders re-split the register file
+        assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+%d;" % wg.WS_EXP_REGS, asm["ptx"])
     assert "convert_layout" not in asm["ttgir"]
     ptxas = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")  # shipped in Triton's wheel
     assert os.path.exists(ptxas), ptxas

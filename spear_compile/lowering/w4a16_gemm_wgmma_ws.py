@@ -1,0 +1,125 @@
+"""Warp-specialised variant of the large-M W4A16 wgmma GEMM (``w4a16_gemm_wgmma.py``).
+
+Why: in the single-partition kernel the same warps expand the 4-bit words and wait on the MMAs, and one
+CTA barrier per K step ties them together; its diagnostic variants (benchmarks/NOTES.md, session 15)
+measured expansion and MMAs each at about cuBLAS's time but adding up instead of overlapping. Here they
+are different warps, handing tiles over through mbarriers:
+
+* default partition, the MMA warpgroups (WARPS warps, BM rows of x): per step waits for the x tile (TMA)
+  and the expanded tile, issues the MMAs asynchronously, waits for the previous step's, then frees that
+  step's expanded buffer (``dq_empty``) and refills its ring slot by TMA (x and words of step
+  ``i - 1 + STAGES``); then the epilogue, as in the plain kernel;
+* worker partition, the expanders (EXP warps): per step waits for the words and a free expanded buffer,
+  expands exactly as the plain kernel (``_dequant``), stores, fences, arrives on ``dq_ready``.
+
+Numbers are the plain kernel's (same expansion, same MMA order per output). Constraints as there; no EC
+operand (the "in_gemm" structure uses the plain kernel).
+"""
+from __future__ import annotations
+
+from .w4a16_gemm_wgmma import HAS_WGMMA
+
+if HAS_WGMMA:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+
+    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params
+
+    NDQ = gl.constexpr(3)  # expanded buffers: the expanders may run two steps ahead of the MMAs
+
+    @gluon.jit
+    def _mma_partition(x_desc, w_desc, xs, ws, dq, ready, dq_ready, dq_empty, off_m, off_n, KT,
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BN, 16])
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        BKW: gl.constexpr = _BK // 8
+        acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+        for i in range(KT):
+            slot = i % STAGES
+            j = i % NDQ
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            mbarrier.wait(dq_ready.index(j), (i // NDQ) & 1)
+            acc = warpgroup_mma(xs.index(slot), dq.index(j).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's MMAs are done
+            prev = gl.maximum(i - 1, 0)
+            mbarrier.arrive(dq_empty.index(prev % NDQ), pred=i > 0)
+            nt = prev + STAGES  # refill step i - 1's slot (its words were read before its dq_ready)
+            ps = prev % STAGES
+            fence_async_shared()
+            mbarrier.expect(ready.index(ps), nbytes, pred=(i > 0) & (nt < KT))
+            tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], ready.index(ps), xs.index(ps),
+                                            pred=(i > 0) & (nt < KT))
+            tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], ready.index(ps), ws.index(ps),
+                                            pred=(i > 0) & (nt < KT))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return (acc,)  # (partition results are tuples)
+
+    @gluon.jit
+    def _expand_partition(ws, dq, ready, dq_ready, dq_empty, S, Z, off_n, N, NG, KT,
+                          BN: gl.constexpr, STAGES: gl.constexpr, EXP: gl.constexpr, G: gl.constexpr,
+                          PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, ZINT: gl.constexpr):
+        l3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [16, 2, 1], [EXP, 1, 1], [2, 1, 0])
+        lw: gl.constexpr = gl.SliceLayout(2, l3)
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, lw))
+        mask_n = offs_n < N
+        s, z = _group_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)
+        for i in range(KT):
+            slot = i % STAGES
+            j = i % NDQ
+            if not PER_CHANNEL:
+                s, z = _group_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            mbarrier.wait(dq_empty.index(j), ((i // NDQ) & 1) ^ 1)
+            dq.index(j).store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN, ZINT))
+            fence_async_shared()
+            mbarrier.arrive(dq_ready.index(j))
+
+    @gluon.jit
+    def _w4a16_gemm_wgmma_ws_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
+                                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                    ZINT: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                                    WARPS: gl.constexpr, EXP: gl.constexpr, EXP_REGS: gl.constexpr):
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        BKW: gl.constexpr = _BK // 8
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(M, BM)
+        off_m = (pid % num_m) * BM
+        off_n = (pid // num_m) * BN
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, _BK], gl.bfloat16)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, _BK], x_desc.layout)
+        ws = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BKW], w_desc.layout)
+        dq = gl.allocate_shared_memory(gl.bfloat16, [NDQ, BN, _BK], dq_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [NDQ, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [NDQ, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(NDQ):
+            mbarrier.init(dq_ready.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        KT = K // _BK
+        for i in gl.static_range(STAGES):  # the whole ring; the MMA partition refills it
+            mbarrier.expect(ready.index(i), nbytes, pred=i < KT)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], ready.index(i), xs.index(i), pred=i < KT)
+            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], ready.index(i), ws.index(i), pred=i < KT)
+
+        acc, = gl.warp_specialize([
+            (_mma_partition, (x_desc, w_desc, xs, ws, dq, ready, dq_ready, dq_empty, off_m, off_n, KT, BM, BN,
+                              STAGES, WARPS)),
+            (_expand_partition, (ws, dq, ready, dq_ready, dq_empty, S, Z, off_n, N, NG, KT, BN, STAGES, EXP, G,
+                                 PER_CHANNEL, HAS_Z, ZINT)),
+        ], [EXP], [EXP_REGS])
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BN, 16])
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(BIAS + offs_o, mask=offs_o < N, other=0.0).to(gl.float32), 0)
+        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_o < N, 0)
+        gl.store(Y + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_o, 0), acc.to(gl.bfloat16), mask=mask)
