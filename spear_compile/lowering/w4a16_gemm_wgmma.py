@@ -63,10 +63,11 @@ BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
 # the other multiplies); the others one CTA with a deeper ring or a wider tile. BM = 256 (128 x rows per
 # warpgroup) feeds each expanded tile to twice the MMAs: the expansion, not the MMAs, bounds a step (NOTES.md,
-# session 15). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 (call 8):
-# not in the searched list.
+# session 15). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 (call 8),
+# and the warp-specialised variant (WS_CONFIGS) was no faster (call 9): neither is in the searched list.
 WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),
-                 (128, 128, 5, 8), (256, 128, 4, 8, 4)]
+                 (128, 128, 5, 8)]
+WS_CONFIGS = [(256, 128, 4, 8, 4)]  # warp-specialised: correct, measured -3 .. +13 % against the plain (call 9)
 
 # One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
 # Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)

@@ -104,7 +104,7 @@ def test_configs_and_inputs_are_checked_with_clear_errors():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("config", wg.WGMMA_CONFIGS)
+@pytest.mark.parametrize("config", wg.WGMMA_CONFIGS + wg.WS_CONFIGS)
 @pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, True, True), (1, 64, 128, 64, False, False),
                                                (1024, 1024, 1024, 1024, True, False), (333, 520, 4096, 128, True, True),
                                                (300, 136, 512, 128, "int", True)])
