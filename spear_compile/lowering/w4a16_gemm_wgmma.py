@@ -155,6 +155,19 @@ if HAS_WGMMA:
         return gl.reshape(d, [BN, _BK])
 
     @gluon.jit
+    def _store_tile(acc, Y, BIAS, M, N, off_m, off_n, BM: gl.constexpr, BN: gl.constexpr, mma: gl.constexpr,
+                    HAS_BIAS: gl.constexpr):
+        """Y[off_m.., off_n..] = acc (+ bias) in bf16, stored from the MMA layout (two bf16 per thread and
+        row): staging the tile in shared memory for a TMA store makes ptxas serialise every MMA of the
+        loop (C7515, checked offline by the tests)."""
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(BIAS + offs_o, mask=offs_o < N, other=0.0).to(gl.float32), 0)
+        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_o < N, 0)
+        gl.store(Y + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_o, 0), acc.to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
     def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, ZINT: gl.constexpr,
                                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
@@ -237,14 +250,7 @@ if HAS_WGMMA:
         if HAS_EC:
             mbarrier.invalidate(ecbar)
 
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-        offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(BIAS + offs_o, mask=offs_o < N, other=0.0).to(gl.float32), 0)
-        # Stored from the MMA layout (two bf16 per thread and row): staging the tile in shared memory for a
-        # TMA store makes ptxas serialise every MMA of the loop (C7515, checked offline by the tests).
-        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_o < N, 0)
-        gl.store(Y + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_o, 0), acc.to(gl.bfloat16), mask=mask)
+        _store_tile(acc, Y, BIAS, M, N, off_m, off_n, BM, BN, mma, HAS_BIAS)
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params
+    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params, _store_tile
 
     NDQ = gl.constexpr(3)  # expanded buffers: the expanders may run two steps ahead of the MMAs
 
@@ -122,9 +122,4 @@ if HAS_WGMMA:
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, BN, 16])
-        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-        offs_o = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(BIAS + offs_o, mask=offs_o < N, other=0.0).to(gl.float32), 0)
-        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_o < N, 0)
-        gl.store(Y + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_o, 0), acc.to(gl.bfloat16), mask=mask)
+        _store_tile(acc, Y, BIAS, M, N, off_m, off_n, BM, BN, mma, HAS_BIAS)
