@@ -20,8 +20,9 @@ Per K step (BK = 64 columns) of a CTA's [BM, BN] output tile:
      ``i % STAGES``;
   2. every thread expands 4 words (32 weights of one row) into bf16 with one inline-asm block per word
      (byte permute + mask + OR builds ``128 + q`` bf16 pairs; three ``fma.rn.bf16x2`` give ``q``,
-     ``q - z`` and ``(q - z) * s``, each rounded once like the reference's bf16 ops) and stores them
-     into dequantized buffer ``i % 3`` (128-byte swizzled, the MMA's B operand as a transposed view);
+     ``q - z`` and ``(q - z) * s``, each rounded once like the reference's bf16 ops; two for integer zero
+     points, where ``(128 + q) - (128 + z)`` is exact) and stores them into dequantized buffer ``i % 3``
+     (128-byte swizzled, the MMA's B operand as a transposed view);
   3. one CTA barrier: every thread's step-i stores are visible and (by the wait of step i - 1) every
      warpgroup's step i - 2 MMA is done, so ring slot (i - 2) % STAGES is refilled with step
      i + STAGES - 2's tiles and buffer (i + 1) % 3 may be overwritten by step i + 1;
@@ -33,10 +34,13 @@ C7515 "wgmma serialized" note), and so does storing the accumulator tile to shar
 store; the epilogue therefore adds the bias and stores bf16 pairs straight from the MMA layout. The CPU
 tests compile the kernel for sm_90 and assert ptxas leaves the MMAs asynchronous.
 
-Configs (BM, BN, STAGES, WARPS): BM rows of x per CTA (64 per warpgroup), BN weight rows, ring depth.
-Constraints: CUDA sm_90+, bf16 x / scales / zero points / bias, K % 64 == 0, G % 64 == 0 or per-channel
-(G >= K), N % 8 == 0 (TMA row strides). ``dispatch`` takes it at the M where
-``benchmarks/kernels.py`` measured it faster than dequantize + cuBLAS (tuned table, ``gemmwg`` keys).
+Configs (BM, BN, STAGES, WARPS): BM rows of x per CTA (64 or 128 per warpgroup), BN weight rows, ring
+depth. Constraints: CUDA sm_90+, bf16 x / scales / zero points / bias, K % 64 == 0, G % 64 == 0 or
+per-channel (G >= K), N % 8 == 0 (TMA row strides). ``w4a16_triton.w4a16_gemm`` takes it where
+``benchmarks/kernels.py`` measured it fastest (tuned table value ``("wgmma", ...)``; the "in_gemm" EC
+structure's own entry: ``gemmwg`` keys). Measured on the H200 (session 15, NOTES.md): faster than
+dequantize + cuBLAS at M = 256 on the larger shapes, slower from M = 1024 (1.3-1.4x cuBLAS): its step
+is bound by shared-memory traffic (the expanded tile written once and read by both warpgroups).
 """
 from __future__ import annotations
 
