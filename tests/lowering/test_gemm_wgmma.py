@@ -45,6 +45,27 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
     assert not torch.equal(wg.dequant_emulated(qw, s, z, 128), dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16))
 
 
+def _compile_in_fresh_process(config, kw) -> dict:
+    """``compile_sm90`` in a new Python process: Triton 3.6's interpreter patches ``triton.language`` for a
+    nested ``@triton.jit`` call and never restores it (``interpreter.py``, ``InterpretedFunction.__call__``),
+    so after the interpreted kernels of earlier tests a Gluon compile in this process fails on the first
+    arithmetic with a runtime argument (seen in a clean CI run: 'block_argument' has no 'dtype')."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        code = ("import json, sys; from spear_compile.lowering import w4a16_gemm_wgmma as wg; "
+                f"a = wg.compile_sm90({tuple(config)!r}, **{kw!r}); "
+                f"json.dump({{'ptx': a['ptx'], 'ttgir': a['ttgir']}}, open({os.path.join(d, 'a.json')!r}, 'w'))")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.load(open(os.path.join(d, "a.json")))
+
+
 @pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False)),
                                        ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True)),
                                        ((256, 128, 4, 8, 4), dict(zint=True))])
@@ -56,7 +77,7 @@ def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
 
     import triton
 
-    asm = wg.compile_sm90(config, **kw)
+    asm = _compile_in_fresh_process(config, kw)
     # one m64nBNk16 per 16 columns of the step and per 64 rows of x a warpgroup holds
     assert asm["ptx"].count("wgmma.mma_async") == wg.BK // 16 * config[0] // (16 * config[3])
     warps = wg.expanders(config) or config[3]  # the warps that expand (the warp-specialised variant's own)
