@@ -5,12 +5,13 @@
 * "fused" (decode): the EC in the W4 GEMV's epilogue (``w4a16_triton.w4a16_gemv``), for
   M <= GEMV_MAX_M: on Hopper a producer grid + the PDL-launched GEMV (``ec_decode_triton.py``),
   elsewhere producers inside the GEMV launch; beyond GEMV_MAX_M the GEMM with the EC on a side stream.
-* "overlapped" (prefill): W4 GEMM (Triton, or from M = 256 dequantize + cuBLAS, per the tuned
-  table) with the EC in one of four structures, the one measured fastest for the shape
-  (``ec_overlapped``): shrink (cuBLAS) + gate on a side stream beside the GEMM, then
-  ``y += alpha * hg B^T`` in place; or the EC first, beside the dequantize, into the C operand
-  of the cuBLAS GEMM; each optionally with the EC's stream at high priority. Every fork/join
-  uses stream waits, so the whole step is capturable in a CUDA graph.
+* "overlapped" (prefill): W4 GEMM (Triton, or from M = 256 dequantize + cuBLAS or on Hopper the
+  wgmma in-loop-dequant GEMM, per the tuned table) with the EC in one of five structures, the one
+  measured fastest for the shape (``ec_overlapped``): shrink (cuBLAS) + gate on a side stream beside
+  the GEMM, then ``y += alpha * hg B^T`` in place; or the EC first, beside the dequantize, into the C
+  operand of the cuBLAS GEMM; each optionally with the EC's stream at high priority; or the expand as
+  one more K step of the wgmma GEMM. Every fork/join uses stream waits, so the whole step is capturable
+  in a CUDA graph.
 * "dispatch": branch on M at run time against ``crossover``; "auto": like dispatch.
 
 Anything the Triton kernels do not cover (fp32 activations, the tinygemm / unpacked
@@ -107,7 +108,7 @@ OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "i
 
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
                   side: Optional["torch.cuda.Stream"] = None, structure: str = "auto") -> torch.Tensor:
-    """The prefill EC, in one of four structures (``_hi``: the EC's stream has high priority, so
+    """The prefill EC, in one of five structures (``_hi``: the EC's stream has high priority, so
     its small kernels are scheduled ahead of the big kernel's pending CTAs):
 
     * "side" / "side_hi": W4 GEMM on the current stream, EC shrink + gate on a side stream, join,
