@@ -168,8 +168,7 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
 
     M, K = x2.shape
     N = qweight.shape[0]
-    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
-    if not (wg.hopper(x2.device) and wg.wgmma_ok(M, N, K, group_size, x2.dtype, params) and A.shape[0] <= 128):
+    if not (wg.takes(x2, N, group_size, scales, zeros, bias) and A.shape[0] <= 128):
         return None
     R = B.shape[1]
 

@@ -346,6 +346,18 @@ def wgmma_ok(M: int, N: int, K: int, G: int, dtype: torch.dtype, param_dtypes: t
             and K % BK == 0 and N % 8 == 0 and (per_channel or G % BK == 0) and M >= 1)
 
 
+def param_dtypes(scales, zeros, bias) -> tuple:
+    """The dtypes of the weight's parameters that are present (``wgmma_ok`` wants them all bf16)."""
+    return tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+
+
+def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
+    """Whether the kernel can run this call here: ``wgmma_ok`` for its shapes and dtypes, on a ``hopper``
+    device (what the table dispatch and the "in_gemm" EC structure ask before choosing it)."""
+    M, K = x2.shape
+    return hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, param_dtypes(scales, zeros, bias))
+
+
 _HOPPER: dict = {}
 
 
@@ -378,14 +390,15 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
     [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``ec``: (hg, B) with hg the
     EC's ``alpha g h`` [M, R_P] and B its [N, R] expand matrix (bf16, R <= R_P, R_P a power of two >= 16):
-    ``hg B^T`` is added as one more K step (``ec_in_gemm``); the ring loses stages until it fits. ``diag`` (benchmarks only,
-    wrong results): 1 stores the tile without the expansion's arithmetic, 2 skips expansion and stores
-    (the MMAs read stale tiles), 3 skips the MMAs - what each part of a K step costs."""
+    ``hg B^T`` is added as one more K step (the "in_gemm" EC structure, ``dispatch._ec_in_gemm``); the
+    ring loses stages until it fits. ``diag`` (benchmarks only, wrong results): 1 stores the tile without
+    the expansion's arithmetic, 2 skips expansion and stores (the MMAs read stale tiles), 3 skips the
+    MMAs - what each part of a K step costs."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
     M, K = x2.shape
     N = scales.shape[0] if scales.dim() == 2 else -1
     per_channel = G >= K
-    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+    params = param_dtypes(scales, zeros, bias)
     if not wgmma_ok(M, N, K, G, x2.dtype, params):
         raise ValueError(f"w4a16_gemm_wgmma: M={M}, N={N}, K={K}, G={G}, x {x2.dtype}, parameters {params}; needs "
                          f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 (or per-channel), and "
@@ -449,21 +462,19 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
 
     bm, bn, stages, warps = check_config(config)
     x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
+    xt, wt = f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>"
+    rest = dict(Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
     if expanders(config):
         from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
 
-        types = dict(x_desc=f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>",
-                     Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
-        consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages,
-                      WARPS=warps, EXP=expanders(config), EXP_REGS=WS_EXP_REGS)
-        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, types, consts, warps, maxnreg=WS_MAXNREG)
-    xt, wt = f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>"
+        consts.update(EXP=expanders(config), EXP_REGS=WS_EXP_REGS)
+        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, dict(x_desc=xt, w_desc=wt, **rest), consts, warps,
+                                  maxnreg=WS_MAXNREG)
     ht, bt = xt, wt
     if r_p:
         ht = f"tensordesc<bf16[{bm}, {r_p}],{_layout([bm, r_p], gl.bfloat16)!r}>"
         bt = f"tensordesc<bf16[{bn}, {r_p}],{_layout([bn, r_p], gl.bfloat16)!r}>"
-    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16",
-                 M="i32", N="i32", K="i32", NG="i32")
-    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  HAS_EC=bool(r_p))
+    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt, **rest)
+    consts.update(HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)

@@ -935,8 +935,7 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     if config[0] == WGMMA:
         from . import w4a16_gemm_wgmma as wg
 
-        params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
-        if wg.hopper(x2.device) and wg.wgmma_ok(M, N, K, G, x2.dtype, params) and (out is None or out.is_contiguous()):
+        if wg.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
             return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
         config = _default_gemm(M)  # (a table entry measured for bf16; this call's dtypes or shape differ)
     if is_dequant_cublas(config):
