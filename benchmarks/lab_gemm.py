@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=[256, 1024, 4096])
     ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,STAGES,WARPS")
+    ap.add_argument("--ra", nargs="*", default=None, metavar="BNW,BMX,STAGES,WARPS",
+                    help="also the register-operand kernel (w4a16_gemm_wgmma_ra) in these configs (none given: its list)")
     ap.add_argument("--diag", action="store_true", help="also time the kernel's diagnostic variants (no expansion "
                     "arithmetic; no expansion or stores; no MMAs) for each config that passed")
     args = ap.parse_args()
@@ -44,6 +46,13 @@ def main() -> None:
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else WG.WGMMA_CONFIGS
     for c in configs:
         WG.check_config(c)
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+
+    ra = [] if args.ra is None else [tuple(int(v) for v in c.split(",")) for c in args.ra] or RA.RA_CONFIGS
+    for c in ra:
+        RA.check_ra_config(c)
+    kernels = [("wgmma_" + "_".join(map(str, c)), c, WG.w4a16_gemm_wgmma) for c in configs]
+    kernels += [("ra_" + "_".join(map(str, c)), c, RA.w4a16_gemm_wgmma_ra) for c in ra]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
            "configs": [list(c) for c in configs], "rows": []}
     import triton
@@ -59,10 +68,9 @@ def main() -> None:
             ref = (xs[0].float() @ dequantize_ref(qw0.qweight, qw0.scales, qw0.zeros, G, "spear", DT).float().t())
             row = {"N": N, "K": K, "M": M, "errors": {}}
             ok = []
-            for c in configs:
-                name = "wgmma_" + "_".join(map(str, c))
+            for name, c, fn in kernels:
                 try:
-                    out = WG.w4a16_gemm_wgmma(xs[0], qw0.qweight, qw0.scales, qw0.zeros, G, None, config=c)
+                    out = fn(xs[0], qw0.qweight, qw0.scales, qw0.zeros, G, None, config=c)
                     torch.cuda.synchronize()
                     err = rel_err(out, ref)
                 except Exception as e:  # a config that does not launch is reported, not fatal
@@ -70,7 +78,7 @@ def main() -> None:
                     continue
                 row["errors"][name] = err
                 if err <= MAX_ERR:
-                    ok.append((name, c))
+                    ok.append((name, c, fn))
             args_w = lambda i, ws=ws: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
             bf = [w["bf16"] for w in ws if w["bf16"] is not None]
             row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % len(bf)]), copies)
@@ -78,18 +86,20 @@ def main() -> None:
                 lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
             row["dequant_cublas_pipe"] = bench_graph(
                 lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
-            for name, c in ok:
-                row[name] = bench_graph(
-                    lambda i: WG.w4a16_gemm_wgmma(xs[i], *args_w(i), G, None, config=c), copies)
-                if args.diag:  # what each part of a K step costs (wrong results: timed, not checked)
+            for name, c, fn in ok:
+                row[name] = bench_graph(lambda i: fn(xs[i], *args_w(i), G, None, config=c), copies)
+                if args.diag and fn is WG.w4a16_gemm_wgmma:  # each part of a K step (wrong results: timed only)
                     for d in (1, 2, 3):
                         row[f"{name}_diag{d}"] = bench_graph(
                             lambda i: WG.w4a16_gemm_wgmma(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
-            best = min((n for n, _ in ok), key=lambda n: row[n], default=None)
+            best = min((n for n, _, _ in ok), key=lambda n: row[n], default=None)
             row["best_wgmma"] = best
             cb = row["cublas_bf16"]
             shipped = min(row["dequant_cublas"], row["dequant_cublas_pipe"])
             line = (f"{N}x{K} M={M}: cuBLAS {cb:.1f} us  dequant+cuBLAS {shipped:.1f} ({shipped / cb:.2f}x)")
+            for n, _, fn in ok:
+                if fn is not WG.w4a16_gemm_wgmma:
+                    line += f"  {n} {row[n]:.1f} ({row[n] / cb:.2f}x cuBLAS)"
             if best:
                 line += f"  {best} {row[best]:.1f} ({row[best] / cb:.2f}x cuBLAS, {row[best] / shipped:.2f}x shipped)"
             bad = {n: e for n, e in row["errors"].items() if not isinstance(e, float) or e > MAX_ERR}
@@ -97,7 +107,9 @@ def main() -> None:
                 line += f"  FAILED: {bad}"
             print(line, flush=True)
             if args.diag:
-                for n, _ in ok:
+                for n, _, fn in ok:
+                    if fn is not WG.w4a16_gemm_wgmma:
+                        continue
                     print(f"   {n}: full {row[n]:.1f}  no-expand-math {row[n + '_diag1']:.1f}  no-expand "
                           f"{row[n + '_diag2']:.1f}  no-MMA {row[n + '_diag3']:.1f} us", flush=True)
             res["rows"].append(row)

@@ -45,7 +45,7 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
     assert not torch.equal(wg.dequant_emulated(qw, s, z, 128), dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16))
 
 
-def _compile_in_fresh_process(config, kw) -> dict:
+def _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma", fn="compile_sm90") -> dict:
     """``compile_sm90`` in a new Python process: Triton 3.6's interpreter patches ``triton.language`` for a
     nested ``@triton.jit`` call and never restores it (``interpreter.py``, ``InterpretedFunction.__call__``),
     so after the interpreted kernels of earlier tests a Gluon compile in this process fails on the first
@@ -57,8 +57,8 @@ def _compile_in_fresh_process(config, kw) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        code = ("import json, sys; from spear_compile.lowering import w4a16_gemm_wgmma as wg; "
-                f"a = wg.compile_sm90({tuple(config)!r}, **{kw!r}); "
+        code = (f"import json, sys; from spear_compile.lowering import {module} as wg; "
+                f"a = wg.{fn}({tuple(config)!r}, **{kw!r}); "
                 f"json.dump({{'ptx': a['ptx'], 'ttgir': a['ttgir']}}, open({os.path.join(d, 'a.json')!r}, 'w'))")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -185,3 +185,94 @@ def test_ec_added_as_one_more_k_step_matches_the_reference_on_gpu(R, monkeypatch
     assert len(calls) == 1 and calls[0] is not None  # the wgmma kernel ran, with the EC operands
     err = (y.double() - ref).abs()
     assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
+
+
+def test_register_operand_expansion_takes_each_lanes_byte():
+    """The register-operand kernel's prmt selector t | t << 4 | (4 + t) << 8 | (4 + t) << 12 on (word,
+    word >> 4) gives lane t the bf16 pair 128 + q of columns 8 w + 2 t and 8 w + 2 t + 1 (its wgmma A
+    fragment), replayed on CPU with the same prmt emulation as the plain kernel's."""
+    _, qw, _, _, _ = _case(8, 128, 128)
+    q = torch.stack((qw & 0xF, qw >> 4), -1).reshape(8, 128).to(torch.int64)
+    w = qw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [8, 16]
+    for t in range(4):
+        sel = t * 0x11 + (t + 4) * 0x1100
+        p = (wg._prmt(w, w >> 4, sel) & 0x000F000F) | 0x43004300
+        lo = ((p & 0xFFFF).to(torch.int16).view(torch.bfloat16).float() - 128).to(torch.int64)
+        hi = (((p >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float() - 128).to(torch.int64)
+        assert torch.equal(lo, q[:, 2 * t::8]) and torch.equal(hi, q[:, 2 * t + 1::8])
+
+
+def _sass(ptx: str) -> tuple[str, str]:
+    """(ptxas -v log, cuobjdump -sass text) of a PTX module for sm_90a, with the tools in Triton's wheel."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(ptx)
+        log = subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True).stderr
+        sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+    return log, sass
+
+
+@pytest.mark.parametrize("config,kw", [((128, 256, 4, 8), {}), ((128, 256, 4, 8), dict(per_channel=True, has_z=False,
+                                                                                      has_bias=False)),
+                                       ((128, 128, 5, 8), {})])
+def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
+    """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
+    convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
+    of the K loop writes the A registers of an MMA that is still running (the bug of session 15's version)."""
+    import re
+
+    from .sass_wgmma import hgmma_loop, inflight_writes
+
+    asm = _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma_ra", fn="compile_ra_sm90")
+    # per step, 4 k16 MMAs and 2 rows x 8 words per thread; steps in pairs plus a tail for an odd count
+    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16
+    assert asm["ptx"].count("prmt.b32") == 3 * 2 * 8
+    log, sass = _sass(asm["ptx"])
+    assert re.search(r" 0 bytes spill stores", log) and "C7515" not in log, log
+    assert sum("HGMMA" in t for t in hgmma_loop(sass)) == 2 * wg.BK // 16
+    assert inflight_writes(sass) == []
+
+
+def test_inflight_register_check_flags_an_overwritten_a_operand():
+    """The SASS check itself: a write to an HGMMA's A registers before the DEPBAR that retires it is flagged
+    (a one-step loop reloading them: session 15's wrong kernel); two steps on two register sets, or a write
+    after a full wait, are not."""
+    from .sass_wgmma import inflight_writes
+
+    def sass(body):
+        lines = [f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(body)]
+        return "\n".join(lines + [f"        /*{16 * len(body):04x}*/                   @P1 BRA 0x0 ;"])
+
+    def step(r):
+        return [f"LDS.128 R{r}, [R20+0x20000]", f"HGMMA.64x256x16.F32.BF16 R24, R{r}, gdesc[UR20], R24, gsb0",
+                "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+
+    assert len(inflight_writes(sass(step(152)))) == 1  # one step per loop: the next load hits the running MMA
+    assert inflight_writes(sass(step(152) + step(168))) == []  # steps in pairs on two register sets
+    assert len(inflight_writes(sass(step(152) + ["PRMT R154, R13, R16, R12"] + step(168)))) == 1
+    assert inflight_writes(sass(step(152) + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "PRMT R154, R13, R16, R12"])) == []
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, "int", True), (1024, 1024, 1024, 1024, None, False),
+                                               (333, 520, 4096, 128, "int", True),
+                                               (77, 136, 576, 64, "int", False)])  # 9 K steps: the odd tail
+def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros, bias):
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    x, qw, s, z, b = _case(N, K, G, M=M, device="cuda")
+    z = z.round() if zeros else None
+    b = b if bias else None
+    w = dequantize_ref(qw, s, z, min(G, K), "spear", torch.bfloat16).double()
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
+    for config in ra.RA_CONFIGS:
+        y = ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=config)
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())

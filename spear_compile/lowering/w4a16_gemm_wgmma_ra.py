@@ -1,0 +1,240 @@
+"""Large-M W4A16 GEMM on warpgroup MMA with the expanded weight as the MMA's register operand (lab kernel).
+
+Why: the plain kernel (``w4a16_gemm_wgmma.py``) expands each K step's weights into a shared-memory tile that
+both MMA warpgroups then read: with x read by the MMAs and written by TMA, ~120 KB of shared-memory traffic
+per 256x128x64 step, which session 15 measured as the bound (warp specialisation did not move it,
+benchmarks/NOTES.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand,
+taken from registers, so its expanded tile never touches shared memory.
+
+Each thread's A fragment for a k16 block is the pairs (k = 2t, 2t + 1) and (k = 8 + 2t, 9 + 2t) of rows
+g and g + 8 (t = lane % 4, g = lane / 4): byte t of two consecutive packed words. So every thread loads
+the 8 words of its two rows for the step (the 4 lanes of a row group read the same words) and takes
+byte t of each with one ``prmt`` whose selector holds t; ``lop3`` makes the bf16 pair ``128 + q`` and two
+fmas give ``(q - z) * s`` exactly (integer zero points; or ``q * s`` without zero points). The tensor
+[BNW, 8 words, 4 lanes, 2] laid out by ``_a_source_layout`` reshapes into the wgmma A layout with no data
+movement (``convert_layout(..., assert_trivial=True)``).
+
+Config (BNW, BMX, STAGES, WARPS): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's N,
+<= 256), ring depth. Constraints: those of the plain kernel, and integer zero points (or none). The output
+tile is stored transposed from the MMA layout (two-byte stores).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .w4a16_gemm_wgmma import BK, HAS_WGMMA, _descriptor, hopper, integer_zeros, wgmma_ok
+
+if HAS_WGMMA:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+
+    from .w4a16_gemm_wgmma import _BK
+
+    # One asm instance per (row, word, lane t): the bf16 pair of byte t. $0 out; $1-$2 the word, $3-$4 the
+    # selector t | t << 4 | (4 + t) << 8 | (4 + t) << 12 (two copies each: pack = 2); $5 c, $6 s (bf16 pairs).
+    # With zero points c = -(128 + z): (128 + q) + c = q - z exactly, then * s; without, c = -128 s and
+    # (128 + q) s + c = q s, exact before its one rounding.
+    _ASM_RA_Z = gl.constexpr("""{
+    .reg .b32 t, p, one, nz;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 nz, 0x80008000;
+    shr.u32 t, $1, 4;
+    prmt.b32 p, $1, t, $3;
+    lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 p, p, one, $5;
+    fma.rn.bf16x2 $0, p, $6, nz;
+    }""")
+    _ASM_RA_NOZ = gl.constexpr("""{
+    .reg .b32 t, p;
+    shr.u32 t, $1, 4;
+    prmt.b32 p, $1, t, $3;
+    lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 $0, p, $6, $5;
+    }""")
+
+    def _a_source_layout(warps: int):
+        """[BNW = 16 warps, 8 words, 4 lanes t, 2 (h)]: reshaped to [BNW, 64] (k = 8 word + 2 t + h) it is the
+        wgmma A layout (reg: h, row + 8, k 8 / 16 / 32; lanes: t, row g; warps: 16-row blocks)."""
+        reg = [[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+        lane = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+        warp = [[16 << j, 0, 0, 0] for j in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                          shape=[16 * warps, 8, 4, 2])
+
+    @gluon.jit
+    def _row_params(S, Z, offs_n, mask_n, g, NG, HAS_Z: gl.constexpr):
+        """(c, s) of rows ``offs_n`` in group g as bf16: c = -(128 + z), or -128 s without zero points."""
+        s = gl.load(S + offs_n * NG + g, mask=mask_n, other=0.0)
+        if HAS_Z:
+            c = -(gl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0) + 128.0)
+        else:
+            c = s * -128.0
+        return c, s
+
+    @gluon.jit
+    def _expand_a(words, sel, c, s, HAS_Z: gl.constexpr, BNW: gl.constexpr, a_layout: gl.constexpr):
+        """words [BNW, 8] (replicated over the 4 lanes of a row group), sel [4], c / s [BNW] -> A [BNW, 64]."""
+        w4 = gl.expand_dims(gl.expand_dims(words, 2), 3)  # [BNW, 8, 1, 1]
+        t4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(sel, 0), 1), 3)  # [1, 1, 4, 1]
+        c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 1), 2), 3)
+        s4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 1), 2), 3)
+        w4, _ = gl.broadcast(w4, gl.full([BNW, 8, 4, 2], 0, gl.int32, w4.type.layout))
+        if HAS_Z:
+            d = gl.inline_asm_elementwise(_ASM_RA_Z, "=r,r,r,r,r,r,r", [w4, t4, c4, s4], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            d = gl.inline_asm_elementwise(_ASM_RA_NOZ, "=r,r,r,r,r,r,r", [w4, t4, c4, s4], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        return gl.convert_layout(gl.reshape(d, [BNW, _BK]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, KT, off_m, off_n,
+                 G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
+                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr):
+        """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
+        refill step i - 1's ring slot. Returns the accumulator and this step's A (to keep for the next wait)."""
+        BKW: gl.constexpr = _BK // 8
+        slot = i % STAGES
+        if not PER_CHANNEL:
+            c, s = _row_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        a = _expand_a(ws.index(slot).load(lw), sel, c, s, HAS_Z, BNW, a_layout)
+        acc = warpgroup_mma(a, xs.index(slot).permute((1, 0)), acc, is_async=True)
+        acc, keep = warpgroup_mma_wait(num_outstanding=1, deps=(acc, keep))  # step i - 1's MMAs are done
+        gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
+        prev = gl.maximum(i - 1, 0)
+        nt = prev + STAGES
+        ps = prev % STAGES
+        fence_async_shared()
+        mbarrier.expect(bars.index(ps), nbytes, pred=(i > 0) & (nt < KT))
+        tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], bars.index(ps), xs.index(ps),
+                                        pred=(i > 0) & (nt < KT))
+        tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ps), ws.index(ps),
+                                        pred=(i > 0) & (nt < KT))
+        return acc, a
+
+    @gluon.jit
+    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
+                                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                                    SRC: gl.constexpr):
+        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        BNW: gl.constexpr = w_desc.block_type.shape[0]
+        BKW: gl.constexpr = _BK // 8
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(M, BMX)
+        off_m = (pid % num_m) * BMX
+        off_n = (pid // num_m) * BNW
+
+        src: gl.constexpr = SRC  # _a_source_layout(WARPS), made on the host
+        lw: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, src))  # words [BNW, 8]
+        ln: gl.constexpr = gl.SliceLayout(1, lw)  # rows [BNW]
+        lt: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, src)))  # lanes t [4]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BMX, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BMX, _BK], x_desc.layout)
+        ws = gl.allocate_shared_memory(gl.int32, [STAGES, BNW, BKW], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        KT = K // _BK
+        for i in gl.static_range(STAGES):
+            mbarrier.expect(bars.index(i), nbytes, pred=i < KT)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], bars.index(i), xs.index(i), pred=i < KT)
+            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], bars.index(i), ws.index(i), pred=i < KT)
+
+        tl_ = gl.arange(0, 4, layout=lt)
+        sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
+        offs_n = off_n + gl.arange(0, BNW, layout=ln)
+        mask_n = offs_n < N
+        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)
+        acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
+        # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
+        # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
+        # is a dependency of the wait that retires its MMA (the next step's wait(1)): the pair never shares
+        # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
+        keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
+        for j in range(KT // 2):
+            acc, a0 = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG,
+                               KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+            acc, keep = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
+                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+        if KT % 2 == 1:
+            acc, keep = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
+                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+        acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        offs_w = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))  # Y's columns
+        offs_x = off_m + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))  # Y's rows
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(BIAS + offs_w, mask=offs_w < N, other=0.0).to(gl.float32), 1)
+        mask = gl.expand_dims(offs_w < N, 1) & gl.expand_dims(offs_x < M, 0)
+        gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
+
+
+RA_CONFIGS = [(128, 256, 4, 8), (128, 128, 5, 8), (128, 256, 3, 8)]  # (BNW, BMX, STAGES, WARPS)
+
+
+def check_ra_config(config: tuple) -> tuple[int, int, int, int]:
+    bnw, bmx, stages, warps = (int(v) for v in config)
+    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2:
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
+                         f"BMX in {{64, 128, 256}} and STAGES >= 2")
+    return bnw, bmx, stages, warps
+
+
+def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
+                        config: tuple = RA_CONFIGS[0]) -> torch.Tensor:
+    """Y[M, N] = x2 @ dequant(W)^T (+ bias), the weight as the MMA's register operand (module docstring).
+    Zero points must be integers (``integer_zeros``) or absent."""
+    bnw, bmx, stages, warps = check_ra_config(config)
+    M, K = x2.shape
+    N = scales.shape[0]
+    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
+    if not (hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, params)):
+        raise ValueError(f"w4a16_gemm_wgmma_ra: M={M}, N={N}, K={K}, G={G}, {x2.dtype} on {x2.device}: needs sm_90, "
+                         f"bf16, K % {BK} == 0, N % 8 == 0, G % {BK} == 0 or per-channel")
+    if zeros is not None and not integer_zeros(zeros):
+        raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128")
+    if tuple(qweight.shape) != (N, K // 2) or qweight.dtype != torch.uint8 or not qweight.is_contiguous():
+        raise ValueError(f"w4a16_gemm_wgmma_ra: packed weight {qweight.dtype} {tuple(qweight.shape)}, expected "
+                         f"contiguous uint8 {(N, K // 2)}")
+    from triton.experimental.gluon import language as gl
+
+    x2 = x2.contiguous()
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    xd = _descriptor(x2, [bmx, BK], gl.bfloat16)
+    wd = _descriptor(qweight.view(torch.int32), [bnw, BK // 8], gl.int32)
+    grid = (-(-M // bmx) * -(-N // bnw),)
+    _w4a16_gemm_wgmma_ra_kernel[grid](
+        xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), num_warps=warps)
+    return y
+
+
+def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
+                    has_bias: bool = True) -> dict:
+    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``)."""
+    from triton.experimental.gluon import language as gl
+
+    from .w4a16_gemm_wgmma import _layout
+    from .w4a16_gemv_gluon import compile_gluon_sm90
+
+    bnw, bmx, stages, warps = check_ra_config(config)
+    x_l, w_l = _layout([bmx, BK], gl.bfloat16), _layout([bnw, BK // 8], gl.int32)
+    types = dict(x_desc=f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>",
+                 Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
+                  SRC=_a_source_layout(warps))
+    return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
