@@ -36,14 +36,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=[256, 1024, 4096])
-    ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,STAGES,WARPS")
+    ap.add_argument("--configs", nargs="*", default=None, metavar="BM,BN,STAGES,WARPS",
+                    help="plain wgmma configs (default: its searched list; none given: none)")
     ap.add_argument("--ra", nargs="*", default=None, metavar="BNW,BMX,STAGES,WARPS",
                     help="also the register-operand kernel (w4a16_gemm_wgmma_ra) in these configs (none given: its list)")
     ap.add_argument("--diag", action="store_true", help="also time the kernel's diagnostic variants (no expansion "
                     "arithmetic; no expansion or stores; no MMAs) for each config that passed")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else WG.WGMMA_CONFIGS
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs is not None else WG.WGMMA_CONFIGS
     for c in configs:
         WG.check_config(c)
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
@@ -88,10 +89,10 @@ def main() -> None:
                 lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
             for name, c, fn in ok:
                 row[name] = bench_graph(lambda i: fn(xs[i], *args_w(i), G, None, config=c), copies)
-                if args.diag and fn is WG.w4a16_gemm_wgmma:  # each part of a K step (wrong results: timed only)
+                if args.diag:  # each part of a K step (wrong results: timed only)
                     for d in (1, 2, 3):
                         row[f"{name}_diag{d}"] = bench_graph(
-                            lambda i: WG.w4a16_gemm_wgmma(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
+                            lambda i, c=c, fn=fn, d=d: fn(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
             best = min((n for n, _, _ in ok), key=lambda n: row[n], default=None)
             row["best_wgmma"] = best
             cb = row["cublas_bf16"]
@@ -108,10 +109,10 @@ def main() -> None:
             print(line, flush=True)
             if args.diag:
                 for n, _, fn in ok:
-                    if fn is not WG.w4a16_gemm_wgmma:
-                        continue
-                    print(f"   {n}: full {row[n]:.1f}  no-expand-math {row[n + '_diag1']:.1f}  no-expand "
-                          f"{row[n + '_diag2']:.1f}  no-MMA {row[n + '_diag3']:.1f} us", flush=True)
+                    names = (("no-expand-math", "no-expand", "no-MMA") if fn is WG.w4a16_gemm_wgmma
+                             else ("no-MMA", "no-CTA-barrier", "no-expand"))
+                    print(f"   {n}: full {row[n]:.1f}  " + "  ".join(
+                        f"{d} {row[f'{n}_diag{i}']:.1f}" for i, d in enumerate(names, 1)) + " us", flush=True)
             res["rows"].append(row)
             with open(os.path.join(args.out, f"lab_gemm_{gpu_key()}.json"), "w") as f:
                 json.dump(res, f, indent=1)

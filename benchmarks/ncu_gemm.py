@@ -28,7 +28,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8192x8192")
     ap.add_argument("--m", type=int, default=1024)
-    ap.add_argument("--configs", nargs="+", default=["128,256,4,8", "128,128,3,8"])
+    ap.add_argument("--configs", nargs="*", default=["128,256,4,8", "128,128,3,8"])
+    ap.add_argument("--ra", nargs="*", default=[], metavar="BNW,BMX,STAGES,WARPS",
+                    help="also the register-operand kernel (w4a16_gemm_wgmma_ra) in these configs")
     args = ap.parse_args()
     N, K = (int(v) for v in args.shape.split("x"))
     qw = make_weights(N, K, 1)[0]
@@ -40,6 +42,10 @@ def main() -> None:
             ("dequant_cublas", lambda: T.w4a16_gemm(x, q.qweight, q.scales, q.zeros, G, None, config=T.DEQUANT_CUBLAS))]
     runs += [(f"wgmma_{c}", (lambda c=c: WG.w4a16_gemm_wgmma(x, q.qweight, q.scales, q.zeros, G, None, config=c)))
              for c in configs]
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+
+    runs += [(f"ra_{c}", (lambda c=c: RA.w4a16_gemm_wgmma_ra(x, q.qweight, q.scales, q.zeros, G, None, config=c)))
+             for c in (tuple(int(v) for v in r.split(",")) for r in args.ra)]
     for _, fn in runs:  # compile and warm up outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -94,18 +94,27 @@ if HAS_WGMMA:
     @gluon.jit
     def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, KT, off_m, off_n,
                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
-                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr):
+                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr,
+                 DIAG: gl.constexpr = 0):
         """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
-        refill step i - 1's ring slot. Returns the accumulator and this step's A (to keep for the next wait)."""
+        refill step i - 1's ring slot. Returns the accumulator and this step's A (to keep for the next wait).
+        ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
         BKW: gl.constexpr = _BK // 8
         slot = i % STAGES
         if not PER_CHANNEL:
             c, s = _row_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        a = _expand_a(ws.index(slot).load(lw), sel, c, s, HAS_Z, BNW, a_layout)
-        acc = warpgroup_mma(a, xs.index(slot).permute((1, 0)), acc, is_async=True)
+        if DIAG == 3:
+            a = keep
+        else:
+            a = _expand_a(ws.index(slot).load(lw), sel, c, s, HAS_Z, BNW, a_layout)
+        if DIAG == 1:  # a volatile no-op keeps the expansion
+            gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=gl.bfloat16, is_pure=False, pack=2)
+        else:
+            acc = warpgroup_mma(a, xs.index(slot).permute((1, 0)), acc, is_async=True)
         acc, keep = warpgroup_mma_wait(num_outstanding=1, deps=(acc, keep))  # step i - 1's MMAs are done
-        gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
+        if DIAG != 2:
+            gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
         prev = gl.maximum(i - 1, 0)
         nt = prev + STAGES
         ps = prev % STAGES
@@ -121,7 +130,7 @@ if HAS_WGMMA:
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                    SRC: gl.constexpr):
+                                    SRC: gl.constexpr, DIAG: gl.constexpr = 0):
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -163,12 +172,12 @@ if HAS_WGMMA:
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
         for j in range(KT // 2):
             acc, a0 = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG,
-                               KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+                               KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
             acc, keep = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
-                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
         if KT % 2 == 1:
             acc, keep = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
-                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes)
+                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -194,9 +203,10 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int]:
 
 def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
-                        config: tuple = RA_CONFIGS[0]) -> torch.Tensor:
+                        config: tuple = RA_CONFIGS[0], diag: int = 0) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias), the weight as the MMA's register operand (module docstring).
-    Zero points must be integers (``integer_zeros``) or absent."""
+    Zero points must be integers (``integer_zeros``) or absent. ``diag`` (benchmarks only, wrong results):
+    1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
     bnw, bmx, stages, warps = check_ra_config(config)
     M, K = x2.shape
     N = scales.shape[0]
@@ -219,12 +229,13 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), num_warps=warps)
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), DIAG=diag,
+        num_warps=warps)
     return y
 
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                    has_bias: bool = True) -> dict:
+                    has_bias: bool = True, diag: int = 0) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``)."""
     from triton.experimental.gluon import language as gl
 
@@ -236,5 +247,5 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     types = dict(x_desc=f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>",
                  Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps))
+                  SRC=_a_source_layout(warps), DIAG=diag)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
