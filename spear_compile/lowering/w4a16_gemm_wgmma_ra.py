@@ -97,12 +97,17 @@ if HAS_WGMMA:
                  BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr,
                  DIAG: gl.constexpr = 0):
         """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
-        refill step i - 1's ring slot. Returns the accumulator and this step's A (to keep for the next wait).
+        refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the next wait) and
+        step i + 1's row parameters, whose loads were issued before this step's expansion: loaded where they are
+        used they put an L2 round trip (scattered 2-byte loads) on every step's critical path (call 2's
+        Nsight Compute: long-scoreboard stalls 42 % of the cycles, tensor pipe 78 % busy).
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
         BKW: gl.constexpr = _BK // 8
         slot = i % STAGES
-        if not PER_CHANNEL:
-            c, s = _row_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
+        if PER_CHANNEL:
+            cn, sn = c, s
+        else:
+            cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((i + 1) * _BK // G, NG - 1), NG, HAS_Z)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         if DIAG == 3:
             a = keep
@@ -124,7 +129,7 @@ if HAS_WGMMA:
                                         pred=(i > 0) & (nt < KT))
         tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ps), ws.index(ps),
                                         pred=(i > 0) & (nt < KT))
-        return acc, a
+        return acc, a, cn, sn
 
     @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
@@ -171,13 +176,16 @@ if HAS_WGMMA:
         # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
         for j in range(KT // 2):
-            acc, a0 = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG,
-                               KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
-            acc, keep = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
-                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
+            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                     mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
+                                     a_layout, nbytes, DIAG)
+            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                       mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
+                                       a_layout, nbytes, DIAG)
         if KT % 2 == 1:
-            acc, keep = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n,
-                                 NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw, a_layout, nbytes, DIAG)
+            acc, keep, c, s = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                       mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
+                                       a_layout, nbytes, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
