@@ -383,6 +383,35 @@ def _descriptor(t: torch.Tensor, block: list, dtype):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype))
 
 
+def check_call(name: str, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
+               out: Optional[torch.Tensor]) -> tuple[int, int, int, bool]:
+    """(M, N, K, per_channel) of a call to one of the warpgroup-MMA GEMMs (``name``), or a ValueError that
+    names what does not fit: shapes, dtypes, the packed weight, the device, ``out``."""
+    M, K = x2.shape
+    N = scales.shape[0] if scales.dim() == 2 else -1
+    per_channel = G >= K
+    params = param_dtypes(scales, zeros, bias)
+    if not wgmma_ok(M, N, K, G, x2.dtype, params):
+        raise ValueError(f"{name}: M={M}, N={N}, K={K}, G={G}, x {x2.dtype}, parameters {params}; needs "
+                         f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 (or per-channel), and "
+                         f"Triton with Gluon's Hopper ops")
+    if scales.shape[1] != (1 if per_channel else K // G):
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
+    if zeros is not None and zeros.shape != scales.shape:
+        raise ValueError(f"{name}: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, K // 2) or not qweight.is_contiguous():
+        raise ValueError(f"{name}: packed weight {qweight.dtype} {tuple(qweight.shape)} must be contiguous "
+                         f"uint8 of shape {(N, K // 2)} (x's K={K}, the scales' N={N})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} != ({N},)")
+    if not hopper(x2.device):
+        raise ValueError(f"{name}: a CUDA sm_90+ kernel (x is on {x2.device}); elsewhere use w4a16_linear_ref")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x2.dtype or not out.is_contiguous()):
+        raise ValueError(f"{name}: out {out.dtype} {tuple(out.shape)} must be a contiguous {x2.dtype} [{M}, {N}]")
+    return M, N, K, per_channel
+
+
 def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                      out: Optional[torch.Tensor] = None, ec: Optional[tuple] = None, diag: int = 0) -> torch.Tensor:
@@ -395,29 +424,7 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     the expansion's arithmetic, 2 skips expansion and stores (the MMAs read stale tiles), 3 skips the
     MMAs - what each part of a K step costs."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
-    M, K = x2.shape
-    N = scales.shape[0] if scales.dim() == 2 else -1
-    per_channel = G >= K
-    params = param_dtypes(scales, zeros, bias)
-    if not wgmma_ok(M, N, K, G, x2.dtype, params):
-        raise ValueError(f"w4a16_gemm_wgmma: M={M}, N={N}, K={K}, G={G}, x {x2.dtype}, parameters {params}; needs "
-                         f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 (or per-channel), and "
-                         f"Triton with Gluon's Hopper ops")
-    if scales.shape[1] != (1 if per_channel else K // G):
-        raise ValueError(f"w4a16_gemm_wgmma: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
-    if zeros is not None and zeros.shape != scales.shape:
-        raise ValueError(f"w4a16_gemm_wgmma: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
-    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, K // 2) or not qweight.is_contiguous():
-        raise ValueError(f"w4a16_gemm_wgmma: packed weight {qweight.dtype} {tuple(qweight.shape)} must be contiguous "
-                         f"uint8 of shape {(N, K // 2)} (x's K={K}, the scales' N={N})")
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"w4a16_gemm_wgmma: bias {tuple(bias.shape)} != ({N},)")
-    if not hopper(x2.device):
-        raise ValueError(f"w4a16_gemm_wgmma: a CUDA sm_90+ kernel (x is on {x2.device}); elsewhere use "
-                         f"w4a16_linear_ref")
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x2.dtype or not out.is_contiguous()):
-        raise ValueError(f"w4a16_gemm_wgmma: out {out.dtype} {tuple(out.shape)} must be a contiguous {x2.dtype} "
-                         f"[{M}, {N}] (its TMA store writes whole rows)")
+    M, N, K, per_channel = check_call("w4a16_gemm_wgmma", x2, qweight, scales, zeros, G, bias, out)
     x2 = x2.contiguous()
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     xd = _descriptor(x2, [bm, BK], gl.bfloat16)

@@ -1,10 +1,14 @@
-"""Large-M W4A16 GEMM on warpgroup MMA with the expanded weight as the MMA's register operand (lab kernel).
+"""Large-M W4A16 GEMM on warpgroup MMA with the expanded weight as the MMA's register operand (Gluon).
 
-Why: the plain kernel (``w4a16_gemm_wgmma.py``) expands each K step's weights into a shared-memory tile that
-both MMA warpgroups then read: with x read by the MMAs and written by TMA, ~120 KB of shared-memory traffic
-per 256x128x64 step, which session 15 measured as the bound (warp specialisation did not move it,
-benchmarks/NOTES.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand,
-taken from registers, so its expanded tile never touches shared memory.
+Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the weight is expanded exactly as the reference
+dequantizes it (bf16 ``(q - z) * s``), as in the plain kernel (``w4a16_gemm_wgmma.py``).
+
+Why: the plain kernel expands each K step's weights into a shared-memory tile that both MMA warpgroups then
+read, ~148 KB of shared-memory traffic per 2^21 multiply-adds, which session 15 measured as its bound
+(benchmarks/NOTES.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand, taken
+from registers, so its expanded tile never touches shared memory (~104 KB per 2^21). Measured on the H200
+(session 16): 10-20 % faster than the plain kernel everywhere, and faster than dequantize + cuBLAS at
+M = 256 (0.59-0.75x on the large shapes) and M = 1024 (0.93-0.98x); slower at M = 4096.
 
 Each thread's A fragment for a k16 block is the pairs (k = 2t, 2t + 1) and (k = 8 + 2t, 9 + 2t) of rows
 g and g + 8 (t = lane % 4, g = lane / 4): byte t of two consecutive packed words. So every thread loads
@@ -14,9 +18,16 @@ fmas give ``(q - z) * s`` exactly (integer zero points; or ``q * s`` without zer
 [BNW, 8 words, 4 lanes, 2] laid out by ``_a_source_layout`` reshapes into the wgmma A layout with no data
 movement (``convert_layout(..., assert_trivial=True)``).
 
-Config (BNW, BMX, STAGES, WARPS): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's N,
-<= 256), ring depth. Constraints: those of the plain kernel, and integer zero points (or none). The output
-tile is stored transposed from the MMA layout (two-byte stores).
+The MMA reads its A registers while it runs, until the wait that retires it; ptxas does not keep later
+instructions from rewriting them (session 15's first version gave garbage for this reason). K steps
+therefore go in pairs on two A tensors, each a dependency of the wait that retires its MMA, and the CPU
+tests check the SASS for writes to in-flight A registers (``tests/lowering/sass_wgmma.py``).
+
+Config (BNW, BMX, STAGES, WARPS[, PF]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
+N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used).
+Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
+The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
+``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF])`` (``w4a16_triton.w4a16_gemm``).
 """
 from __future__ import annotations
 
@@ -24,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .w4a16_gemm_wgmma import BK, HAS_WGMMA, _descriptor, hopper, integer_zeros, wgmma_ok
+from .w4a16_gemm_wgmma import BK, HAS_WGMMA, _descriptor, check_call, hopper, integer_zeros, param_dtypes, wgmma_ok
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -95,19 +106,22 @@ if HAS_WGMMA:
     def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, KT, off_m, off_n,
                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
                  BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr,
-                 DIAG: gl.constexpr = 0):
+                 PF: gl.constexpr, DIAG: gl.constexpr = 0):
         """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
         refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the next wait) and
-        step i + 1's row parameters, whose loads were issued before this step's expansion: loaded where they are
-        used they put an L2 round trip (scattered 2-byte loads) on every step's critical path (call 2's
-        Nsight Compute: long-scoreboard stalls 42 % of the cycles, tensor pipe 78 % busy).
+        the row parameters for step i + 1: with PF its loads are issued before this step's expansion (meant to
+        take an L2 round trip off each step's path; measured no faster, NOTES.md session 16), else they are
+        loaded here, where they are used.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
         BKW: gl.constexpr = _BK // 8
         slot = i % STAGES
         if PER_CHANNEL:
             cn, sn = c, s
-        else:
+        elif PF:
             cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((i + 1) * _BK // G, NG - 1), NG, HAS_Z)
+        else:
+            c, s = _row_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
+            cn, sn = c, s
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         if DIAG == 3:
             a = keep
@@ -135,7 +149,7 @@ if HAS_WGMMA:
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                    SRC: gl.constexpr, DIAG: gl.constexpr = 0):
+                                    SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr = 0):
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -168,7 +182,7 @@ if HAS_WGMMA:
         sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
         offs_n = off_n + gl.arange(0, BNW, layout=ln)
         mask_n = offs_n < N
-        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)
+        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)  # (step 0's, for PF)
         acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
         # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
         # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
@@ -178,14 +192,14 @@ if HAS_WGMMA:
         for j in range(KT // 2):
             acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                      mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                     a_layout, nbytes, DIAG)
+                                     a_layout, nbytes, PF, DIAG)
             acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, nbytes, DIAG)
+                                       a_layout, nbytes, PF, DIAG)
         if KT % 2 == 1:
             acc, keep, c, s = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, nbytes, DIAG)
+                                       a_layout, nbytes, PF, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -198,46 +212,55 @@ if HAS_WGMMA:
         gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
 
 
-RA_CONFIGS = [(128, 256, 4, 8), (128, 128, 5, 8), (128, 256, 3, 8)]  # (BNW, BMX, STAGES, WARPS)
+# (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
+# MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
+# grid would be small (N = 4096 at M = 256). PF = 1 variants are the lab's (NOTES.md, session 16).
+RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4)]
 
 
-def check_ra_config(config: tuple) -> tuple[int, int, int, int]:
-    bnw, bmx, stages, warps = (int(v) for v in config)
-    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2:
+def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
+    """(BNW, BMX, STAGES, WARPS, PF) of a config, or a ValueError naming the rule it breaks."""
+    vals = tuple(int(v) for v in config)
+    if len(vals) not in (4, 5):
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF])")
+    bnw, bmx, stages, warps, pf = vals + (0,) * (5 - len(vals))
+    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
-                         f"BMX in {{64, 128, 256}} and STAGES >= 2")
-    return bnw, bmx, stages, warps
+                         f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1}}")
+    return bnw, bmx, stages, warps, pf
+
+
+def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
+    """Whether the kernel can run this call here: the plain kernel's ``takes`` (shapes, dtypes, sm_90) and
+    integer zero points or none (what the table dispatch asks before choosing it)."""
+    M, K = x2.shape
+    return (hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, param_dtypes(scales, zeros, bias))
+            and (zeros is None or integer_zeros(zeros)))
 
 
 def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
-                        config: tuple = RA_CONFIGS[0], diag: int = 0) -> torch.Tensor:
-    """Y[M, N] = x2 @ dequant(W)^T (+ bias), the weight as the MMA's register operand (module docstring).
-    Zero points must be integers (``integer_zeros``) or absent. ``diag`` (benchmarks only, wrong results):
-    1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
-    bnw, bmx, stages, warps = check_ra_config(config)
-    M, K = x2.shape
-    N = scales.shape[0]
-    params = tuple(p.dtype for p in (scales, zeros, bias) if p is not None)
-    if not (hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, params)):
-        raise ValueError(f"w4a16_gemm_wgmma_ra: M={M}, N={N}, K={K}, G={G}, {x2.dtype} on {x2.device}: needs sm_90, "
-                         f"bf16, K % {BK} == 0, N % 8 == 0, G % {BK} == 0 or per-channel")
+                        config: tuple = RA_CONFIGS[0], out: Optional[torch.Tensor] = None,
+                        diag: int = 0) -> torch.Tensor:
+    """Y[M, N] = x2 @ dequant(W)^T (+ bias) with the weight as the MMA's register operand (CUDA sm_90+ only).
+    Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
+    ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
+    M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
     if zeros is not None and not integer_zeros(zeros):
-        raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128")
-    if tuple(qweight.shape) != (N, K // 2) or qweight.dtype != torch.uint8 or not qweight.is_contiguous():
-        raise ValueError(f"w4a16_gemm_wgmma_ra: packed weight {qweight.dtype} {tuple(qweight.shape)}, expected "
-                         f"contiguous uint8 {(N, K // 2)}")
+        raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128 (use the plain "
+                         "kernel, w4a16_gemm_wgmma, for fractional ones)")
     from triton.experimental.gluon import language as gl
 
     x2 = x2.contiguous()
-    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     xd = _descriptor(x2, [bmx, BK], gl.bfloat16)
     wd = _descriptor(qweight.view(torch.int32), [bnw, BK // 8], gl.int32)
     grid = (-(-M // bmx) * -(-N // bnw),)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=G >= K, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), DIAG=diag,
+        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf, DIAG=diag,
         num_warps=warps)
     return y
 
@@ -250,10 +273,10 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     from .w4a16_gemm_wgmma import _layout
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
-    bnw, bmx, stages, warps = check_ra_config(config)
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
     x_l, w_l = _layout([bmx, BK], gl.bfloat16), _layout([bnw, BK // 8], gl.int32)
     types = dict(x_desc=f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>",
                  Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps), DIAG=diag)
+                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

@@ -874,6 +874,7 @@ DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize p
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
+WGMMA_RA = "wgmma_ra"  # ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF]): the same, weight as the MMA's register operand
 
 
 def wgmma_key(M: int, N: int, K: int, G: int) -> str:
@@ -896,6 +897,15 @@ def wgmma_choices() -> list:
     from .w4a16_gemm_wgmma import HAS_WGMMA, WGMMA_CONFIGS
 
     return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
+
+
+def wgmma_ra_choices() -> list:
+    """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
+    where this Triton has it (else none)."""
+    from .w4a16_gemm_wgmma import HAS_WGMMA
+    from .w4a16_gemm_wgmma_ra import RA_CONFIGS
+
+    return [(WGMMA_RA,) + c for c in RA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
@@ -927,8 +937,9 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for any M: the tiled in-loop-dequant Triton GEMM, or (when the tuned table says
     it is faster for this M, as for large M where cuBLAS's tensor-core pipeline wins)
-    one dequantize pass plus cuBLAS, or on Hopper the warpgroup-MMA GEMM that dequantizes in its K loop
-    (``w4a16_gemm_wgmma``; where its constraints do not hold, this M's default runs instead)."""
+    one dequantize pass plus cuBLAS, or on Hopper a warpgroup-MMA GEMM that dequantizes in its K loop
+    (``w4a16_gemm_wgmma``, or ``w4a16_gemm_wgmma_ra`` with the weight as the MMA's register operand; where
+    the chosen kernel's constraints do not hold, this M's default runs instead)."""
     M, K = x2.shape
     N = qweight.shape[0]
     config = config or gemm_config(M, N, K, G)
@@ -938,6 +949,12 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
         if wg.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
             return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
         config = _default_gemm(M)  # (a table entry measured for bf16; this call's dtypes or shape differ)
+    elif config[0] == WGMMA_RA:
+        from . import w4a16_gemm_wgmma_ra as ra
+
+        if ra.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
+            return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
+        config = _default_gemm(M)  # (measured for bf16 with integer zero points; this call differs)
     if is_dequant_cublas(config):
         from .dequant_cublas import dequant_cublas
 

@@ -124,6 +124,38 @@ def test_configs_and_inputs_are_checked_with_clear_errors():
         wg.w4a16_gemm_wgmma(x, qw, s, z, 128, b)
 
 
+def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    assert ra.check_ra_config((128, 256, 3, 8)) == (128, 256, 3, 8, 0)
+    with pytest.raises(ValueError, match="BNW = 16 WARPS"):
+        ra.check_ra_config((128, 256, 3, 4))
+    with pytest.raises(ValueError, match="PF in"):
+        ra.check_ra_config((128, 256, 3, 8, 2))
+    with pytest.raises(ValueError, match="expected"):
+        ra.check_ra_config((128, 256))
+    x, qw, s, z, b = _case(64, 640, 128, M=4)
+    with pytest.raises(ValueError, match="w4a16_gemm_wgmma_ra: .*K % 64"):
+        ra.w4a16_gemm_wgmma_ra(x[:, :600], qw[:, :300], s, z, 128, b)
+    with pytest.raises(ValueError, match="w4a16_gemm_wgmma_ra: packed weight"):
+        ra.w4a16_gemm_wgmma_ra(x, qw[:32], s, z, 128, b)
+    with pytest.raises(ValueError, match="w4a16_gemm_wgmma_ra: a CUDA sm_90"):
+        ra.w4a16_gemm_wgmma_ra(x, qw, s, z.round(), 128, b)
+    assert not ra.takes(x, 64, 128, s, z.round(), b)  # (no sm_90 here)
+
+
+def test_table_value_for_the_register_operand_kernel_falls_back_where_it_cannot_run():
+    """A tuned-table entry ("wgmma_ra", ...) on a device or input it cannot take (here: CPU) runs this M's
+    default GEMM and still gives the reference result."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    x, qw, s, z, b = _case(64, 640, 128, M=3)
+    w = dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16).double()
+    y = T.w4a16_gemm(x, qw, s, z, 128, b, config=(T.WGMMA_RA, 128, 256, 3, 8))
+    ref = x.double() @ w.t() + b.double()
+    assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 1e-2
+
+
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", wg.WGMMA_CONFIGS + wg.WS_CONFIGS)
 @pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, True, True), (1, 64, 128, 64, False, False),
@@ -272,7 +304,12 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
     b = b if bias else None
     w = dequantize_ref(qw, s, z, min(G, K), "spear", torch.bfloat16).double()
     ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
-    for config in ra.RA_CONFIGS:
-        y = ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=config)
+    from spear_compile.lowering import w4a16_triton as T
+
+    runs = [(c, lambda c=c: ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=c))
+            for c in ra.RA_CONFIGS + [(128, 256, 3, 8, 1), (64, 256, 4, 4, 1)]]
+    runs.append(("table", lambda: T.w4a16_gemm(x, qw, s, z, G, b, config=(T.WGMMA_RA,) + ra.RA_CONFIGS[0])))
+    for config, run in runs:
+        y = run()
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())
