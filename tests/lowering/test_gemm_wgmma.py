@@ -145,11 +145,14 @@ def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
 
 
 def test_table_value_for_the_register_operand_kernel_falls_back_where_it_cannot_run():
-    """A tuned-table entry ("wgmma_ra", ...) on a device or input it cannot take (here: CPU) runs this M's
-    default GEMM and still gives the reference result."""
+    """A tuned-table entry ("wgmma_ra", ...) on a device or input it cannot take (on CPU: the device; on a
+    GPU: fractional zero points) runs this M's default GEMM and still gives the reference result."""
     from spear_compile.lowering import w4a16_triton as T
+    from spear_compile.lowering._triton import INTERPRET
 
-    x, qw, s, z, b = _case(64, 640, 128, M=3)
+    dev = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+    x, qw, s, z, b = _case(64, 640, 128, M=3, device=dev)
+    assert not wg.integer_zeros(z)
     w = dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16).double()
     y = T.w4a16_gemm(x, qw, s, z, 128, b, config=(T.WGMMA_RA, 128, 256, 3, 8))
     ref = x.double() @ w.t() + b.double()
