@@ -116,8 +116,10 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     * "c_operand" / "c_operand_hi": the EC first, into the C operand of a dequantize + cuBLAS
       GEMM, beside the dequantize (``dequant_cublas.ec_dequant_cublas``);
     * "in_gemm": shrink + gate first, then the Hopper warpgroup-MMA GEMM adds ``(alpha g h) B^T`` as one
-      more K step (``w4a16_gemm_wgmma``): no pass over Y, no second stream (where that kernel cannot
-      take the call - not sm_90, fp16, an unaligned shape - "side" runs instead, "c_operand" on CPU);
+      more K step (``w4a16_gemm_wgmma``, or ``w4a16_gemm_wgmma_ra`` where the table runs the shape on it:
+      then launched with PDL behind the gate kernel, its K loop overlapping the gate): no pass over Y,
+      no second stream (where neither kernel can take the call - not sm_90, fp16, an unaligned shape -
+      "side" runs instead, "c_operand" on CPU);
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
       (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
 
@@ -161,15 +163,22 @@ _PADDED_B: dict = {}
 
 
 def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act):
-    """The "in_gemm" structure, or None where the warpgroup-MMA GEMM cannot take the call."""
+    """The "in_gemm" structure, or None where no warpgroup-MMA GEMM can take the call. Where the tuned table
+    runs this shape on the register-operand GEMM, that kernel takes the EC step and is launched with PDL
+    behind the gate kernel: its K loop runs while the gate finishes, and it waits only before reading
+    alpha g h (the shrink, cuBLAS, still runs first)."""
     from . import w4a16_gemm_wgmma as wg
+    from . import w4a16_gemm_wgmma_ra as ra
+    from .ec_decode_triton import pdl_launch_ok
     from .ec_triton import ec_shrink_gate
-    from .w4a16_triton import derived_cached, wgmma_config
+    from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config
 
     M, K = x2.shape
     N = qweight.shape[0]
     if not (wg.takes(x2, N, group_size, scales, zeros, bias) and A.shape[0] <= 128):
         return None
+    cfg = gemm_config(M, N, K, group_size)
+    use_ra = cfg[0] == WGMMA_RA and ra.takes(x2, N, group_size, scales, zeros, bias)
     R = B.shape[1]
 
     def padded():  # bf16 [N, R8]: the TMA copy needs 16-byte rows (columns past R are zeros, as in hg)
@@ -179,6 +188,11 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
         return out
 
     Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
+    if use_ra:
+        pdl = pdl_launch_ok(x2.device)
+        hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)
+        return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, group_size, bias, config=tuple(cfg[1:]),
+                                      ec=(hg, Bp), ec_wait=pdl)
     hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)  # [M, R_P], alpha g h
     return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, config=wgmma_config(M, N, K, group_size),
                                ec=(hg, Bp))

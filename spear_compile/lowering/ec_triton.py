@@ -20,16 +20,19 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._triton import gate_act
+    from ._triton import gate_act, gdc_launch_dependents
 
     @triton.jit
     def _ec_gate_kernel(
         H, W1, B1, W2, B2, ALPHA, HG, M, R, D, stride_hm,
         BLOCK_M: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
-        HAS_ALPHA: tl.constexpr,
+        HAS_ALPHA: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
     ):
         """HG[rows] = (alpha *) g * h for BLOCK_M rows of H ([M, R], any float dtype), computed in
-        fp32 and stored in HG's dtype."""
+        fp32 and stored in HG's dtype. PDL_TRIGGER: first let the next kernel (launched with PDL, waiting
+        before it reads HG) start."""
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         offs_r = tl.arange(0, R_P)
@@ -78,10 +81,11 @@ EXPAND_CONFIG = (16, 32, 4) if INTERPRET else (64, 128, 4)  # BLOCK_M, BLOCK_N, 
 
 
 def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu", alpha=None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, pdl_trigger: bool = False) -> torch.Tensor:
     """``g * h`` (times ``alpha`` when given) as [M, R_P] in ``dtype`` (columns >= r are zeros).
     ``h`` is rounded to x's dtype by cuBLAS: a relative 2^-9 of the correction, far below the
-    output's own rounding."""
+    output's own rounding. ``pdl_trigger``: the gate kernel lets a PDL-launched successor start at once
+    (only where ``ec_decode_triton.pdl_ok``)."""
     M, K = x2.shape
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16
@@ -90,7 +94,8 @@ def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu", alpha
     bm, warps = GATE_CONFIG
     _ec_gate_kernel[(triton.cdiv(M, bm),)](
         h, W1, b1, W2, b2, alpha if alpha is not None else b2, hg, M, R, D, h.stride(0),
-        BLOCK_M=bm, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], HAS_ALPHA=alpha is not None, num_warps=warps,
+        BLOCK_M=bm, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], HAS_ALPHA=alpha is not None, PDL_TRIGGER=pdl_trigger,
+        num_warps=warps,
     )
     return hg
 

@@ -412,6 +412,17 @@ def check_call(name: str, x2: torch.Tensor, qweight: torch.Tensor, scales: torch
     return M, N, K, per_channel
 
 
+def check_ec_operands(name: str, hg: torch.Tensor, B: torch.Tensor, M: int, N: int) -> int:
+    """R_P of the EC operands (hg = alpha g h [M, R_P], B [N, R]) of an "in_gemm" call, or a ValueError."""
+    r_p = hg.shape[1]
+    if (hg.dtype, B.dtype) != (torch.bfloat16, torch.bfloat16) or hg.shape[0] != M or B.shape[0] != N \
+            or B.shape[1] > r_p or r_p not in (16, 32, 64, 128) or (B.shape[1] * 2) % 16 or not B.is_contiguous():
+        raise ValueError(f"{name}: EC operands hg {hg.dtype} {tuple(hg.shape)}, B {B.dtype} {tuple(B.shape)}; need "
+                         f"bf16 hg [M={M}, R_P] and contiguous B [N={N}, R] with R <= R_P in {{16, 32, 64, 128}} "
+                         f"and R % 8 == 0")
+    return r_p
+
+
 def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                      out: Optional[torch.Tensor] = None, ec: Optional[tuple] = None, diag: int = 0) -> torch.Tensor:
@@ -432,12 +443,7 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     hd, bd = xd, wd  # (stand-ins: read only with an EC)
     if ec is not None:
         hg, B = ec
-        r_p = hg.shape[1]
-        if (hg.dtype, B.dtype) != (torch.bfloat16, torch.bfloat16) or hg.shape[0] != M or B.shape[0] != N \
-                or B.shape[1] > r_p or r_p not in (16, 32, 64, 128) or (B.shape[1] * 2) % 16 or not B.is_contiguous():
-            raise ValueError(f"w4a16_gemm_wgmma: EC operands hg {hg.dtype} {tuple(hg.shape)}, B {B.dtype} "
-                             f"{tuple(B.shape)}; need bf16 hg [M={M}, R_P] and contiguous B [N={N}, R] with R <= "
-                             f"R_P in {{16, 32, 64, 128}} and R % 8 == 0")
+        r_p = check_ec_operands("w4a16_gemm_wgmma", hg, B, M, N)
         while stages > 3 and smem_bytes((bm, bn, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
         hd = _descriptor(hg.contiguous(), [bm, r_p], gl.bfloat16)

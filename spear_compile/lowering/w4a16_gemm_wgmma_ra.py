@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from .w4a16_gemm_wgmma import BK, HAS_WGMMA, _descriptor, check_call, hopper, integer_zeros, param_dtypes, wgmma_ok
+from .w4a16_gemm_wgmma import (BK, HAS_WGMMA, SMEM_LIMIT, _descriptor, check_call, check_ec_operands, hopper,
+                               integer_zeros, param_dtypes, wgmma_ok)
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -146,10 +147,11 @@ if HAS_WGMMA:
         return acc, a, cn, sn
 
     @gluon.jit
-    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG,
+    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                    SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr = 0):
+                                    SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
+                                    EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0):
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -172,6 +174,14 @@ if HAS_WGMMA:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
+            bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
+            hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
+            ecbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(ecbars.index(0), count=1)
+            mbarrier.init(ecbars.index(1), count=1)
+            mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
         KT = K // _BK
         for i in gl.static_range(STAGES):
             mbarrier.expect(bars.index(i), nbytes, pred=i < KT)
@@ -201,6 +211,18 @@ if HAS_WGMMA:
                                        mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
                                        a_layout, nbytes, PF, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
+        if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
+            if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
+                gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
+            mbarrier.wait(ecbars.index(0), 0)
+            mbarrier.wait(ecbars.index(1), 0)
+            acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.invalidate(ecbars.index(0))
+            mbarrier.invalidate(ecbars.index(1))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -241,9 +263,12 @@ def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
 def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
                         config: tuple = RA_CONFIGS[0], out: Optional[torch.Tensor] = None,
-                        diag: int = 0) -> torch.Tensor:
+                        ec: Optional[tuple] = None, ec_wait: bool = False, diag: int = 0) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) with the weight as the MMA's register operand (CUDA sm_90+ only).
     Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
+    ``ec`` = (hg, B): ``hg B^T`` added as one more K step (hg the EC's ``alpha g h`` [M, R_P], B [N, R],
+    as ``w4a16_gemm_wgmma``); ``ec_wait``: launched with programmatic dependent launch behind the kernel
+    that writes hg (which must trigger its dependents), waiting only before hg is read.
     ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
@@ -256,17 +281,33 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     xd = _descriptor(x2, [bmx, BK], gl.bfloat16)
     wd = _descriptor(qweight.view(torch.int32), [bnw, BK // 8], gl.int32)
+    hd, bd = xd, wd  # (stand-ins: read only with an EC)
+    if ec is not None:
+        hg, B = ec
+        r_p = check_ec_operands("w4a16_gemm_wgmma_ra", hg, B, M, N)
+        while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p) > SMEM_LIMIT:
+            stages -= 1
+        hd = _descriptor(hg.contiguous(), [bmx, r_p], gl.bfloat16)
+        bd = _descriptor(B, [bnw, r_p], gl.bfloat16)
     grid = (-(-M // bmx) * -(-N // bnw),)
     _w4a16_gemm_wgmma_ra_kernel[grid](
-        xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf, DIAG=diag,
-        num_warps=warps)
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
+        HAS_EC=ec is not None, EC_WAIT=ec is not None and ec_wait, DIAG=diag, num_warps=warps,
+        **({"launch_pdl": True} if ec is not None and ec_wait else {}))
     return y
 
 
+def ra_smem_bytes(config: tuple, r_p: int = 0) -> int:
+    """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
+    alpha g h tiles."""
+    bnw, bmx, stages, _, _ = check_ra_config(config)
+    return stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
+
+
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                    has_bias: bool = True, diag: int = 0) -> dict:
+                    has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``)."""
     from triton.experimental.gluon import language as gl
 
@@ -275,8 +316,13 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     x_l, w_l = _layout([bmx, BK], gl.bfloat16), _layout([bnw, BK // 8], gl.int32)
-    types = dict(x_desc=f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", w_desc=f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>",
+    xt, wt = f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>"
+    ht, bt = xt, wt
+    if r_p:
+        ht = f"tensordesc<bf16[{bmx}, {r_p}],{_layout([bmx, r_p], gl.bfloat16)!r}>"
+        bt = f"tensordesc<bf16[{bnw}, {r_p}],{_layout([bnw, r_p], gl.bfloat16)!r}>"
+    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt,
                  Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag)
+                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p), EC_WAIT=bool(r_p) and ec_wait)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

@@ -222,6 +222,35 @@ def test_ec_added_as_one_more_k_step_matches_the_reference_on_gpu(R, monkeypatch
     assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
 
 
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("R", [64, 20])
+def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, monkeypatch):
+    """Where the table runs the shape on the register-operand GEMM, "in_gemm" launches it with PDL behind the
+    gate kernel (it waits before reading alpha g h) and it adds the EC as one more K step: the reference's
+    numbers, also with PDL off (plain stream order)."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+    from spear_compile.lowering import w4a16_triton as T
+    from spear_compile.lowering.dispatch import ec_overlapped
+    from spear_compile.lowering.ec_linear import ec_linear_ref
+
+    calls = []
+    real = ra.w4a16_gemm_wgmma_ra
+    monkeypatch.setattr(ra, "w4a16_gemm_wgmma_ra", lambda *a, **k: calls.append((k.get("ec"), k.get("ec_wait")))
+                        or real(*a, **k))
+    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + ra.RA_CONFIGS[0])
+    x, qw, s, z, b = _case(264, 640, 128, M=300, device="cuda")
+    z = z.round()
+    ec = _ec_case(264, 640, R, "cuda")
+    ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
+    for no_pdl in ("0", "1"):
+        monkeypatch.setenv("SPEAR_NO_PDL", no_pdl)
+        y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure="in_gemm")
+        assert calls[-1][0] is not None and calls[-1][1] is (no_pdl == "0")  # the EC step ran, PDL as asked
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (no_pdl, err.max())
+    assert len(calls) == 2
+
+
 def test_register_operand_expansion_takes_each_lanes_byte():
     """The register-operand kernel's prmt selector t | t << 4 | (4 + t) << 8 | (4 + t) << 12 on (word,
     word >> 4) gives lane t the bf16 pair 128 + q of columns 8 w + 2 t and 8 w + 2 t + 1 (its wgmma A
@@ -256,7 +285,7 @@ def _sass(ptx: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize("config,kw", [((128, 256, 4, 8), {}), ((128, 256, 4, 8), dict(per_channel=True, has_z=False,
                                                                                       has_bias=False)),
-                                       ((128, 128, 5, 8), {})])
+                                       ((128, 128, 5, 8), {}), ((64, 256, 3, 4), dict(r_p=64))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -267,7 +296,8 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
 
     asm = _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma_ra", fn="compile_ra_sm90")
     # per step, 4 k16 MMAs and 2 rows x 8 words per thread; steps in pairs plus a tail for an odd count
-    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16
+    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16 + kw.get("r_p", 0) // 16  # (+ the EC step)
+    assert asm["ptx"].count("griddepcontrol.wait") == (1 if kw.get("r_p") else 0)
     assert asm["ptx"].count("prmt.b32") == 3 * 2 * 8
     log, sass = _sass(asm["ptx"])
     assert re.search(r" 0 bytes spill stores", log) and "C7515" not in log, log
