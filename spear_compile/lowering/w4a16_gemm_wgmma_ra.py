@@ -147,16 +147,6 @@ if HAS_WGMMA:
         return acc, a, cn, sn
 
     @gluon.jit
-    def _ec_hg_load(hg_desc, hgs, ecbars, off_m, EC_WAIT: gl.constexpr):
-        """Request the CTA's alpha g h tile [BMX, R_P] (barrier 1 of ``ecbars``); with EC_WAIT first
-        ``griddepcontrol.wait`` (launched with PDL behind the gate kernel: g * h is complete after it)."""
-        if EC_WAIT:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                      pack=1)
-        mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
-
-    @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
@@ -210,9 +200,6 @@ if HAS_WGMMA:
         # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
         for j in range(KT // 2):
-            if HAS_EC:
-                if j == KT // 4:  # half-way: the gate grid is long done, and the tile lands while the loop runs
-                    _ec_hg_load(hg_desc, hgs, ecbars, off_m, EC_WAIT)
             acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                      mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
                                      a_layout, nbytes, PF, DIAG)
@@ -225,8 +212,11 @@ if HAS_WGMMA:
                                        a_layout, nbytes, PF, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
-            if KT < 2:  # (no pair step ran: the tile was not requested in the loop)
-                _ec_hg_load(hg_desc, hgs, ecbars, off_m, EC_WAIT)
+            if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
+                gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
             mbarrier.wait(ecbars.index(0), 0)
             mbarrier.wait(ecbars.index(1), 0)
             acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
