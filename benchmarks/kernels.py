@@ -361,13 +361,19 @@ def main() -> None:
                 T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
             gemm_run = lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c))  # noqa: E731
             cfg, t_gemm = search(gemm_run, T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE], copies)
-            if T.wgmma_choices() and M >= 64:  # searched apart: its fastest is also the "in_gemm" EC structure's GEMM
+            # the wgmma GEMMs (not below M = 64, where they never won): the plain kernel's fastest config is also
+            # the "in_gemm" structure's GEMM where the table does not run the shape on the register-operand one
+            if T.wgmma_choices() and M >= 64:
                 cfg_wg, t_wg = search(gemm_run, T.wgmma_choices(), copies)
                 if M >= 256:
                     T.tuned_table()[T.wgmma_key(M, N, K, G)] = list(cfg_wg[1:])
                 if t_wg < t_gemm:
                     cfg, t_gemm = cfg_wg, t_wg
-                cfg_ra, t_ra = search(gemm_run, T.wgmma_ra_choices(), copies)  # (these weights: integer zeros)
+                from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+
+                # (else the search would time the fallback GEMM under the register-operand kernel's name)
+                assert RA.takes(x, N, G, qw.scales, qw.zeros, None), "register-operand GEMM cannot take these weights"
+                cfg_ra, t_ra = search(gemm_run, T.wgmma_ra_choices(), copies)
                 if t_ra < t_gemm:
                     cfg, t_gemm = cfg_ra, t_ra
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)

@@ -58,7 +58,7 @@ def main() -> None:
         if any(name == k[0] for k in kernels[:i]):
             kernels[i] = (f"{name}_rep{i}", c, fn)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-           "configs": [list(c) for c in configs], "rows": []}
+           "configs": [list(c) for c in configs], "ra_configs": [list(c) for c in ra], "rows": []}
     import triton
 
     res["triton"] = triton.__version__

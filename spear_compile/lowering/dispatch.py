@@ -179,6 +179,7 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
         return None
     cfg = gemm_config(M, N, K, group_size)
     use_ra = cfg[0] == WGMMA_RA and ra.takes(x2, N, group_size, scales, zeros, bias)
+    x2 = x2.contiguous()  # (here, before the gate: nothing may run between the gate and a PDL launch)
     R = B.shape[1]
 
     def padded():  # bf16 [N, R8]: the TMA copy needs 16-byte rows (columns past R are zeros, as in hg)

@@ -85,7 +85,7 @@ def ec_shrink_gate(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu", alpha
     """``g * h`` (times ``alpha`` when given) as [M, R_P] in ``dtype`` (columns >= r are zeros).
     ``h`` is rounded to x's dtype by cuBLAS: a relative 2^-9 of the correction, far below the
     output's own rounding. ``pdl_trigger``: the gate kernel lets a PDL-launched successor start at once
-    (only where ``ec_decode_triton.pdl_ok``)."""
+    (only where ``ec_decode_triton.pdl_launch_ok``); nothing may be launched between it and that successor."""
     M, K = x2.shape
     R, D = A.shape[0], W1.shape[0]
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))  # tl.dot needs dims >= 16

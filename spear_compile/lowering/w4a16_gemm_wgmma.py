@@ -442,12 +442,9 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     wd = _descriptor(qweight.view(torch.int32), [bn, BK // 8], gl.int32)
     hd, bd = xd, wd  # (stand-ins: read only with an EC)
     if ec is not None:
-        hg, B = ec
-        r_p = check_ec_operands("w4a16_gemm_wgmma", hg, B, M, N)
+        r_p, hd, bd = ec_descriptors("w4a16_gemm_wgmma", ec, M, N, bm, bn)
         while stages > 3 and smem_bytes((bm, bn, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
-        hd = _descriptor(hg.contiguous(), [bm, r_p], gl.bfloat16)
-        bd = _descriptor(B, [bn, r_p], gl.bfloat16)
     grid = (-(-M // bm) * -(-N // bn),)
     exp = expanders(tuple(config or WGMMA_CONFIGS[0]))
     if exp and ec is None and not diag:
@@ -467,6 +464,25 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return y
 
 
+def desc_types(rows_x: int, rows_w: int, r_p: int = 0) -> dict:
+    """Signature types of the four tensor descriptors of the wgmma GEMMs for an offline compile: x tiles
+    [rows_x, BK] bf16, packed words [rows_w, BK / 8] int32, and the EC's alpha g h [rows_x, R_P] and B
+    [rows_w, R_P] (the x / word types as stand-ins without an EC)."""
+    def t(dtype, name, shape):
+        return f"tensordesc<{name}[{shape[0]}, {shape[1]}],{_layout(shape, dtype)!r}>"
+
+    xt, wt = t(gl.bfloat16, "bf16", [rows_x, BK]), t(gl.int32, "i32", [rows_w, BK // 8])
+    ht, bt = (t(gl.bfloat16, "bf16", [rows_x, r_p]), t(gl.bfloat16, "bf16", [rows_w, r_p])) if r_p else (xt, wt)
+    return dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt)
+
+
+def ec_descriptors(name: str, ec: tuple, M: int, N: int, rows_x: int, rows_w: int) -> tuple:
+    """(R_P, hg descriptor [rows_x, R_P], B descriptor [rows_w, R_P]) of an "in_gemm" call's EC operands."""
+    hg, B = ec
+    r_p = check_ec_operands(name, hg, B, M, N)
+    return r_p, _descriptor(hg.contiguous(), [rows_x, r_p], gl.bfloat16), _descriptor(B, [rows_w, r_p], gl.bfloat16)
+
+
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                  has_bias: bool = True, zint: bool = False, r_p: int = 0) -> dict:
     """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
@@ -474,20 +490,15 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bm, bn, stages, warps = check_config(config)
-    x_l, w_l = _layout([bm, BK], gl.bfloat16), _layout([bn, BK // 8], gl.int32)
-    xt, wt = f"tensordesc<bf16[{bm}, {BK}],{x_l!r}>", f"tensordesc<i32[{bn}, {BK // 8}],{w_l!r}>"
+    descs = desc_types(bm, bn, r_p)
     rest = dict(Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
     if expanders(config):
         from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
 
         consts.update(EXP=expanders(config), EXP_REGS=WS_EXP_REGS)
-        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, dict(x_desc=xt, w_desc=wt, **rest), consts, warps,
-                                  maxnreg=WS_MAXNREG)
-    ht, bt = xt, wt
-    if r_p:
-        ht = f"tensordesc<bf16[{bm}, {r_p}],{_layout([bm, r_p], gl.bfloat16)!r}>"
-        bt = f"tensordesc<bf16[{bn}, {r_p}],{_layout([bn, r_p], gl.bfloat16)!r}>"
-    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt, **rest)
+        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, dict(x_desc=descs["x_desc"], w_desc=descs["w_desc"],
+                                                                     **rest), consts, warps, maxnreg=WS_MAXNREG)
+    types = dict(**descs, **rest)
     consts.update(HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)

@@ -23,6 +23,13 @@ instructions from rewriting them (session 15's first version gave garbage for th
 therefore go in pairs on two A tensors, each a dependency of the wait that retires its MMA, and the CPU
 tests check the SASS for writes to in-flight A registers (``tests/lowering/sass_wgmma.py``).
 
+The EC ("in_gemm" structure, ``dispatch._ec_in_gemm``): with ``ec = (hg, B)`` B's rows [BNW, R_P] come in by
+TMA at the start, and after the K loop the kernel (launched with programmatic dependent launch behind the
+gate kernel that writes hg = alpha g h, when ``ec_wait``) executes ``griddepcontrol.wait``, loads its hg tile
+[BMX, R_P] and adds ``B hg^T`` as one more MMA step with both operands in shared memory. Before that wait it
+reads only what existed before the gate ran (x, the weight, its scales, B). Measured (session 16, call 6):
+the fastest EC structure on 6 of the 8 shapes x M where the table runs this kernel, at 1.03-1.23x W4.
+
 Config (BNW, BMX, STAGES, WARPS[, PF]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
 N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used).
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
@@ -35,8 +42,8 @@ from typing import Optional
 
 import torch
 
-from .w4a16_gemm_wgmma import (BK, HAS_WGMMA, SMEM_LIMIT, _descriptor, check_call, check_ec_operands, hopper,
-                               integer_zeros, param_dtypes, wgmma_ok)
+from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, _descriptor, check_call, ec_descriptors, integer_zeros
+from .w4a16_gemm_wgmma import takes as wg_takes
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -111,8 +118,8 @@ if HAS_WGMMA:
         """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
         refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the next wait) and
         the row parameters for step i + 1: with PF its loads are issued before this step's expansion (meant to
-        take an L2 round trip off each step's path; measured no faster, NOTES.md session 16), else they are
-        loaded here, where they are used.
+        take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md session 16),
+        else this step's are loaded here, where they are used.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
         BKW: gl.constexpr = _BK // 8
         slot = i % STAGES
@@ -192,7 +199,7 @@ if HAS_WGMMA:
         sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
         offs_n = off_n + gl.arange(0, BNW, layout=ln)
         mask_n = offs_n < N
-        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)  # (step 0's, for PF)
+        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)  # step 0's: per-channel / PF read these
         acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
         # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
         # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
@@ -252,11 +259,13 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
     return bnw, bmx, stages, warps, pf
 
 
+MAX_OUT_ELEMENTS = 2 ** 31  # the transposed epilogue's element offsets are 32-bit
+
+
 def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
-    """Whether the kernel can run this call here: the plain kernel's ``takes`` (shapes, dtypes, sm_90) and
-    integer zero points or none (what the table dispatch asks before choosing it)."""
-    M, K = x2.shape
-    return (hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, param_dtypes(scales, zeros, bias))
+    """Whether the kernel can run this call here: the plain kernel's ``takes`` (shapes, dtypes, sm_90),
+    integer zero points or none, and M N < 2^31 (what the table dispatch asks before choosing it)."""
+    return (wg_takes(x2, N, G, scales, zeros, bias) and x2.shape[0] * N < MAX_OUT_ELEMENTS
             and (zeros is None or integer_zeros(zeros)))
 
 
@@ -275,6 +284,12 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if zeros is not None and not integer_zeros(zeros):
         raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128 (use the plain "
                          "kernel, w4a16_gemm_wgmma, for fractional ones)")
+    if M * N >= MAX_OUT_ELEMENTS:
+        raise ValueError(f"w4a16_gemm_wgmma_ra: output [{M}, {N}] has 2^31 elements or more (32-bit offsets); "
+                         f"use w4a16_gemm_wgmma")
+    if ec is not None and ec_wait and not x2.is_contiguous():
+        raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
+                         "kernel between the gate and this PDL launch, read before the wait)")
     from triton.experimental.gluon import language as gl
 
     x2 = x2.contiguous()
@@ -283,12 +298,9 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     wd = _descriptor(qweight.view(torch.int32), [bnw, BK // 8], gl.int32)
     hd, bd = xd, wd  # (stand-ins: read only with an EC)
     if ec is not None:
-        hg, B = ec
-        r_p = check_ec_operands("w4a16_gemm_wgmma_ra", hg, B, M, N)
+        r_p, hd, bd = ec_descriptors("w4a16_gemm_wgmma_ra", ec, M, N, bmx, bnw)
         while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
-        hd = _descriptor(hg.contiguous(), [bmx, r_p], gl.bfloat16)
-        bd = _descriptor(B, [bnw, r_p], gl.bfloat16)
     grid = (-(-M // bmx) * -(-N // bnw),)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
@@ -309,19 +321,11 @@ def ra_smem_bytes(config: tuple, r_p: int = 0) -> int:
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``)."""
-    from triton.experimental.gluon import language as gl
-
-    from .w4a16_gemm_wgmma import _layout
+    from .w4a16_gemm_wgmma import desc_types
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
-    x_l, w_l = _layout([bmx, BK], gl.bfloat16), _layout([bnw, BK // 8], gl.int32)
-    xt, wt = f"tensordesc<bf16[{bmx}, {BK}],{x_l!r}>", f"tensordesc<i32[{bnw}, {BK // 8}],{w_l!r}>"
-    ht, bt = xt, wt
-    if r_p:
-        ht = f"tensordesc<bf16[{bmx}, {r_p}],{_layout([bmx, r_p], gl.bfloat16)!r}>"
-        bt = f"tensordesc<bf16[{bnw}, {r_p}],{_layout([bnw, r_p], gl.bfloat16)!r}>"
-    types = dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt,
+    types = dict(**desc_types(bmx, bnw, r_p),
                  Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p), EC_WAIT=bool(r_p) and ec_wait)

@@ -954,7 +954,7 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
 
         if ra.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
             return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
-        config = _default_gemm(M)  # (measured for bf16 with integer zero points; this call differs)
+        config = _default_gemm(M)  # (measured for bf16, integer zeros, sm_90; this call, device or out differ)
     if is_dequant_cublas(config):
         from .dequant_cublas import dequant_cublas
 

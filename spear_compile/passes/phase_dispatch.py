@@ -97,13 +97,15 @@ def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N:
         return "pytorch reference"
     from ..lowering.ec_decode_triton import pdl_ok
 
-    gemm = "triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM"
+    gemm = ("triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM (shared-memory or "
+            "register-operand weight)")
     producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
     K = int(x_val.shape[-1])
     fused = (f"{producers} {ec_gemv_name(N, K, G, x_val, param_dtypes, rc, single=True)} with EC epilogue" if has_ec
              else f"{gemv_name(N, K, G, x_val, param_dtypes)} / {gemm}")
     over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
-            "side stream, or first and into the GEMM's C operand, or as one more K step of the wgmma GEMM"
+            "side stream, or first and into the GEMM's C operand, or as one more K step of the wgmma GEMM "
+            "(PDL-launched behind the gate on the register-operand one)"
             if has_ec else gemm)
     return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
 

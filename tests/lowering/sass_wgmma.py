@@ -3,15 +3,19 @@
 An HGMMA whose A operand comes from registers reads them while it runs, until the ``WARPGROUP.DEPBAR``
 that retires it; ptxas does not stop later instructions from writing them before that (session 15's
 register-operand kernel gave garbage on the GPU for this reason, benchmarks/NOTES.md). ``inflight_writes``
-lists every write to an in-flight HGMMA's A registers in the K loop, taken as a cycle (a group issued in one
-step is retired by the ``DEPBAR.LE gsb0, 0x1`` after the next step's issue: the second barrier on).
+lists every write to an in-flight HGMMA's A registers: in the K loop taken as a cycle (a group issued in one
+step is retired by the ``DEPBAR.LE gsb0, 0x1`` after the next step's issue: the second barrier on), and in
+the straight-line code around it (an odd tail step; a ``0x0`` barrier retires everything).
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 
 _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_NO_DEST = ("ST", "HGMMA", "BRA", "BAR", "WARPGROUP", "SYNCS", "UTMA", "RED", "ATOM", "EXIT", "NOP", "WARPSYNC")
+_NO_DEST = ("ST", "HGMMA", "BRA", "BAR", "WARPGROUP", "SYNCS", "UTMA", "RED", "EXIT", "NOP", "WARPSYNC")
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -19,17 +23,23 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in map(_LINE.match, sass.splitlines()) if m]
 
 
+def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """Indices (first, last) of the innermost backward-branch loop that holds an HGMMA."""
+    hg = {a for a, t in ins if "HGMMA" in t}
+    for j, (a, t) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            first = next(i for i, (aa, _) in enumerate(ins) if aa >= int(m.group(1), 16))
+            if hg & {aa for aa, _ in ins[first:j + 1]}:
+                return first, j
+    raise ValueError("no loop with an HGMMA in this SASS")
+
+
 def hgmma_loop(sass: str) -> list[str]:
     """The instructions of the innermost backward-branch loop that holds an HGMMA."""
     ins = instructions(sass)
-    hg = {a for a, t in ins if "HGMMA" in t}
-    for a, t in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a:
-            body = [(aa, tt) for aa, tt in ins if int(m.group(1), 16) <= aa <= a]
-            if hg & {aa for aa, _ in body}:
-                return [tt for _, tt in body]
-    raise ValueError("no loop with an HGMMA in this SASS")
+    first, last = _loop_bounds(ins)
+    return [t for _, t in ins[first:last + 1]]
 
 
 def a_registers(text: str) -> set[int]:
@@ -39,29 +49,56 @@ def a_registers(text: str) -> set[int]:
 
 
 def written(text: str) -> set[int]:
-    """Registers an instruction writes (its first operand; .64 / .128 loads write 2 / 4)."""
+    """Registers an instruction writes: its first operand (.64 / .WIDE: 2, .128: 4; LDSM .x2 / .x4: 2 / 4)."""
     t = re.sub(r"^@!?U?P\w+\s+", "", text)
     op, _, rest = t.partition(" ")
     m = re.match(r"R(\d+)", rest.strip())
     if op.startswith(_NO_DEST) or not m:
         return set()
-    width = 4 if ".128" in op else 2 if ".64" in op else 1
+    width = 4 if (".128" in op or ".X4" in op) else 2 if (".64" in op or ".WIDE" in op or ".X2" in op) else 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
+def _retired_window(texts: list[str], p: int, cyclic: bool) -> list[str]:
+    """Instructions after position p until the DEPBAR that retires the HGMMA group issued at p: the second
+    ``DEPBAR.LE gsb0, 0x1`` (one group may stay pending) or the first ``0x0``."""
+    out, barriers, n = [], 0, len(texts)
+    for q in range(1, n + 1 if cyclic else n - p):
+        u = texts[(p + q) % n] if cyclic else texts[p + q]
+        if "WARPGROUP.DEPBAR" in u:
+            barriers += 1
+            if barriers == 2 or u.endswith("0x0"):
+                break
+        out.append(u)
+    return out
+
+
 def inflight_writes(sass: str) -> list[tuple[str, str]]:
-    """(HGMMA, instruction) pairs where the instruction overwrites the HGMMA's A registers before it retires."""
-    body = hgmma_loop(sass)
+    """(HGMMA, instruction) pairs where the instruction overwrites the HGMMA's A registers before it retires:
+    in the K loop taken as a cycle, and in the straight-line code before and after it (a tail step)."""
+    ins = instructions(sass)
+    first, last = _loop_bounds(ins)
+    texts = [t for _, t in ins]
+    body = texts[first:last + 1]
     bad = []
-    for p, text in enumerate(body):
+    for p, text in enumerate(texts):
         regs = a_registers(text)
-        barriers = 0
-        for q in range(1, len(body) + 1) if regs else ():
-            u = body[(p + q) % len(body)]
-            if "WARPGROUP.DEPBAR" in u:
-                barriers += 1
-                if barriers == 2 or u.endswith("0x0"):
-                    break
-            if written(u) & regs:
-                bad.append((text, u))
+        if not regs:
+            continue
+        inside = first <= p <= last
+        window = _retired_window(body, p - first, True) if inside else _retired_window(texts, p, False)
+        bad += [(text, u) for u in window if written(u) & regs]
     return bad
+
+
+def compile_sass(ptx: str) -> tuple[str, str]:
+    """(ptxas -v log, cuobjdump -sass text) of a PTX module for sm_90a, with the tools in Triton's wheel."""
+    import triton
+
+    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(ptx)
+        log = subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True).stderr
+        sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+    return log, sass

@@ -46,7 +46,8 @@ def test_emulation_catches_a_wrong_byte_permute(monkeypatch):
 
 
 def _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma", fn="compile_sm90") -> dict:
-    """``compile_sm90`` in a new Python process: Triton 3.6's interpreter patches ``triton.language`` for a
+    """``module.fn(config, **kw)`` (an offline sm_90 compile: ``compile_sm90``, ``compile_ra_sm90``) in a new
+    Python process: Triton 3.6's interpreter patches ``triton.language`` for a
     nested ``@triton.jit`` call and never restores it (``interpreter.py``, ``InterpretedFunction.__call__``),
     so after the interpreted kernels of earlier tests a Gluon compile in this process fails on the first
     arithmetic with a runtime argument (seen in a clean CI run: 'block_argument' has no 'dtype')."""
@@ -223,8 +224,19 @@ def test_ec_added_as_one_more_k_step_matches_the_reference_on_gpu(R, monkeypatch
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+def test_register_operand_kernel_refuses_fractional_zero_points_on_gpu():
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    x, qw, s, z, b = _case(64, 640, 128, M=4, device="cuda")
+    assert not wg.integer_zeros(z) and not ra.takes(x, 64, 128, s, z, b) and ra.takes(x, 64, 128, s, z.round(), b)
+    with pytest.raises(ValueError, match="zero points must be integers"):
+        ra.w4a16_gemm_wgmma_ra(x, qw, s, z, 128, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("R", [64, 20])
-def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, monkeypatch):
+@pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4)])
+def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, config, monkeypatch):
     """Where the table runs the shape on the register-operand GEMM, "in_gemm" launches it with PDL behind the
     gate kernel (it waits before reading alpha g h) and it adds the EC as one more K step: the reference's
     numbers, also with PDL off (plain stream order)."""
@@ -237,7 +249,7 @@ def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, mon
     real = ra.w4a16_gemm_wgmma_ra
     monkeypatch.setattr(ra, "w4a16_gemm_wgmma_ra", lambda *a, **k: calls.append((k.get("ec"), k.get("ec_wait")))
                         or real(*a, **k))
-    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + ra.RA_CONFIGS[0])
+    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + config)
     x, qw, s, z, b = _case(264, 640, 128, M=300, device="cuda")
     z = z.round()
     ec = _ec_case(264, 640, R, "cuda")
@@ -266,23 +278,6 @@ def test_register_operand_expansion_takes_each_lanes_byte():
         assert torch.equal(lo, q[:, 2 * t::8]) and torch.equal(hi, q[:, 2 * t + 1::8])
 
 
-def _sass(ptx: str) -> tuple[str, str]:
-    """(ptxas -v log, cuobjdump -sass text) of a PTX module for sm_90a, with the tools in Triton's wheel."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-
-    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        open(f"{d}/k.ptx", "w").write(ptx)
-        log = subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True).stderr
-        sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
-    return log, sass
-
-
 @pytest.mark.parametrize("config,kw", [((128, 256, 4, 8), {}), ((128, 256, 4, 8), dict(per_channel=True, has_z=False,
                                                                                       has_bias=False)),
                                        ((128, 128, 5, 8), {}), ((64, 256, 3, 4), dict(r_p=64))])
@@ -292,14 +287,14 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
     of the K loop writes the A registers of an MMA that is still running (the bug of session 15's version)."""
     import re
 
-    from .sass_wgmma import hgmma_loop, inflight_writes
+    from .sass_wgmma import compile_sass, hgmma_loop, inflight_writes
 
     asm = _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma_ra", fn="compile_ra_sm90")
     # per step, 4 k16 MMAs and 2 rows x 8 words per thread; steps in pairs plus a tail for an odd count
     assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16 + kw.get("r_p", 0) // 16  # (+ the EC step)
     assert asm["ptx"].count("griddepcontrol.wait") == (1 if kw.get("r_p") else 0)
     assert asm["ptx"].count("prmt.b32") == 3 * 2 * 8
-    log, sass = _sass(asm["ptx"])
+    log, sass = compile_sass(asm["ptx"])
     assert re.search(r" 0 bytes spill stores", log) and "C7515" not in log, log
     assert sum("HGMMA" in t for t in hgmma_loop(sass)) == 2 * wg.BK // 16
     assert inflight_writes(sass) == []
@@ -307,13 +302,14 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
 
 def test_inflight_register_check_flags_an_overwritten_a_operand():
     """The SASS check itself: a write to an HGMMA's A registers before the DEPBAR that retires it is flagged
-    (a one-step loop reloading them: session 15's wrong kernel); two steps on two register sets, or a write
-    after a full wait, are not."""
+    (a one-step loop reloading them: session 15's wrong kernel; a two-register write after the loop before
+    the final wait); two steps on two register sets, or a write after a full wait, are not."""
     from .sass_wgmma import inflight_writes
 
-    def sass(body):
-        lines = [f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(body)]
-        return "\n".join(lines + [f"        /*{16 * len(body):04x}*/                   @P1 BRA 0x0 ;"])
+    def sass(body, tail=()):
+        lines = [f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(list(body) + ["@P1 BRA 0x0"])]
+        lines += [f"        /*{16 * (len(body) + 1 + i):04x}*/                   {t} ;" for i, t in enumerate(tail)]
+        return "\n".join(lines)
 
     def step(r):
         return [f"LDS.128 R{r}, [R20+0x20000]", f"HGMMA.64x256x16.F32.BF16 R24, R{r}, gdesc[UR20], R24, gsb0",
@@ -323,6 +319,9 @@ def test_inflight_register_check_flags_an_overwritten_a_operand():
     assert inflight_writes(sass(step(152) + step(168))) == []  # steps in pairs on two register sets
     assert len(inflight_writes(sass(step(152) + ["PRMT R154, R13, R16, R12"] + step(168)))) == 1
     assert inflight_writes(sass(step(152) + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "PRMT R154, R13, R16, R12"])) == []
+    tail = ["HGMMA.64x256x16.F32.BF16 R24, R184, gdesc[UR20], R24, gsb0", "IMAD.WIDE R186, R1, 0x4, R2"]
+    assert len(inflight_writes(sass(step(152) + step(168), tail + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]))) == 1
+    assert inflight_writes(sass(step(152) + step(168), tail[:1] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + tail[1:])) == []
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")

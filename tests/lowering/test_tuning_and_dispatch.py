@@ -110,9 +110,10 @@ def test_kernel_for_cuda_nodes():
         assert kernel_for(x, "spear", "fused", True) == (
             "EC producer launch + PDL-launched" if pdl else "in-kernel EC producers +") + " triton GEMV with EC epilogue"
         assert kernel_for(x, "spear", "overlapped", True) == (
-            "triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM (per the tuned table) + EC in "
-            "the structure measured per shape: shrink and gate on a side stream, or first and into the GEMM's C "
-            "operand, or as one more K step of the wgmma GEMM")
+            "triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM (shared-memory or register-operand "
+            "weight) (per the tuned table) + EC in the structure measured per shape: shrink and gate on a side "
+            "stream, or first and into the GEMM's C operand, or as one more K step of the wgmma GEMM (PDL-launched "
+            "behind the gate on the register-operand one)")
         assert kernel_for(x, "spear", "fused", False).startswith("triton GEMV (M = 1)")
         assert kernel_for(x, "spear", "dispatch", False).startswith("runtime branch")
     assert kernel_for(x32, "spear", "fused", True) == "pytorch reference"
