@@ -1,6 +1,7 @@
-"""Large-M W4A16 GEMM lab: the warpgroup-MMA kernel with in-loop dequantization
-(``lowering/w4a16_gemm_wgmma.py``) against dequantize + cuBLAS (the shipped prefill path, one pass and
-pipelined in 4 slices) and cuBLAS bf16 itself, all in one run, per shape and M.
+"""Large-M W4A16 GEMM lab: the warpgroup-MMA kernels with in-loop dequantization
+(``lowering/w4a16_gemm_wgmma.py``; with ``--ra``, its register-operand form ``w4a16_gemm_wgmma_ra.py``)
+against dequantize + cuBLAS (one pass and pipelined in 4 slices) and cuBLAS bf16 itself, all in one run,
+per shape and M. ``--diag`` adds each kernel's diagnostic variants (parts of the K step removed; timed only).
 
 Every wgmma config is first checked against the reference (``dequantize_ref`` + an fp32 matmul; bf16
 output rounding ~2e-3 relative) and only timed if it passes. Timing: CUDA graphs with input copies
@@ -8,6 +9,7 @@ rotating through more than 3x the L2 (``tuning.bench_graph``), so each call read
 Writes ``lab_gemm_<GPU>.json`` (every number, GPU, versions, date) and prints ratio lines.
 
     python benchmarks/lab_gemm.py --out $OUT [--shapes 8192x8192 ...] [--ms 256 1024 4096] [--configs 128,128,5,8 ...]
+        [--ra 128,256,3,8 ...] [--diag]
 """
 from __future__ import annotations
 
