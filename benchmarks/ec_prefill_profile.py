@@ -11,6 +11,10 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
     shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T
     expand        hg B^T                         E for the C-operand structure
     w4            dequant + cuBLAS               our W4 at this M
+    w4_table      w4a16_gemm                     our W4 as the tuned table runs it (maybe a wgmma GEMM)
+    ra, ra_ec     w4a16_gemm_wgmma_ra            the register-operand GEMM (Hopper), alone and with the EC
+                                                 step on a ready alpha g h (no PDL wait): with shrink_gate,
+                                                 the parts of the "in_gemm" structure (session 16)
     <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
@@ -66,7 +70,14 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         "shrink_gate": lambda i: ec_shrink_gate(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
         "expand": lambda i: torch.mm(hg, B.t()),
         "w4": lambda i: dequant_cublas(xs[i], *q(i), G, None),
+        "w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None),
     }
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+
+    if RA.takes(xs[0], N, G, *q(0)[1:], None):  # (sm_90, integer zero points)
+        hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)  # [M, R_P], as in_gemm
+        parts["ra"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None)
+        parts["ra_ec"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, ec=(hgp, B.contiguous()))
     for st in STRUCTURES:
         parts[st] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
     row = {"N": N, "K": K, "M": M, "r": r}
