@@ -131,6 +131,14 @@ if HAS_WGMMA:
     _CONS_Z, _CONS_NOZ = gl.constexpr(CONSTRAINTS_Z), gl.constexpr(CONSTRAINTS_NOZ)
 
     @gluon.jit
+    def _request_step(x_desc, w_desc, bar, xs_slot, ws_slot, off_m, off_n, k, pred):
+        """Ask TMA for K step k's x tile and packed words, into one ring slot, counted on its mbarrier
+        (every wgmma GEMM's ring: prologue and refills)."""
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k * _BK], bar, xs_slot, pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [off_n, k * (_BK // 8)], bar, ws_slot, pred=pred)
+
+    @gluon.jit
     def _group_params(S, Z, offs_n, mask_n, g, NG, HAS_Z: gl.constexpr):
         """(s, z) of rows ``offs_n`` in scale group ``g`` (z = s when there are no zero points: unused)."""
         s = gl.load(S + offs_n * NG + g, mask=mask_n, other=0.0)
@@ -199,7 +207,6 @@ if HAS_WGMMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
 
         if HAS_EC:  # the EC's operands (alpha g h [BM, R_P] and B [BN, R_P], bf16) arrive while the loop runs
             hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
@@ -212,9 +219,7 @@ if HAS_WGMMA:
 
         KT = K // _BK
         for i in gl.static_range(STAGES - 2):  # the ring's first STAGES - 2 steps
-            mbarrier.expect(bars.index(i), nbytes, pred=i < KT)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], bars.index(i), xs.index(i), pred=i < KT)
-            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], bars.index(i), ws.index(i), pred=i < KT)
+            _request_step(x_desc, w_desc, bars.index(i), xs.index(i), ws.index(i), off_m, off_n, i, i < KT)
 
         offs_n = off_n + gl.arange(0, BN, layout=ln)
         mask_n = offs_n < N
@@ -235,9 +240,7 @@ if HAS_WGMMA:
             gl.thread_barrier()
             nt = i + STAGES - 2
             ns = nt % STAGES
-            mbarrier.expect(bars.index(ns), nbytes, pred=nt < KT)
-            tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], bars.index(ns), xs.index(ns), pred=nt < KT)
-            tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ns), ws.index(ns), pred=nt < KT)
+            _request_step(x_desc, w_desc, bars.index(ns), xs.index(ns), ws.index(ns), off_m, off_n, nt, nt < KT)
             if DIAG != 3:  # (diagnostic 3: no MMA)
                 acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
             # wait in the same iteration (a wait at the top of the next one makes ptxas serialise every MMA:
@@ -436,13 +439,8 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     MMAs - what each part of a K step costs."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma", x2, qweight, scales, zeros, G, bias, out)
-    x2 = x2.contiguous()
-    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    xd = _descriptor(x2, [bm, BK], gl.bfloat16)
-    wd = _descriptor(qweight.view(torch.int32), [bn, BK // 8], gl.int32)
-    hd, bd = xd, wd  # (stand-ins: read only with an EC)
+    y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma", x2, qweight, out, ec, M, N, bm, bn)
     if ec is not None:
-        r_p, hd, bd = ec_descriptors("w4a16_gemm_wgmma", ec, M, N, bm, bn)
         while stages > 3 and smem_bytes((bm, bn, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
     grid = (-(-M // bm) * -(-N // bn),)
@@ -476,11 +474,21 @@ def desc_types(rows_x: int, rows_w: int, r_p: int = 0) -> dict:
     return dict(x_desc=xt, w_desc=wt, hg_desc=ht, b_desc=bt)
 
 
-def ec_descriptors(name: str, ec: tuple, M: int, N: int, rows_x: int, rows_w: int) -> tuple:
-    """(R_P, hg descriptor [rows_x, R_P], B descriptor [rows_w, R_P]) of an "in_gemm" call's EC operands."""
+def launch_operands(name: str, x2: torch.Tensor, qweight: torch.Tensor, out: Optional[torch.Tensor],
+                    ec: Optional[tuple], M: int, N: int, rows_x: int, rows_w: int) -> tuple:
+    """What a wgmma GEMM's launch takes, for tiles of rows_x rows of x and rows_w weight rows: (y, x
+    descriptor, word descriptor, alpha g h descriptor, B descriptor, R_P). Without an EC the last two
+    descriptors are the first two as stand-ins (never read) and R_P is 0."""
+    x2 = x2.contiguous()
+    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    xd = _descriptor(x2, [rows_x, BK], gl.bfloat16)
+    wd = _descriptor(qweight.view(torch.int32), [rows_w, BK // 8], gl.int32)
+    if ec is None:
+        return y, xd, wd, xd, wd, 0
     hg, B = ec
     r_p = check_ec_operands(name, hg, B, M, N)
-    return r_p, _descriptor(hg.contiguous(), [rows_x, r_p], gl.bfloat16), _descriptor(B, [rows_w, r_p], gl.bfloat16)
+    return (y, xd, wd, _descriptor(hg.contiguous(), [rows_x, r_p], gl.bfloat16),
+            _descriptor(B, [rows_w, r_p], gl.bfloat16), r_p)
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,

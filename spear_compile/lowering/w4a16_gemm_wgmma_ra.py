@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, _descriptor, check_call, ec_descriptors, integer_zeros
+from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
 
 if HAS_WGMMA:
@@ -51,7 +51,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .w4a16_gemm_wgmma import _BK
+    from .w4a16_gemm_wgmma import _BK, _request_step
 
     # One asm instance per (row, word, lane t): the bf16 pair of byte t. $0 out; $1-$2 the word, $3-$4 the
     # selector t | t << 4 | (4 + t) << 8 | (4 + t) << 12 (two copies each: pack = 2); $5 c, $6 s (bf16 pairs).
@@ -113,7 +113,7 @@ if HAS_WGMMA:
     @gluon.jit
     def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, KT, off_m, off_n,
                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
-                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr, nbytes: gl.constexpr,
+                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
                  PF: gl.constexpr, DIAG: gl.constexpr = 0):
         """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
         refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the next wait) and
@@ -121,7 +121,6 @@ if HAS_WGMMA:
         take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md session 16),
         else this step's are loaded here, where they are used.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
-        BKW: gl.constexpr = _BK // 8
         slot = i % STAGES
         if PER_CHANNEL:
             cn, sn = c, s
@@ -146,11 +145,8 @@ if HAS_WGMMA:
         nt = prev + STAGES
         ps = prev % STAGES
         fence_async_shared()
-        mbarrier.expect(bars.index(ps), nbytes, pred=(i > 0) & (nt < KT))
-        tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], bars.index(ps), xs.index(ps),
-                                        pred=(i > 0) & (nt < KT))
-        tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], bars.index(ps), ws.index(ps),
-                                        pred=(i > 0) & (nt < KT))
+        _request_step(x_desc, w_desc, bars.index(ps), xs.index(ps), ws.index(ps), off_m, off_n, nt,
+                      (i > 0) & (nt < KT))
         return acc, a, cn, sn
 
     @gluon.jit
@@ -180,7 +176,6 @@ if HAS_WGMMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
             bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
             hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
@@ -191,9 +186,7 @@ if HAS_WGMMA:
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
         KT = K // _BK
         for i in gl.static_range(STAGES):
-            mbarrier.expect(bars.index(i), nbytes, pred=i < KT)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], bars.index(i), xs.index(i), pred=i < KT)
-            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], bars.index(i), ws.index(i), pred=i < KT)
+            _request_step(x_desc, w_desc, bars.index(i), xs.index(i), ws.index(i), off_m, off_n, i, i < KT)
 
         tl_ = gl.arange(0, 4, layout=lt)
         sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
@@ -209,14 +202,14 @@ if HAS_WGMMA:
         for j in range(KT // 2):
             acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                      mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                     a_layout, nbytes, PF, DIAG)
+                                     a_layout, PF, DIAG)
             acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, nbytes, PF, DIAG)
+                                       a_layout, PF, DIAG)
         if KT % 2 == 1:
             acc, keep, c, s = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, nbytes, PF, DIAG)
+                                       a_layout, PF, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
@@ -290,15 +283,8 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if ec is not None and ec_wait and not x2.is_contiguous():
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
-    from triton.experimental.gluon import language as gl
-
-    x2 = x2.contiguous()
-    y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    xd = _descriptor(x2, [bmx, BK], gl.bfloat16)
-    wd = _descriptor(qweight.view(torch.int32), [bnw, BK // 8], gl.int32)
-    hd, bd = xd, wd  # (stand-ins: read only with an EC)
+    y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
     if ec is not None:
-        r_p, hd, bd = ec_descriptors("w4a16_gemm_wgmma_ra", ec, M, N, bmx, bnw)
         while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
     grid = (-(-M // bmx) * -(-N // bnw),)

@@ -27,10 +27,10 @@ from .w4a16_gemm_wgmma import HAS_WGMMA
 if HAS_WGMMA:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
-    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params, _store_tile
+    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params, _request_step, _store_tile
 
     NDQ = gl.constexpr(3)  # expanded buffers: the expanders may run two steps ahead of the MMAs
 
@@ -39,8 +39,6 @@ if HAS_WGMMA:
                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, BN, 16])
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-        BKW: gl.constexpr = _BK // 8
         acc = gl.zeros([BM, BN], gl.float32, layout=mma)
         for i in range(KT):
             slot = i % STAGES
@@ -54,11 +52,8 @@ if HAS_WGMMA:
             nt = prev + STAGES  # refill step i - 1's slot (its words were read before its dq_ready)
             ps = prev % STAGES
             fence_async_shared()
-            mbarrier.expect(ready.index(ps), nbytes, pred=(i > 0) & (nt < KT))
-            tma.async_copy_global_to_shared(x_desc, [off_m, nt * _BK], ready.index(ps), xs.index(ps),
-                                            pred=(i > 0) & (nt < KT))
-            tma.async_copy_global_to_shared(w_desc, [off_n, nt * BKW], ready.index(ps), ws.index(ps),
-                                            pred=(i > 0) & (nt < KT))
+            _request_step(x_desc, w_desc, ready.index(ps), xs.index(ps), ws.index(ps), off_m, off_n, nt,
+                          (i > 0) & (nt < KT))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return (acc,)  # (partition results are tuples)
 
@@ -106,12 +101,9 @@ if HAS_WGMMA:
         for i in gl.static_range(NDQ):
             mbarrier.init(dq_ready.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         KT = K // _BK
         for i in gl.static_range(STAGES):  # the whole ring; the MMA partition refills it
-            mbarrier.expect(ready.index(i), nbytes, pred=i < KT)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * _BK], ready.index(i), xs.index(i), pred=i < KT)
-            tma.async_copy_global_to_shared(w_desc, [off_n, i * BKW], ready.index(i), ws.index(i), pred=i < KT)
+            _request_step(x_desc, w_desc, ready.index(i), xs.index(i), ws.index(i), off_m, off_n, i, i < KT)
 
         acc, = gl.warp_specialize([
             (_mma_partition, (x_desc, w_desc, xs, ws, dq, ready, dq_ready, dq_empty, off_m, off_n, KT, BM, BN,
