@@ -204,13 +204,11 @@ def lab_gemv(args) -> None:
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full"] = rel_err(out, ref_ec)
-            # EC_PARTS bits: 1 producers (A x), 2 gate + flag, 4 wait + reset, 8 B (g h) epilogue
-            for parts, name in ((15, "ec_full"), (0, "ec_operands_only"), (1, "ec_producer_only"),
-                                (8, "ec_epilogue_only")):
+            # the one-launch EC's parts (EC_PARTS bits: 1 own pieces of h, 2 collect + gate, 8 B (g h))
+            for parts, name in ((11, "ec_full"), (0, "ec_operands_only"), (1, "ec_pieces_only"),
+                                (3, "ec_pieces_collect")):
                 timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, nib=nib,
                                                      ec_parts=parts))
-                hbuf, cnt = T.ec_workspace(x.device, 64)
-                hbuf.zero_(), cnt.zero_()
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
@@ -247,6 +245,7 @@ def lab_gemv(args) -> None:
                 if bp and t_ec and row["err"]["tma_ec"] < MAX_LAB_ERR:  # which pair a single EC takes here
                     T.tuned_table()[T.gemv1tmaec_key(N, K, G)] = int(t_ec < row["us"][bp])
                     print(f"   tma ec pair {t_ec:.1f} us vs pdl {row['us'][bp]:.1f} us", flush=True)
+            lab_ec_self(row, N, K, G, ec, ref_pdl, configs, args.tma_configs or GT.TMA_CONFIGS, x, xs, args_w, timeit)
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
         T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
@@ -275,6 +274,51 @@ def lab_gemv(args) -> None:
         shutil.copy(path, args.out)
         del ws
         torch.cuda.empty_cache()
+
+
+def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, timeit) -> None:
+    """--lab gemv --ec-pdl R: the one-launch decode EC (``ec_self.py``) on the CUDA-core kernel in each
+    GEMV tile and on the TMA kernel in each of ``tma_configs`` it takes (``self_*`` / ``tmaself_*``); its fastest
+    goes into the table (``gemv1self``) where it beats both two-launch pairs (``pdl_*``, ``tma_ec``)."""
+    from spear_compile.lowering.ec_self import self_plan, sm_count
+    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
+
+    R, sms = ec[0].shape[0], sm_count(x.device)
+    variants = []
+    for cfg in configs:
+        if self_plan(R, K, -(-N // cfg[0]), 32 * cfg[2], sms) is None:
+            continue
+        name = f"self_{'_'.join(map(str, cfg))}"
+        variants.append((name, lambda xx, i, cfg=cfg: T.w4a16_gemv1(xx, *args_w(i), G, None, ec=ec, config=cfg)))
+    if GT.HAS_TMA:
+        for cfg in tma_configs:
+            bn = GT.tile_geometry(cfg)[0]
+            if not GT.ec_ok(cfg) or self_plan(R, K, -(-N // bn), 32 * cfg[0], sms) is None:
+                continue
+            name = f"tmaself_{'_'.join(map(str, cfg))}"
+            variants.append((name, lambda xx, i, cfg=cfg: tma_self_gemv(xx, *args_w(i), G, None, ec, "silu", cfg)))
+    for name, fn in variants:
+        try:
+            row["err"][name] = rel_err(fn(x, 0), ref)
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            row["err"][name] = None
+            print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        timeit(name, lambda i, fn=fn: fn(xs[i], i))
+    ok = {k: v for k, v in row["us"].items() if v and (k.startswith("self_") or k.startswith("tmaself_"))
+          and row["err"].get(k) is not None and row["err"][k] < MAX_LAB_ERR}
+    pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
+    key = T.gemv1self_key(N, K, G)
+    if ok and pairs and min(ok.values()) < min(pairs):
+        best = min(ok, key=ok.get)
+        kind, cfg = best.split("_")[0], [int(v) for v in best.split("_")[1:]]
+        T.tuned_table()[key] = ["cc" if kind == "self" else "tma"] + cfg
+        print(f"   one-launch EC {best} {ok[best]:.1f} us vs the pairs' best {min(pairs):.1f} us", flush=True)
+    else:
+        T.tuned_table().pop(key, None)
+        if ok:
+            print(f"   one-launch EC best {min(ok.values()):.1f} us, not faster than the pairs "
+                  f"({min(pairs) if pairs else float('nan'):.1f} us)", flush=True)
 
 
 def main() -> None:

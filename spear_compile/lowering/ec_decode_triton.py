@@ -2,10 +2,9 @@
 
 Reference: ``lowering/ec_linear.py:ec_linear_ref``.
 
-The single-launch fused kernel (``w4a16_triton._w4a16_gemv1_kernel`` with in-kernel
-producers) pays for a cross-program wait: GEMV programs spin until the last producer has
-published ``g * h`` (benchmarks/NOTES.md, session 2: ~5 us at 4096^2, not removed by
-reordering the producers' work). Here the producers are their own small kernel:
+Session 2's single launch (producer programs inside the GEMV's grid, a last producer gating once and
+raising a flag) paid ~5 us of cross-program waiting at 4096^2; the producers became their own small
+kernel (session 17's one-launch form without producer programs is ``ec_self.py``):
 
 ``_ec_decode_producer_kernel`` - P programs, each a K slice of ``h = A x`` stored to its
 own workspace row; the last to arrive (acq_rel counter, which it resets) sums the rows,
@@ -143,6 +142,5 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
 
     _, pdl = ec_produce(x2, ec, act, producers=producers)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    # EC_PARTS: 8 = the B (g h) epilogue, 16 = griddepcontrol.wait before it (GPU only)
     return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=config, out=out, nib=nib,
-                       ec_parts=8 | (16 if pdl else 0), producers=0, launch_pdl=pdl, words=words)
+                       pair=True, launch_pdl=pdl, words=words)

@@ -58,7 +58,8 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
 
     from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
-    from .w4a16_gemv_tma_ec import _ec_operands, _ec_rows
+    from .w4a16_gemv_tma_ec import (_ec_operands, _ec_rows, _self_collect, _self_gate_operands, _self_own,
+                                    _self_publish, _self_rows, _self_tag)
 
     try:  # Hopper TMA and mbarriers in Gluon (Triton 3.5+); without them the dispatch never picks this kernel
         from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -320,17 +321,20 @@ if HAS_TMA:
         gl.store(Y + on, (s * u).to(Y.dtype.element_ty), mask=on < N // 2)
 
     @gluon.jit
-    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN: gl.constexpr,
+    def _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, term, BN: gl.constexpr,
                   mma: gl.constexpr, WARPS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                   HAS_BIAS: gl.constexpr, GLU: gl.constexpr, HAS_EC: gl.constexpr, GH_COPIES: gl.constexpr,
-                  WAIT: gl.constexpr):
+                  WAIT: gl.constexpr, SELF: gl.constexpr = False):
         """The CTA's BN rows (no K-split): ``_rows_out``, the EC term (HAS_EC: ``_ec_rows`` of the
-        operands ``_ec_operands`` requested before the K loop), then the GLU store or the bias and a
-        plain store."""
+        operands ``_ec_operands`` requested before the K loop; SELF: ``term``, computed by the one-launch
+        form), then the GLU store or the bias and a plain store."""
         out, on, mo = _rows_out(acc, acc1, S, Z, N, pid, BN, mma, PER_CHANNEL, HAS_Z)
         if HAS_EC:
-            out += _ec_rows(ecb, ecg, ecm, eca, GH, R, GHS, pid, gl.SliceLayout(1, gl.SliceLayout(0, mma)),
-                            GH_COPIES, WAIT)
+            if SELF:
+                out += term
+            else:
+                out += _ec_rows(ecb, ecg, ecm, eca, GH, R, GHS, pid, gl.SliceLayout(1, gl.SliceLayout(0, mma)),
+                                GH_COPIES, WAIT)
         if GLU:
             _store_glu(out, Y, N, pid, BN, WARPS)
         else:
@@ -340,13 +344,15 @@ if HAS_TMA:
 
     @gluon.jit
     def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K, NG, RC, R,
-                               GHS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+                               GHS, EA, EW1, EB1, EW2, EB2, D, NC, OWNERS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
                                HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
                                NORM: gl.constexpr = False, HAS_EC: gl.constexpr = False, RC_P: gl.constexpr = 16,
                                HAS_ROFF: gl.constexpr = False, GH_COPIES: gl.constexpr = 16,
-                               WAIT: gl.constexpr = False):
+                               WAIT: gl.constexpr = False, SELF: gl.constexpr = False, PW: gl.constexpr = 256,
+                               PPC_P: gl.constexpr = 1, NC_P: gl.constexpr = 1, SPIN: gl.constexpr = 0,
+                               D_P: gl.constexpr = 1, ACT: gl.constexpr = 0, OWN: gl.constexpr = True):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
@@ -357,7 +363,11 @@ if HAS_TMA:
         NORM (OPS = 2, SPLIT = 1): x is RMS-normalised (weight NW, epsilon EPS) as it is staged
         (``_stage_x``), in place of a separate RMSNorm kernel. HAS_EC (SPLIT = 1): the decode EC's term
         is added to the rows before the bias / GLU (``w4a16_gemv_tma_ec``; WAIT when launched with PDL
-        behind the EC's producer grid)."""
+        behind the EC's producer grid). SELF (with HAS_EC, no ROFF): the one-launch form (``ec_self.py``):
+        GH holds the int64 slots, CNT the per-program launch counters, EA / EW1 / EB1 / EW2 / EB2 the
+        EC's A and gate; the CTA's pieces of h are requested with x's staging and published after it,
+        and the term is collected, gated and added after the K loop (OWN False, for tests: no CTA publishes
+        its own pieces, every one computes the missing ones itself after SPIN re-reads)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -386,6 +396,10 @@ if HAS_TMA:
                               SZ_TMA)
         if HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
             ecb, ecg, ecm, eca = _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN, RC_P, HAS_ROFF, WARPS)
+            if SELF:  # this CTA's pieces of h = A x: requested now, published once x is staged
+                tag = _self_tag(CNT, pid)
+                sp, smp, sa, sx = _self_own(GH, EA, X, K, R, NC, OWNERS, pid, PW, PPC_P, WARPS)
+                w1, b1, w2, b2 = _self_gate_operands(EW1, EB1, EW2, EB2, R, D, RC_P, D_P, WARPS)
         else:
             ecb = 0
             ecg = 0
@@ -394,6 +408,8 @@ if HAS_TMA:
         x_k, x_c0 = _x_index(NB, lb)
         if OPS == 2:  # all of x into shared memory once, as [KT, NB, 128]
             xsmem, xsum = _stage_x(X, NW, EPS, K, t0, NB, STEP, KTS, WARPS, NORM)
+        if HAS_EC and SELF and OWN:
+            _self_publish(GH, sp, smp, sa, sx, tag)
         s_row, s_k = _scale_index(pid, NB, BN, mma)
         zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
         if OPS != 2:  # D_ones by an all-ones MMA per step (OPS = 2: from the sums staged with x)
@@ -429,8 +445,12 @@ if HAS_TMA:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if SPLIT == 1:
-            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, BN, mma, WARPS, PER_CHANNEL,
-                      HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT)
+            term = 0.0
+            if HAS_EC and SELF:
+                h = _self_collect(GH, EA, X, K, R, NC, tag, PW, PPC_P, RC_P, NC_P, SPIN, WARPS)
+                term = _self_rows(h, w1, b1, w2, b2, ecb, eca, gl.SliceLayout(1, gl.SliceLayout(0, mma)), ACT)
+            _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, term, BN, mma, WARPS,
+                      PER_CHANNEL, HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT, SELF)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
 
@@ -515,7 +535,7 @@ def _layouts(config: tuple):
 
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int = 4096, glu: bool = False,
-                 norm: bool = False, ec: bool = False) -> dict:
+                 norm: bool = False, ec=False) -> dict:
     """Compile for sm_90 without a GPU (Triton's own ptxas); returns the ``asm`` dict (ttgir, ptx,
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
@@ -528,13 +548,19 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
                  sdesc=f"tensordesc<i32[1, {step // 128 * bn}],{smem!r}>", S="*bf16", Z="*bf16", BIAS="*bf16",
                  Y="*bf16", WS="*fp32", CNT="*i32", NW="*bf16", EPS="fp32", EB="*bf16", ROFF="*i32", GH="*fp32",
-                 ALPHA="*bf16", N="i32", K="i32", NG="i32", RC="i32", R="i32", GHS="i32")
+                 ALPHA="*bf16", N="i32", K="i32", NG="i32", RC="i32", R="i32", GHS="i32", EA="*bf16", EW1="*bf16",
+                 EB1="*bf16", EW2="*bf16", EB2="*bf16", D="i32", NC="i32", OWNERS="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
-    if ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
+    if ec == "self":  # the one-launch form (ec_self.py) at r = 64, one piece per CTA of 1024 columns
+        types.update(GH="*i64")
+        consts.update(HAS_EC=True, RC_P=64, SELF=True, PW=1024, PPC_P=2, NC_P=next_pow2(-(-K // 1024)), SPIN=4096,
+                      D_P=16, ACT=0)
+    elif ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
         consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
     if persist:
-        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS"):
+        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS", "EA", "EW1", "EB1", "EW2", "EB2", "D",
+                     "NC", "OWNERS"):
             del types[name]
         types["ROWS"] = "i32"
         for name in ("OPS", "SPLIT"):
@@ -709,7 +735,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's "
                          f"K={K} and dtype {x2.dtype}")
-    if ec is not None:
+    if ec is not None and not getattr(ec, "self", False):
         ec.check(N, config)
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
@@ -737,8 +763,19 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         )
         return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
+    self_args = (scales,) * 5 + (1, 1, 1)  # the one-launch EC's A, gate, D, NC, OWNERS (dummies unless ec.self)
     if ec is None:  # EC operands unused without HAS_EC: fixed dummies, so nothing else specialises the kernel
         ec_args, ec_consts = (scales, cnt, scales, scales, 1, 1, 1), {}
+    elif getattr(ec, "self", False):  # EcSelf: slots in GH's place, the launch counters in CNT's
+        from .ec_self import SPIN
+
+        ec.check(N, K, config, rows, x2)
+        tick, slots = ec.workspace(rows, warps)
+        cnt, plan, R = tick, ec.plan(rows, warps), ec.a.shape[0]
+        ec_args = (ec.b, cnt, slots, ec.alpha, R, R, 0)
+        self_args = (ec.a, ec.w1, ec.b1, ec.w2, ec.b2, ec.w1.shape[0], plan.nc, plan.owners)
+        ec_consts = dict(HAS_EC=True, RC_P=max(16, next_pow2(R)), SELF=True, PW=plan.pw, PPC_P=plan.ppc_p,
+                         NC_P=plan.nc_p, SPIN=SPIN, D_P=next_pow2(ec.w1.shape[0]), ACT=ec.act, OWN=ec.own)
     else:
         ec_args = (ec.b, ec.roff if ec.roff is not None else cnt, ec.gh, ec.alpha, ec.b.shape[-1], ec.r,
                    ec.gh.stride(0))
@@ -748,7 +785,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     _w4a16_gemv_tma_kernel[(rows, split)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         ws, cnt, norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
-        eb, eroff, egh, ealpha, N, K, scales.shape[1], rc, r, ghs,
+        eb, eroff, egh, ealpha, N, K, scales.shape[1], rc, r, ghs, *self_args,
         WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=kt * step, SPLIT=split,
         PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None,
         num_warps=warps, **ec_consts,

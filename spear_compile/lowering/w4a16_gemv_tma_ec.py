@@ -57,6 +57,116 @@ if HAS_GLUON:
         gh = gl.load(GH + (pid % GH_COPIES) * GHS + gc, mask=m2 & (gc < R), other=0.0, cache_modifier=".cg")
         return gl.convert_layout(gl.sum(b.to(gl.float32) * gh, axis=1) * alpha, out_layout)
 
+    # ---- the one-launch form (``ec_self.py``, whose Triton helpers these mirror with explicit layouts) ----
+
+    @gluon.jit
+    def _self_tag(TICK, pid):
+        """This launch's tag from program ``pid``'s own counter, advanced (``ec_self.ec_tag``)."""
+        e = gl.load(TICK + pid, cache_modifier=".cg")
+        gl.store(TICK + pid, e + 1)
+        return (e + 1) & 0x7FFFFFFF
+
+    @gluon.jit
+    def _self_load(A, X, K, NC, p, mask_p, PW: gl.constexpr, WARPS: gl.constexpr):
+        """Pieces ``p`` [PPC_P]' operands: rows p // NC of A and x over chunks p % NC ([PPC_P, PW] each),
+        requested now and consumed by ``_self_value`` once x is staged (their latency overlaps it)."""
+        pl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+        pp = gl.convert_layout(p, gl.SliceLayout(1, pl))
+        mp = gl.convert_layout(mask_p, gl.SliceLayout(1, pl))
+        offs = gl.expand_dims((pp % NC) * PW, 1) + gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, pl)), 0)
+        m = gl.expand_dims(mp, 1) & (offs < K)
+        a = gl.load(A + gl.expand_dims(pp // NC, 1) * K + offs, mask=m, other=0.0)
+        xv = gl.load(X + offs, mask=m, other=0.0)
+        return a, xv
+
+    @gluon.jit
+    def _self_publish(SLOTS, p, mask_p, a, xv, tag):
+        """Slots ``p`` := (tag << 32) | bits(sum_k a x): value and tag in one 64-bit store."""
+        v = gl.sum(a.to(gl.float32) * xv.to(gl.float32), axis=1)
+        bits = v.to(gl.int32, bitcast=True).to(gl.uint32, bitcast=True).to(gl.int64)
+        pv = gl.convert_layout(p, v.type.layout)
+        mv = gl.convert_layout(mask_p, v.type.layout)
+        gl.store(SLOTS + pv, bits | (tag.to(gl.int64) << 32), mask=mv)
+
+    @gluon.jit
+    def _self_own(SLOTS, A, X, K, R, NC, OWNERS, pid, PW: gl.constexpr, PPC_P: gl.constexpr, WARPS: gl.constexpr):
+        """Program ``pid``'s pieces (``pid + i OWNERS``; none unless pid < OWNERS): their indices, mask and
+        requested operands."""
+        l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        p = pid + gl.arange(0, PPC_P, layout=l1) * OWNERS
+        mp = (p < R * NC) & (pid < OWNERS)
+        a, xv = _self_load(A, X, K, NC, p, mp, PW, WARPS)
+        return p, mp, a, xv
+
+    @gluon.jit
+    def _self_missing(v, m, tag):
+        return gl.sum(gl.sum(gl.where(m & ((v >> 32).to(gl.int32) != tag), 1, 0), axis=1), axis=0)
+
+    @gluon.jit
+    def _self_collect(SLOTS, A, X, K, R, NC, tag, PW: gl.constexpr, PPC_P: gl.constexpr, R_P: gl.constexpr,
+                      NC_P: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr):
+        """h [R_P] from this launch's slots (``ec_self.ec_collect``): one thread per row of A holds its NC
+        chunks, so each row's sum is in one thread, in a fixed order."""
+        cl: gl.constexpr = gl.BlockedLayout([1, NC_P], [32, 1], [WARPS, 1], [1, 0])
+        offs_r = gl.arange(0, R_P, layout=gl.SliceLayout(1, cl))
+        offs_c = gl.arange(0, NC_P, layout=gl.SliceLayout(0, cl))
+        m = gl.expand_dims(offs_r < R, 1) & gl.expand_dims(offs_c < NC, 0)
+        idx = gl.expand_dims(offs_r * NC, 1) + gl.expand_dims(offs_c, 0)
+        v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+        missing = _self_missing(v, m, tag)
+        it = 0
+        while (missing > 0) & (it < SPIN):
+            v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+            missing = _self_missing(v, m, tag)
+            it += 1
+        if missing > 0:  # compute and publish the missing pieces here: same code, same bits as their owners'
+            l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            NP = R * NC
+            for g in range(0, NP, PPC_P):
+                p = g + gl.arange(0, PPC_P, layout=l1)
+                mp = p < NP
+                old = gl.load(SLOTS + p, mask=mp, other=0, volatile=True)
+                need = mp & ((old >> 32).to(gl.int32) != tag)
+                a, xv = _self_load(A, X, K, NC, p, need, PW, WARPS)
+                _self_publish(SLOTS, p, need, a, xv, tag)
+            gl.thread_barrier()
+            v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+        vals = v.to(gl.int32).to(gl.float32, bitcast=True)
+        return gl.sum(gl.where(m, vals, 0.0), axis=1)
+
+    @gluon.jit
+    def _self_gate_operands(W1, B1, W2, B2, R, D, R_P: gl.constexpr, D_P: gl.constexpr, WARPS: gl.constexpr):
+        """The gate MLP's weights (fp32, in the gate's layout), requested before the K loop."""
+        gl_: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        rr = gl.arange(0, R_P, layout=gl.SliceLayout(0, gl_))
+        dd = gl.arange(0, D_P, layout=gl.SliceLayout(1, gl_))
+        w1 = gl.load(W1 + gl.expand_dims(dd, 1) * R + gl.expand_dims(rr, 0),
+                     mask=gl.expand_dims(dd < D, 1) & gl.expand_dims(rr < R, 0), other=0.0).to(gl.float32)
+        b1 = gl.load(B1 + dd, mask=dd < D, other=0.0).to(gl.float32)
+        rc = gl.arange(0, R_P, layout=gl.SliceLayout(1, gl_))
+        dc = gl.arange(0, D_P, layout=gl.SliceLayout(0, gl_))
+        w2 = gl.load(W2 + gl.expand_dims(rc, 1) * D + gl.expand_dims(dc, 0),
+                     mask=gl.expand_dims(rc < R, 1) & gl.expand_dims(dc < D, 0), other=0.0).to(gl.float32)
+        b2 = gl.load(B2 + rc, mask=rc < R, other=0.0).to(gl.float32)
+        return w1, b1, w2, b2
+
+    @gluon.jit
+    def _self_rows(h, w1, b1, w2, b2, b, alpha, out_layout: gl.constexpr, ACT: gl.constexpr):
+        """``alpha sum_j b[n, j] (g h)[j]`` of the CTA's rows, g = sigmoid(W2 act(W1 h + b1) + b2)."""
+        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout))
+        z = gl.sum(w1 * gl.expand_dims(hz, 0), axis=1) + b1
+        if ACT == 0:
+            z = z / (1.0 + gl.exp(-z))
+        elif ACT == 1:
+            z = gl.maximum(z, 0.0)
+        else:
+            z = 0.5 * z * (1.0 + gl.erf(z * 0.7071067811865476))
+        zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout))
+        u = gl.sum(w2 * gl.expand_dims(zz, 0), axis=1) + b2
+        gh = gl.convert_layout(h, u.type.layout) / (1.0 + gl.exp(-u))
+        ghb = gl.convert_layout(gh, gl.SliceLayout(0, b.type.layout))
+        return gl.convert_layout(gl.sum(b.to(gl.float32) * gl.expand_dims(ghb, 0), axis=1) * alpha, out_layout)
+
 class EcEpilogue:
     """The decode EC's operands for the TMA kernel (module docstring): ``b`` [N, RC] each row's EC
     columns (B itself, or ``ec_cat.ec_rows`` of a concatenation), ``roff`` [N] int32 each row's first
@@ -87,6 +197,62 @@ class EcEpilogue:
             raise ValueError(f"w4a16_gemv_tma: EC operands on several devices {sorted(devs)}")
         if self.alpha.numel() != 1:
             raise ValueError(f"w4a16_gemv_tma: EC alpha has {self.alpha.numel()} elements, expected 1")
+
+
+class EcSelf:
+    """The one-launch decode EC's operands for the TMA kernel (``ec_self.py``): ``ec = (A, B, W1, b1, W2,
+    b2, alpha)`` of one EC (no concatenation's row offsets), the gate activation ``act``; the kernel's
+    CTAs compute h's pieces themselves and each gates for itself. ``own=False`` (tests only): no CTA
+    publishes its own pieces, so every CTA takes the path that computes missing ones itself."""
+
+    self = True
+
+    def __init__(self, ec: tuple, act: str = "silu", own: bool = True):
+        from ._triton import ACT_CODES
+
+        self.a, self.b, self.w1, self.b1, self.w2, self.b2, self.alpha = ec
+        self.act, self.own = ACT_CODES[act], own
+
+    def plan(self, rows: int, warps: int):
+        """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
+        from .ec_self import self_plan, sm_count
+
+        return self_plan(self.a.shape[0], self.a.shape[1], rows, 32 * warps, sm_count(self.a.device))
+
+    def workspace(self, rows: int, warps: int):
+        from .ec_self import self_workspace
+
+        return self_workspace(self.a, rows, self.plan(rows, warps))
+
+    def check(self, N: int, K: int, config: tuple, rows: int, x2: torch.Tensor) -> None:
+        from .ec_self import check_self_operands
+        from .w4a16_gemv_tma import ec_ok
+
+        if not ec_ok(config):
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+        R = self.a.shape[0]
+        if tuple(self.b.shape) != (N, R) or not self.b.is_contiguous():
+            raise ValueError(f"w4a16_gemv_tma: EC B {tuple(self.b.shape)} must be a contiguous [{N}, {R}] matrix")
+        D = self.w1.shape[0]
+        if (tuple(self.w1.shape) != (D, R) or tuple(self.w2.shape) != (R, D) or tuple(self.b1.shape) != (D,)
+                or tuple(self.b2.shape) != (R,) or not (self.w1.is_contiguous() and self.w2.is_contiguous())):
+            raise ValueError(f"w4a16_gemv_tma: EC gate W1 {tuple(self.w1.shape)}, b1 {tuple(self.b1.shape)}, W2 "
+                             f"{tuple(self.w2.shape)}, b2 {tuple(self.b2.shape)} do not make an MLP on {R} values")
+        if self.alpha.numel() != 1:
+            raise ValueError(f"w4a16_gemv_tma: EC alpha has {self.alpha.numel()} elements, expected 1")
+        check_self_operands(self.a, K, x2)
+        if self.plan(rows, config[0]) is None:
+            raise ValueError(f"w4a16_gemv_tma: the one-launch EC's pieces of A {tuple(self.a.shape)} do not fit "
+                             f"{rows} CTAs (ec_self.self_plan): use the two-launch pair")
+
+
+def tma_self_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple,
+                  out=None, own: bool = True) -> torch.Tensor:
+    """The decode EC in one launch of the TMA kernel (``EcSelf``); the other arguments are
+    ``w4a16_gemv_tma``'s."""
+    from .w4a16_gemv_tma import w4a16_gemv_tma
+
+    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, ec=EcSelf(ec, act, own))
 
 
 def tma_ec_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple, b, roff,

@@ -10,13 +10,12 @@ shared-memory shuffles). Nibbles become fp32 without I2F: OR-ing a nibble into t
 mantissa of 2^E gives exactly 2^E + q. Exact mode subtracts 2^E per weight (LOP3, FADD,
 FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x_k once per
 32-column chunk from the activation side (LOP3, FFMA). Scales and zero points apply once
-per 32-column chunk. With ``HAS_EC`` the first ``P_H`` programs also compute split-K
-partials of ``h = A x``; the last of them (by an acq_rel counter) runs the gate MLP once
-and publishes ``g * h`` with a ready flag; every program adds ``alpha * B[rows] (g * h)``
-after its weight loop. With ``P_H = 0`` and EC_PARTS bit 16 the producers are a separate grid
+per 32-column chunk. With ``HAS_EC`` and ``SELF`` the EC runs in the same launch (``ec_self.py``):
+every program computes its pieces of ``h = A x`` right after requesting its first weight tile and
+publishes them tagged; after its weight loop it reads all pieces, gates and adds ``alpha * B[rows] (g *
+h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a separate producer grid
 (``ec_decode_triton.py``, launched before this one, which then runs under programmatic dependent
-launch and waits with ``griddepcontrol.wait`` only before the epilogue): the dispatch's choice on
-Hopper, where it costs 1.06-1.26x W4 against 1.16-1.98x for the in-kernel producers.
+launch and waits with ``griddepcontrol.wait`` only before the epilogue).
 
 ``_w4a16_gemv_kernel`` - small M > 1 (and shapes the M = 1 kernel does not take: K or G
 not a multiple of 32). One program per BLOCK_N output rows loops
@@ -54,6 +53,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ._triton import gate_act, gdc_wait
+    from .ec_self import ec_collect, ec_produce_own, ec_tag
 
     @triton.jit
     def _nib(w, MASK: tl.constexpr, MAGIC, BIAS: tl.constexpr, EXACT: tl.constexpr):
@@ -289,22 +289,24 @@ if HAS_TRITON:
     @triton.jit
     def _w4a16_gemv1_kernel(
         X, QW, S, Z, BIAS, Y,
-        A, B, W1, B1, W2, B2, ALPHA, HBUF, GH, CNT,
-        N, K, KW, NG, R, D, MAG7, MAG11, MAG15, MAG19, MAG23,
+        A, B, W1, B1, W2, B2, ALPHA, SLOTS, GH, TICK,
+        N, K, KW, NG, R, D, NC, OWNERS, MAG7, MAG11, MAG15, MAG19, MAG23,
         G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
         NIB: tl.constexpr, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, P_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-        R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, GH_COPIES: tl.constexpr, P_HP: tl.constexpr,
+        HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, SELF: tl.constexpr, PW: tl.constexpr, PPC_P: tl.constexpr,
+        NC_P: tl.constexpr, SPIN: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
+        GH_COPIES: tl.constexpr,
     ):
+        """EC_PARTS (timing studies leave parts out; the result is then wrong): SELF - 1 this program's
+        pieces of h, 2 the collect + gate, 8 the ``alpha B (g h)`` epilogue; the pair - 8 the epilogue
+        reading g * h from GH, 16 ``griddepcontrol.wait`` before it."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        FLAG: tl.constexpr = 32  # counters on separate 128-byte lines: CNT[0] producers, [32] ready, [64] done
-        DONE: tl.constexpr = 64
         offs_w = tl.arange(0, BLOCK_W)
         BC: tl.constexpr = BLOCK_W // 4
-        # the first tile's weights are requested first, also by the producer programs below
+        # the first tile's weights are requested first: the EC's pieces below overlap their latency
         wp = QW + offs_n[:, None] * KW + offs_w[None, :]
         mrow = mask_n[:, None]
         w = tl.load(wp, mask=mrow & (offs_w < KW)[None, :], other=0, eviction_policy="evict_first")
@@ -315,21 +317,11 @@ if HAS_TRITON:
         if HAS_EC:
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
-            if (EC_PARTS & 1) != 0 and pid < P_H:
-                # ---- producer (the first P_H programs, before their rows): split-K partial of h = A x,
-                # stored to its own row of HBUF (no contended atomics)
-                w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)  # off the gate's critical path
-                tl.store(HBUF + pid * R_P + offs_r, _ec_h_partial(X, A, K, R, pid, P_H, BLOCK_KH, R_P))
-                tl.debug_barrier()
-                old = tl.atomic_add(CNT, 1, sem="acq_rel")
-                if (EC_PARTS & 2) != 0 and old == P_H - 1:
-                    # the last producer sums the partials, gates once, publishes g * h in GH_COPIES
-                    # copies (every program reads one: no single hot L2 line), then raises the flag
-                    tl.debug_barrier()
-                    _ec_gate_publish(HBUF, GH, w1, b1, w2, b2, P_H, P_HP, R_P, ACT, GH_COPIES)
-                    tl.atomic_xchg(CNT, 0)
-                    tl.debug_barrier()
-                    tl.atomic_xchg(CNT + FLAG, 1, sem="release")
+            if SELF:
+                tag = ec_tag(TICK, pid)
+                if (EC_PARTS & 1) != 0:
+                    ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, pid, tag, PW, PPC_P)
+                w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
             # EC operands that do not depend on h: load them before the weight stream
             bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
                          other=0.0).to(tl.float32)
@@ -362,23 +354,18 @@ if HAS_TRITON:
         if HAS_BIAS:
             out += bias
         if HAS_EC:
-            if (EC_PARTS & 4) != 0:  # wait for g * h: poll with plain loads, then one acquire
-                c = tl.load(CNT + FLAG, volatile=True)
-                while c == 0:
-                    c = tl.load(CNT + FLAG, volatile=True)
-                tl.atomic_add(CNT + FLAG, 0, sem="acquire")
-                tl.debug_barrier()
-            if (EC_PARTS & 16) != 0:  # g * h comes from a separate producer grid (ec_decode_triton.py)
-                gdc_wait()
-            if (EC_PARTS & 8) != 0:
-                gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
-                out += alpha * tl.sum(bt * gh[None, :], axis=1)
-            if (EC_PARTS & 4) != 0:
-                tl.debug_barrier()
-                done = tl.atomic_add(CNT + DONE, 1, sem="acq_rel")
-                if done == tl.num_programs(0) - 1:  # the last reader lowers the flag for the next launch
-                    tl.atomic_xchg(CNT + DONE, 0)
-                    tl.atomic_xchg(CNT + FLAG, 0)
+            if SELF:
+                if (EC_PARTS & 2) != 0:
+                    h = ec_collect(SLOTS, A, X, K, R, NC, tag, PW, PPC_P, R_P, NC_P, SPIN)
+                    gh = _ec_gate(h, w1, b1, w2, b2, ACT)
+                    if (EC_PARTS & 8) != 0:
+                        out += alpha * tl.sum(bt * gh[None, :], axis=1)
+            else:
+                if (EC_PARTS & 16) != 0:  # g * h comes from a separate producer grid (ec_decode_triton.py)
+                    gdc_wait()
+                if (EC_PARTS & 8) != 0:
+                    gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
+                    out += alpha * tl.sum(bt * gh[None, :], axis=1)
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
 
     @triton.jit
@@ -737,14 +724,16 @@ def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, nib: Optional[str] = None,
-                ec_parts: int = 15, producers: Optional[int] = None, launch_pdl: bool = False,
+                ec_parts: Optional[int] = None, pair: bool = False, launch_pdl: bool = False,
                 words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
     ``nib`` (a GEMV1_NIBS key) defaults to GEMV1_BF16_NIB for bf16 activations (its error is at
     most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations.
-    ``ec_parts`` < 15 leaves EC stages out, for timing only (it leaves the workspace dirty).
-    ``words``: the GEMV layout itself (``qweight`` is then unused): the concatenated weights of
-    ``w4a16_cat.py``."""
+    With ``ec``: the EC in the same launch (``ec_self.py``), or with ``pair`` the epilogue of the
+    two-launch pair, reading g * h from the producer grid's workspace (``ec_decode_triton.py``; waits
+    for that grid when ``launch_pdl``). ``ec_parts`` leaves EC stages out, for timing only (kernel
+    docstring; the result is then wrong). ``words``: the GEMV layout itself (``qweight`` is then
+    unused): the concatenated weights of ``w4a16_cat.py``."""
     M, K = x2.shape
     words = gemv_words(qweight) if words is None else words
     N = words.shape[0]
@@ -759,47 +748,102 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
     grid = triton.cdiv(N, bn)
     dummy = scales
+    plan = None
     if ec is not None:
         A, B, W1, b1, W2, b2, alpha = ec
         R, D = A.shape[0], W1.shape[0]
         r_p, d_p = next_pow2(R), next_pow2(D)
-        ws, cnt = ec_workspace(x2.device, r_p)
-        gh = ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES]
-        hbuf = ws[GEMV_MAX_M + GH_COPIES:]  # one h partial row per producer
-        # Programs run one after another in Triton's interpreter: a single producer (program 0)
-        # keeps the spin-wait satisfiable there. On GPUs: one 64-column slice of A x per producer.
-        bkh = 32 if INTERPRET else 64
-        p_h = 1 if INTERPRET else max(1, min(MAX_PRODUCERS, triton.cdiv(K, bkh), grid))
-        if producers is not None:  # 0: g * h is published by a separate producer launch
-            p_h = producers
+        if pair:
+            ws, _ = ec_workspace(x2.device, r_p)
+            slots, gh, tick = dummy, ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES], dummy
+            parts = 8 | (16 if launch_pdl else 0) if ec_parts is None else ec_parts
+        else:
+            from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
+
+            plan = self_plan(R, K, grid, 32 * warps, sm_count(x2.device))
+            if plan is None:
+                raise ValueError(f"w4a16_gemv1: the one-launch EC's pieces of A {tuple(A.shape)} do not fit "
+                                 f"{grid} programs of {warps} warps (ec_self.self_plan): use the two-launch pair")
+            check_self_operands(A, K, x2)
+            tick, slots = self_workspace(A, grid, plan)
+            gh = dummy
+            parts = 11 if ec_parts is None else ec_parts
     else:
-        A = B = W1 = b1 = W2 = b2 = alpha = hbuf = gh = cnt = dummy
-        R = D = r_p = d_p = bkh = 1
-        p_h = 0
+        A = B = W1 = b1 = W2 = b2 = alpha = slots = gh = tick = dummy
+        R = D = r_p = d_p = 1
+        parts = 0
+    from .ec_self import SPIN
+
     _w4a16_gemv1_kernel[(grid,)](
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
-        A, B, W1, b1, W2, b2, alpha, hbuf, gh, cnt,
-        N, K, K // 8, K // G, R, D, *_MAGICS,
+        A, B, W1, b1, W2, b2, alpha, slots, gh, tick,
+        N, K, K // 8, K // G, R, D, plan.nc if plan else 1, plan.owners if plan else 1, *_MAGICS,
         G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), NIB=GEMV1_NIBS[nib], ASM=not INTERPRET,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
-        EC_PARTS=ec_parts, P_H=p_h, BLOCK_KH=bkh, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
-        P_HP=next_pow2(max(p_h, 1)), num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
+        EC_PARTS=parts, SELF=plan is not None, PW=plan.pw if plan else 1, PPC_P=plan.ppc_p if plan else 1,
+        NC_P=plan.nc_p if plan else 1, SPIN=SPIN, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return y
 
 
+def gemv1self_key(N: int, K: int, G: int) -> str:
+    """Tuned-table key of the one-launch decode EC (``ec_self.py``) where the lab measured it fastest
+    (``kernels.py --lab gemv --ec-pdl R``): ``["cc", BLOCK_N, BLOCK_W, warps, prefetch]`` (the CUDA-core
+    kernel) or ``["tma", WARPS, RB, CH, STAGES, OPS]`` (the TMA kernel); absent: one of the two-launch
+    pairs."""
+    return f"gemv1self|{N}|{K}|{G}"
+
+
+def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K) -> Optional[torch.Tensor]:
+    """The one-launch decode EC where the tuned table measured it fastest (``gemv1self_key``) and it can
+    run here, else None."""
+    choice = tuned_table().get(gemv1self_key(N, K, G))
+    if not choice or not ec[0].is_contiguous():
+        return None
+    cfg = tuple(int(v) for v in choice[1:])
+    if choice[0] == "cc":
+        if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, cfg[0]), cfg[2], x2.device):
+            return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=cfg, out=out, words=words)
+    elif choice[0] == "tma" and words is None and ec[1].is_contiguous():
+        from .w4a16_gemv_tma import tile_geometry, tma_config_for, tma_key
+
+        # tma_config_for's checks (sm_90+, Gluon, bf16, K and G multiples of 128) on a one-entry table
+        params = tuple(p.dtype for p in (scales, zeros) if p is not None)
+        if tma_config_for(N, K, G, x2.dtype, x2.device, {tma_key(N, K, G): list(cfg)}, params) is None:
+            return None
+        if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, tile_geometry(cfg)[0]), cfg[0], x2.device):
+            from .w4a16_gemv_tma_ec import tma_self_gemv
+
+            return tma_self_gemv(x2, qweight, scales, zeros, G, bias, ec, act, cfg, out=out)
+    return None
+
+
+def self_plan_ok(R: int, K: int, grid: int, warps: int, device: torch.device) -> bool:
+    """Whether the one-launch EC's pieces fit ``grid`` programs of ``warps`` warps on ``device``
+    (``ec_self.self_plan``)."""
+    from .ec_self import self_plan, sm_count
+
+    return self_plan(R, K, grid, 32 * warps, sm_count(device)) is not None
+
+
 def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
              out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``: on Hopper the producer launch + a PDL-launched GEMV -
-    the TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
-    (``ec_cat.ec_tma_config``), else the CUDA-core kernel (1.09-1.26x W4 against 1.16-1.98x for
-    the single launch, NOTES.md); elsewhere the single launch. ``words``: the GEMV layout itself
-    (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the TMA route themselves)."""
+    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``. On Hopper: the one-launch form (``ec_self.py``) where the
+    tuned table measured it fastest for the shape, else the producer launch + a PDL-launched GEMV - the
+    TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
+    (``ec_cat.ec_tma_config``), else the CUDA-core kernel. Elsewhere (no PDL) the one launch.
+    ``words``: the GEMV layout itself (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the
+    TMA route themselves)."""
     from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
 
+    N = words.shape[0] if words is not None else qweight.shape[0]
+    K = x2.shape[1]
     if pdl_ok(x2.device):
-        N = words.shape[0] if words is not None else qweight.shape[0]
-        if words is None and ec[1].is_contiguous() and tma_ec_measured_ok(N, x2.shape[1], G):
+        y = _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K)
+        if y is not None:
+            return y
+        if words is None and ec[1].is_contiguous() and tma_ec_measured_ok(N, K, G):
             from .ec_cat import ec_tma_config
 
             cfg = ec_tma_config(x2, N, G, (scales, zeros), None, ec[0].shape[0])
@@ -807,9 +851,13 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
                 from .w4a16_gemv_tma_ec import tma_ec_gemv
 
                 return tma_ec_gemv(x2, qweight, scales, zeros, G, bias, ec, act, cfg, ec[1], None, out=out)
-        cfg = ec_pdl_config(N, x2.shape[1], G)
+        cfg = ec_pdl_config(N, K, G)
         return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
-    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, out=out, words=words)
+    cfg = tuple(tuned_table().get(gemv1_key(N, K, G, True), GEMV1_CONFIGS[0]))
+    if not self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, cfg[0]), cfg[2], x2.device) or not ec[0].is_contiguous():
+        # A too large for this grid's registers: the pair, in plain stream order
+        return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
+    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=cfg, out=out, words=words)
 
 
 def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",

@@ -1,0 +1,193 @@
+"""The decode EC in one launch: the GEMV's own CTAs compute ``h = A x`` in pieces and publish them tagged.
+
+Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+
+Why: the decode EC's two-launch form (the producer grid, then the GEMV launched behind it with PDL,
+``ec_decode_triton.py``) pays the dependent launch - the GEMV starts 1.7-2.2 us after the producer
+(benchmarks/NOTES.md, session 13), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
+single launches lost for other reasons: extra producer programs scheduled after (session 2) or beside
+(session 13) the GEMV's own, one hot counter every program hit twice, and a last producer whose gate
+everyone waited for. Here no program is extra and no counter is shared:
+
+* **Pieces.** ``h = A x`` is cut into ``NP = R * NC`` pieces, piece ``p`` = row ``p // NC`` of A times
+  x over the ``p % NC``-th chunk of ``PW`` columns. The first ``OWNERS`` programs (all of them, or as
+  many as the GPU has SMs if the grid is larger) compute pieces ``pid, pid + OWNERS, ...`` (``PPC`` of
+  them) right after requesting their first weight tile - A's bytes are spread over the programs and
+  their latency overlaps the weight stream's. Owners are low program ids, which the GPU dispatches
+  first, so a grid of several waves does not leave its first wave waiting for pieces owned by a later
+  one (if it did, the fallback below would still finish the launch, slowly).
+* **Tags, not counters.** A piece is published as one 64-bit word: its fp32 value in the low half, the
+  launch's tag in the high half. A reader knows a slot is this launch's by its tag alone; no flag,
+  no counter to reset, no fence between value and flag. The tag is ``launch index + 1`` (mod 2^31),
+  and the launch index comes from a *per-program* counter ``tick[pid]`` that only that program reads
+  and increments: every launch of a site runs every program once, so all of them agree without
+  talking. (A stale slot carries the previous launch's tag, never this one's.)
+* **Every program gates for itself.** After its K loop a program reads the ``R x NC`` slots (one L2
+  round trip, 2-6 KB), sums each row over its chunks in a fixed order (deterministic), applies the
+  gate MLP (operands loaded before the loop) and adds ``alpha B (g h)`` to its rows.
+* **No deadlock, whatever the residency.** A program waits for others only after its own pieces are
+  out, and only ``SPIN`` re-reads; then it computes the missing pieces itself with the same code
+  (same shape, so the same bits) and publishes them too - an idempotent write. Programs the GPU has
+  not scheduled yet can never hold it up, and Triton's interpreter (programs run one after another,
+  ``SPIN = 0``) exercises this path on the CPU.
+
+Host side: ``self_plan`` picks the piece width and checks that a program's pieces fit in registers;
+``self_workspace`` holds each site's ``tick`` and slots (keyed by A's storage, the grid and the plan:
+sites never share one, so two streams' GEMVs cannot meet in it).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._triton import HAS_TRITON, INTERPRET, next_pow2
+
+SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes missing pieces itself
+MAX_SLOTS = 1024  # R * NC: what every program reads after its loop (8 KB at most)
+PIECE_WIDTHS = (256, 512, 1024, 2048, 4096)
+
+
+class SelfPlan(NamedTuple):
+    """Pieces of ``h = A x`` for a launch: ``PW`` columns per piece, ``NC`` chunks per row of A, ``NP = R
+    NC`` pieces over the first ``OWNERS`` programs, ``PPC_P`` (a power of two) each, ``NC_P`` =
+    next_pow2(NC)."""
+
+    pw: int
+    nc: int
+    np: int
+    ppc_p: int
+    nc_p: int
+    owners: int
+
+
+def self_plan(R: int, K: int, grid: int, threads: int, sms: Optional[int] = None,
+              max_per_thread: int = 32) -> Optional[SelfPlan]:
+    """The plan with the fewest slots among those whose ``PPC_P x PW`` elements of A (and as many of x)
+    stay within ``max_per_thread`` per thread of a ``threads``-thread program, the pieces owned by the
+    first min(grid, ``sms``) programs; None if none does (the shape's A is too large for its owners: the
+    two-launch pair runs instead)."""
+    owners = min(grid, sms or grid)
+    best = None
+    for pw in PIECE_WIDTHS:
+        nc = -(-K // pw)
+        np_ = R * nc
+        ppc_p = next_pow2(-(-np_ // owners))
+        if np_ > MAX_SLOTS or ppc_p * pw > max_per_thread * threads:
+            continue
+        if best is None or np_ < best.np:
+            best = SelfPlan(pw, nc, np_, ppc_p, next_pow2(nc), owners)
+        if INTERPRET:  # the interpreter's cost is elementwise work: the narrowest piece that fits
+            break
+    return best
+
+
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> Optional[int]:
+    """SMs of a CUDA device (None elsewhere): how many programs own pieces (``self_plan``)."""
+    if device.type != "cuda" or INTERPRET:
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+_WORKSPACES: dict = {}
+
+
+def self_workspace(A: torch.Tensor, grid: int, plan: SelfPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tick int32 [grid], slots int64 [NP]) of one EC site, zeroed when made (tags start at 1). Keyed by
+    A's storage and the launch geometry; made outside CUDA-graph capture (the caller's first run)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key = (A.untyped_storage().data_ptr(), A.storage_offset(), str(A.device), grid, plan)
+    hit = _WORKSPACES.get(key)
+    if hit is not None and not hit[0].expired():
+        return hit[1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the one-launch decode EC's workspace (A {tuple(A.shape)}, {grid} programs) is made on "
+                           "first use, and this first use is inside a CUDA graph capture: run the model once first")
+    for k in [k for k, v in _WORKSPACES.items() if v[0].expired()]:
+        del _WORKSPACES[k]
+    ws = (torch.zeros(grid, dtype=torch.int32, device=A.device), torch.zeros(plan.np, dtype=torch.int64, device=A.device))
+    _WORKSPACES[key] = (StorageWeakRef(A.untyped_storage()), ws)
+    return ws
+
+
+def check_self_operands(A: torch.Tensor, K: int, x2: torch.Tensor) -> None:
+    """The pieces read A as dense rows of K values and x as K contiguous values."""
+    if A.dim() != 2 or A.shape[1] != K or A.stride() != (K, 1):
+        raise ValueError(f"one-launch decode EC: A {tuple(A.shape)} stride {A.stride()} must be a contiguous [R, {K}]")
+    if x2.shape != (1, K) or x2.stride(-1) != 1:
+        raise ValueError(f"one-launch decode EC: x {tuple(x2.shape)} must be one contiguous row of {K}")
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ec_tag(TICK, pid):
+        """This launch's tag (launch index + 1, mod 2^31) from program ``pid``'s own counter, advanced."""
+        e = tl.load(TICK + pid, cache_modifier=".cg")
+        tl.store(TICK + pid, e + 1)
+        return (e + 1) & 0x7FFFFFFF
+
+    @triton.jit
+    def ec_pieces(A, X, K, NC, p, mask_p, PW: tl.constexpr):
+        """Values (fp32) of pieces ``p`` [PPC_P]: row p // NC of A times x over chunk p % NC."""
+        offs = (p % NC)[:, None] * PW + tl.arange(0, PW)[None, :]
+        m = mask_p[:, None] & (offs < K)
+        a = tl.load(A + (p // NC)[:, None] * K + offs, mask=m, other=0.0).to(tl.float32)
+        xv = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        return tl.sum(a * xv, axis=1)
+
+    @triton.jit
+    def ec_publish(SLOTS, p, mask_p, v, tag):
+        """Slots ``p`` := (tag << 32) | bits(v): value and tag in one 64-bit store."""
+        bits = v.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)
+        tl.store(SLOTS + p, bits | (tag.to(tl.int64) << 32), mask=mask_p)
+
+    @triton.jit
+    def ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, pid, tag, PW: tl.constexpr, PPC_P: tl.constexpr):
+        """Program ``pid``'s pieces (``pid + i OWNERS``; none unless pid < OWNERS), published under ``tag``."""
+        p = pid + tl.arange(0, PPC_P) * OWNERS
+        mp = (p < R * NC) & (pid < OWNERS)
+        ec_publish(SLOTS, p, mp, ec_pieces(A, X, K, NC, p, mp, PW), tag)
+
+    @triton.jit
+    def _slots_missing(v, m, tag):
+        return tl.sum(tl.where(m & ((v >> 32).to(tl.int32) != tag), 1, 0))
+
+    @triton.jit
+    def ec_collect(SLOTS, A, X, K, R, NC, tag, PW: tl.constexpr, PPC_P: tl.constexpr, R_P: tl.constexpr,
+                   NC_P: tl.constexpr, SPIN: tl.constexpr):
+        """h [R_P] (fp32; rows >= R zero) from this launch's slots: re-read up to SPIN times while some
+        are missing, then compute and publish the missing pieces here (``ec_pieces``, the same shape
+        as their owners', so the same bits), and sum each row over its chunks in a fixed order."""
+        offs_r = tl.arange(0, R_P)
+        offs_c = tl.arange(0, NC_P)
+        m = (offs_r < R)[:, None] & (offs_c < NC)[None, :]
+        idx = offs_r[:, None] * NC + offs_c[None, :]
+        v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+        missing = _slots_missing(v, m, tag)
+        it = 0
+        while (missing > 0) & (it < SPIN):
+            v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+            missing = _slots_missing(v, m, tag)
+            it += 1
+        if missing > 0:
+            NP = R * NC
+            for g in range(0, NP, PPC_P):
+                p = g + tl.arange(0, PPC_P)
+                mp = p < NP
+                old = tl.load(SLOTS + p, mask=mp, other=0, volatile=True)
+                need = mp & ((old >> 32).to(tl.int32) != tag)
+                ec_publish(SLOTS, p, need, ec_pieces(A, X, K, NC, p, need, PW), tag)
+            tl.debug_barrier()  # this program's own stores are visible to all its threads
+            v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+        vals = v.to(tl.int32).to(tl.float32, bitcast=True)
+        return tl.sum(tl.where(m, vals, 0.0), axis=1)

@@ -1,0 +1,128 @@
+"""The one-launch decode EC (``lowering/ec_self.py``) against ``ec_linear_ref``.
+
+On CPU under ``TRITON_INTERPRET=1`` the programs run one after another with ``SPIN = 0``: program 0
+finds no piece of h published and computes them all itself (the fallback), the later ones find them
+tagged - so both paths run. On a GPU the same tests run the compiled kernel, where the pieces come from
+their owners unless a test leaves them out.
+"""
+import pytest
+import torch
+
+from spear_compile.lowering._triton import HAS_TRITON
+from spear_compile.lowering.ec_linear import ec_linear_ref
+
+from .test_triton_kernels import DEV, _close, _ec, _weight
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is a test dependency; install .[test]")
+
+
+def _setup(N, K, R, D, dtype, G=64, seed=0):
+    qweight, scales, zeros, bias, Gs = _weight(N, K, G, dtype, seed)
+    return (qweight, scales, zeros, bias, Gs), _ec(N, K, R, D, dtype, seed + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,K,R,D,config", [(123, 320, 5, 3, (16, 64, 4, 1)), (123, 320, 8, 4, (32, 32, 2, 0)),
+                                              (64, 1536, 16, 8, (8, 64, 4, 0))])
+def test_one_launch_ec_matches_reference_over_launches(dtype, N, K, R, D, config):
+    from spear_compile.lowering.ec_self import self_plan, self_workspace
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    from spear_compile.lowering.ec_self import sm_count
+
+    (q, s, z, b, G), ec = _setup(N, K, R, D, dtype)
+    grid = -(-N // config[0])
+    plan = self_plan(R, K, grid, 32 * config[2], sm_count(torch.device(DEV)))
+    assert plan is not None
+    outs = []
+    for rep in range(3):  # every launch tags its pieces anew: stale slots of the last launch are not read
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(rep % 2)).to(DEV, dtype)
+        y = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+        _close(y, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[2])  # the same x gives the same bits (fixed summation order)
+    tick, slots = self_workspace(ec[0], grid, plan)
+    assert tick.tolist() == [3] * grid  # every program advanced its own counter once per launch
+    assert ((slots >> 32) == 3).all()  # and every piece carries the last launch's tag
+
+
+def test_one_launch_ec_ignores_stale_and_foreign_slots():
+    """Slots holding garbage under the previous tag (or any other) are recomputed, never summed."""
+    from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    dtype, config = torch.bfloat16, (16, 64, 4, 1)
+    (q, s, z, b, G), ec = _setup(123, 320, 5, 3, dtype)
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    ref = ec_linear_ref(x, q, s, z, G, b, *ec, "silu")
+    y0 = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+    tick, slots = self_workspace(ec[0], 8, self_plan(5, 320, 8, 128, sm_count(torch.device(DEV))))
+    garbage = torch.tensor(1e6, dtype=torch.float32).view(torch.int32).item()
+    slots.copy_((tick[0].to(torch.int64) << 32) | garbage)  # this (finished) launch's tag, wrong values
+    y1 = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+    _close(y1, ref, dtype)
+    assert torch.equal(y0, y1)
+
+
+@pytest.mark.parametrize("parts", [2 | 8])
+def test_one_launch_ec_without_owners_computes_the_pieces_itself(parts):
+    """No program publishes its own pieces (EC_PARTS without bit 1): every reader gives up waiting
+    after SPIN re-reads and computes the missing pieces - the path that keeps a launch whose programs
+    are not all resident from deadlocking. Same bits as with the owners."""
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    dtype, config = torch.float16, (32, 32, 2, 0)
+    (q, s, z, b, G), ec = _setup(123, 320, 8, 4, dtype, seed=5)
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(4)).to(DEV, dtype)
+    y_own = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+    y_fallback = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config, ec_parts=parts)
+    _close(y_fallback, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
+    assert torch.equal(y_own, y_fallback)
+
+
+def test_self_plan_picks_fewest_slots_within_the_register_budget():
+    from spear_compile.lowering.ec_self import MAX_SLOTS, PIECE_WIDTHS, self_plan
+
+    for R, K, grid, threads in [(64, 4096, 512, 128), (64, 8192, 256, 128), (16, 11008, 128, 256), (5, 320, 8, 64)]:
+        plan = self_plan(R, K, grid, threads)
+        assert plan is not None
+        assert plan.np == R * plan.nc and plan.nc == -(-K // plan.pw) and plan.np <= MAX_SLOTS
+        assert plan.ppc_p * grid >= plan.np and plan.ppc_p * plan.pw <= 32 * threads
+        assert plan.nc_p >= plan.nc and plan.owners == grid
+    # a grid of several waves: only as many owners as SMs, each with more pieces
+    plan = self_plan(64, 4096, 512, 128, sms=132)
+    assert plan.owners == 132 and plan.ppc_p * 132 >= plan.np
+    # 64 rows of A over 8192 columns cannot be spread over 16 programs of 32 threads
+    assert self_plan(64, 8192, 16, 32) is None
+    assert min(PIECE_WIDTHS) >= 128
+
+
+def test_one_launch_ec_refuses_bad_operands():
+    from spear_compile.lowering.ec_self import check_self_operands
+
+    A = torch.zeros(8, 64)
+    check_self_operands(A, 64, torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="A"):
+        check_self_operands(A.t().contiguous().t(), 64, torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="A"):
+        check_self_operands(A, 32, torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="x"):
+        check_self_operands(A, 64, torch.zeros(2, 64))
+
+
+def test_one_launch_ec_with_fewer_owners_than_programs(monkeypatch):
+    """A grid larger than the GPU's SM count: only the first SM-count programs own pieces (the others
+    only read them), each owning more."""
+    from spear_compile.lowering import ec_self
+    from spear_compile.lowering.w4a16_triton import w4a16_gemv1
+
+    dtype, config = torch.bfloat16, (16, 64, 4, 1)  # 8 programs, 3 of them owners
+    monkeypatch.setattr(ec_self, "sm_count", lambda dev: 3)
+    (q, s, z, b, G), ec = _setup(123, 320, 8, 4, dtype, seed=7)
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    plan = ec_self.self_plan(8, 320, 8, 128, 3)
+    assert plan.owners == 3 and plan.ppc_p * 3 >= plan.np and plan.ppc_p > -(-plan.np // 8)
+    y = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+    _close(y, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
+    tick, slots = ec_self.self_workspace(ec[0], 8, plan)
+    assert ((slots >> 32) == 1).all()
