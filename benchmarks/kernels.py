@@ -307,6 +307,12 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
         timeit(name, lambda i, fn=fn: fn(xs[i], i))
     ok = {k: v for k, v in row["us"].items() if v and (k.startswith("self_") or k.startswith("tmaself_"))
           and row["err"].get(k) is not None and row["err"][k] < MAX_LAB_ERR}
+    best_tma = min((k for k in ok if k.startswith("tmaself_")), key=ok.get, default=None)
+    if best_tma:  # where its time goes (PARTS: 1 own pieces, 2 collect + gate, 8 the term added)
+        cfg = tuple(int(v) for v in best_tma.split("_")[1:])
+        for parts in (0, 1, 3):
+            timeit(f"tmaself_parts{parts}",
+                   lambda i, p=parts: tma_self_gemv(xs[i], *args_w(i), G, None, ec, "silu", cfg, parts=p))
     pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
     key = T.gemv1self_key(N, K, G)
     if ok and pairs and min(ok.values()) < min(pairs):
@@ -394,9 +400,14 @@ def main() -> None:
                 cfg, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=c)),
                                 T.GEMV1_CONFIGS, copies)
                 T.tuned_table()[T.gemv1_key(N, K, G, False)] = list(cfg)
-                cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=c)),
-                                   T.GEMV1_CONFIGS, copies)
-                T.tuned_table()[T.gemv1_key(N, K, G, True)] = list(cfg_ec)
+                # (the one-launch EC's tile off Hopper: configs whose programs cannot hold A's pieces are
+                # skipped; if none can, gemv1_ec runs the pair there and the key is not needed)
+                ok_ec = [c for c in T.GEMV1_CONFIGS
+                         if T.self_plan_ok(ec[0].shape[0], K, -(-N // c[0]), c[2], x.device)]
+                if ok_ec:
+                    cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec,
+                                                                          config=c)), ok_ec, copies)
+                    T.tuned_table()[T.gemv1_key(N, K, G, True)] = list(cfg_ec)
             elif fused_ok:
                 cfg, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=c)), T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, False)] = list(cfg)

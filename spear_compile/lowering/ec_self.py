@@ -165,8 +165,8 @@ if HAS_TRITON:
     @triton.jit
     def ec_collect(SLOTS, A, X, K, R, NC, tag, PW: tl.constexpr, PPC_P: tl.constexpr, R_P: tl.constexpr,
                    NC_P: tl.constexpr, SPIN: tl.constexpr):
-        """h [R_P] (fp32; rows >= R zero) from this launch's slots: re-read up to SPIN times while some
-        are missing, then compute and publish the missing pieces here (``ec_pieces``, the same shape
+        """h [R_P] (fp32; rows >= R zero) from this launch's slots: re-read (backing off) up to SPIN times
+        while some are missing, then compute and publish the missing pieces here (``ec_pieces``, the same shape
         as their owners', so the same bits), and sum each row over its chunks in a fixed order."""
         offs_r = tl.arange(0, R_P)
         offs_c = tl.arange(0, NC_P)
@@ -175,7 +175,11 @@ if HAS_TRITON:
         v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
         missing = _slots_missing(v, m, tag)
         it = 0
-        while (missing > 0) & (it < SPIN):
+        while (missing > 0) & (it < SPIN):  # (SPIN = 0 in the interpreter, which has no inline PTX)
+            # back off: thousands of waiting programs re-reading the same lines in a tight loop slowed the
+            # owners' stores to them by orders of magnitude (session 17, call 1: 0.14-1.3 ms launches)
+            tl.inline_asm_elementwise("nanosleep.u32 256; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
             v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
             missing = _slots_missing(v, m, tag)
             it += 1

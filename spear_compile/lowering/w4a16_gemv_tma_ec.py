@@ -103,20 +103,28 @@ if HAS_GLUON:
         return gl.sum(gl.sum(gl.where(m & ((v >> 32).to(gl.int32) != tag), 1, 0), axis=1), axis=0)
 
     @gluon.jit
-    def _self_collect(SLOTS, A, X, K, R, NC, tag, PW: gl.constexpr, PPC_P: gl.constexpr, R_P: gl.constexpr,
-                      NC_P: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr):
-        """h [R_P] from this launch's slots (``ec_self.ec_collect``): one thread per row of A holds its NC
-        chunks, so each row's sum is in one thread, in a fixed order."""
+    def _self_slots(SLOTS, R, NC, R_P: gl.constexpr, NC_P: gl.constexpr, WARPS: gl.constexpr):
+        """The slot addresses [R_P, NC_P] and their mask: one thread per row of A holds its NC chunks,
+        so each row's sum is in one thread, in a fixed order."""
         cl: gl.constexpr = gl.BlockedLayout([1, NC_P], [32, 1], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, R_P, layout=gl.SliceLayout(1, cl))
         offs_c = gl.arange(0, NC_P, layout=gl.SliceLayout(0, cl))
         m = gl.expand_dims(offs_r < R, 1) & gl.expand_dims(offs_c < NC, 0)
-        idx = gl.expand_dims(offs_r * NC, 1) + gl.expand_dims(offs_c, 0)
-        v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+        return SLOTS + gl.expand_dims(offs_r * NC, 1) + gl.expand_dims(offs_c, 0), m
+
+    @gluon.jit
+    def _self_collect(v, ptrs, m, SLOTS, A, X, K, R, NC, tag, PW: gl.constexpr, PPC_P: gl.constexpr,
+                      SPIN: gl.constexpr, WARPS: gl.constexpr):
+        """h [R_P] from this launch's slots (``ec_self.ec_collect``), starting from ``v``, the slots as
+        read during the last K step: re-read (with a back-off, so that waiting CTAs do not flood the
+        slots' L2 lines: ``ec_self.ec_collect``) while some are missing, at most SPIN times, then compute
+        the rest here."""
         missing = _self_missing(v, m, tag)
         it = 0
         while (missing > 0) & (it < SPIN):
-            v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+            gl.inline_asm_elementwise("nanosleep.u32 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            v = gl.load(ptrs, mask=m, other=0, volatile=True)
             missing = _self_missing(v, m, tag)
             it += 1
         if missing > 0:  # compute and publish the missing pieces here: same code, same bits as their owners'
@@ -130,7 +138,7 @@ if HAS_GLUON:
                 a, xv = _self_load(A, X, K, NC, p, need, PW, WARPS)
                 _self_publish(SLOTS, p, need, a, xv, tag)
             gl.thread_barrier()
-            v = gl.load(SLOTS + idx, mask=m, other=0, volatile=True)
+            v = gl.load(ptrs, mask=m, other=0, volatile=True)
         vals = v.to(gl.int32).to(gl.float32, bitcast=True)
         return gl.sum(gl.where(m, vals, 0.0), axis=1)
 
@@ -202,16 +210,17 @@ class EcEpilogue:
 class EcSelf:
     """The one-launch decode EC's operands for the TMA kernel (``ec_self.py``): ``ec = (A, B, W1, b1, W2,
     b2, alpha)`` of one EC (no concatenation's row offsets), the gate activation ``act``; the kernel's
-    CTAs compute h's pieces themselves and each gates for itself. ``own=False`` (tests only): no CTA
-    publishes its own pieces, so every CTA takes the path that computes missing ones itself."""
+    CTAs compute h's pieces themselves and each gates for itself. ``parts`` (tests and timing studies,
+    the kernel's PARTS): 11 everything; 10 no CTA publishes its own pieces, so every CTA takes the path
+    that computes missing ones itself (same result); other subsets leave stages out (wrong results)."""
 
     self = True
 
-    def __init__(self, ec: tuple, act: str = "silu", own: bool = True):
+    def __init__(self, ec: tuple, act: str = "silu", parts: int = 11):
         from ._triton import ACT_CODES
 
         self.a, self.b, self.w1, self.b1, self.w2, self.b2, self.alpha = ec
-        self.act, self.own = ACT_CODES[act], own
+        self.act, self.parts = ACT_CODES[act], parts
 
     def plan(self, rows: int, warps: int):
         """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
@@ -247,12 +256,12 @@ class EcSelf:
 
 
 def tma_self_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple,
-                  out=None, own: bool = True) -> torch.Tensor:
+                  out=None, parts: int = 11) -> torch.Tensor:
     """The decode EC in one launch of the TMA kernel (``EcSelf``); the other arguments are
     ``w4a16_gemv_tma``'s."""
     from .w4a16_gemv_tma import w4a16_gemv_tma
 
-    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, ec=EcSelf(ec, act, own))
+    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, ec=EcSelf(ec, act, parts))
 
 
 def tma_ec_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple, b, roff,

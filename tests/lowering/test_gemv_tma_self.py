@@ -4,7 +4,7 @@ The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU i
 (no spills) and the host checks and the dispatch are tested; the protocol itself (tags, per-program
 counters, the fallback) runs on the CPU through the CUDA-core kernel's Triton form in
 ``test_ec_self.py``. On a Hopper GPU the kernel runs against ``ec_linear_ref``: several launches, the
-fallback path (``own=False``), and replays of a CUDA graph.
+fallback path (``parts=10``), and replays of a CUDA graph.
 """
 import pytest
 import torch
@@ -96,7 +96,8 @@ def _setup(N, K, G, R=16, D=8, seed=0):
 
 @on_hopper
 @pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2)])
-@pytest.mark.parametrize("N,K,G,R", [(256, 1280, 128, 16), (200, 4096, 4096, 64), (96, 2048, 128, 64)])
+@pytest.mark.parametrize("N,K,G,R", [(1000, 2048, 128, 16), (2048, 4096, 4096, 32), (4096, 2048, 128, 64),
+                                     (1024, 1024, 128, 64)])
 def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
     from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
     from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
@@ -115,15 +116,15 @@ def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
     assert _rel(no_ec, ref) > 5e-2  # dropping the EC term would fail
     tick, slots = self_workspace(ec[0], rows, plan)
     assert tick.tolist() == [3] * rows and ((slots >> 32) == 3).all()
-    # nobody publishes its own pieces: every CTA computes the missing ones itself - same bits
-    assert torch.equal(tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, own=False), outs[0])
+    # nobody publishes its own pieces (parts 10): every CTA computes the missing ones itself - same bits
+    assert torch.equal(tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, parts=10), outs[0])
 
 
 @on_hopper
 def test_one_launch_tma_ec_replays_in_a_cuda_graph():
     from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
 
-    N, K, G = 256, 2048, 128
+    N, K, G = 2048, 2048, 128
     x, q, s, z, b, ec = _setup(N, K, G, 64)
     cfg = (4, 2, 2, 2, 2)
     y = tma_self_gemv(x, q, s, z, G, b, ec, "silu", cfg)  # first use makes the layouts and the workspace
