@@ -43,7 +43,7 @@ import torch
 
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 
-SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes missing pieces itself
+SPIN = 0 if INTERPRET else 1024  # re-reads of the slots before a program computes missing pieces itself
 MAX_SLOTS = 1024  # R * NC: what every program reads after its loop (8 KB at most)
 PIECE_WIDTHS = (256, 512, 1024, 2048, 4096)
 
@@ -175,13 +175,15 @@ if HAS_TRITON:
         v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
         missing = _slots_missing(v, m, tag)
         it = 0
+        ns = 32
         while (missing > 0) & (it < SPIN):  # (SPIN = 0 in the interpreter, which has no inline PTX)
-            # back off: thousands of waiting programs re-reading the same lines in a tight loop slowed the
-            # owners' stores to them by orders of magnitude (session 17, call 1: 0.14-1.3 ms launches)
-            tl.inline_asm_elementwise("nanosleep.u32 256; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+            # back off exponentially (32 ns to 4 us): thousands of programs re-reading the same lines slow
+            # the owners' stores to them (session 17: 0.14-2 ms launches of grids of 1024+ programs)
+            tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
+                                      is_pure=False, pack=1)
             v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
             missing = _slots_missing(v, m, tag)
+            ns = tl.minimum(ns * 2, 4096)
             it += 1
         if missing > 0:
             NP = R * NC

@@ -59,7 +59,7 @@ if HAS_GLUON:
 
     from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
     from .w4a16_gemv_tma_ec import (_ec_operands, _ec_rows, _self_collect, _self_gate_operands, _self_own,
-                                    _self_publish, _self_rows, _self_slots, _self_tag)
+                                    _self_b_rows, _self_publish, _self_rows, _self_slots, _self_tag)
 
     try:  # Hopper TMA and mbarriers in Gluon (Triton 3.5+); without them the dispatch never picks this kernel
         from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -397,12 +397,16 @@ if HAS_TMA:
             if i < KTS:
                 _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
                               SZ_TMA)
-        if HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
+        if HAS_EC and SELF:  # B's rows, the gate, this CTA's pieces of h = A x: requested now
+            ecb = _self_b_rows(EB, N, R, pid, BN, RC_P, WARPS)
+            eca = gl.load(ALPHA).to(gl.float32)
+            ecg = 0
+            ecm = 0
+            tag = _self_tag(CNT, pid)
+            sp, smp, sa, sx = _self_own(GH, EA, X, K, R, NC, OWNERS, pid, PW, PPC_P, WARPS)
+            w1, b1, w2, b2 = _self_gate_operands(EW1, EB1, EW2, EB2, R, D, RC_P, D_P, WARPS)
+        elif HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
             ecb, ecg, ecm, eca = _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN, RC_P, HAS_ROFF, WARPS)
-            if SELF:  # this CTA's pieces of h = A x: requested now, published once x is staged
-                tag = _self_tag(CNT, pid)
-                sp, smp, sa, sx = _self_own(GH, EA, X, K, R, NC, OWNERS, pid, PW, PPC_P, WARPS)
-                w1, b1, w2, b2 = _self_gate_operands(EW1, EB1, EW2, EB2, R, D, RC_P, D_P, WARPS)
         else:
             ecb = 0
             ecg = 0

@@ -121,11 +121,13 @@ if HAS_GLUON:
         the rest here."""
         missing = _self_missing(v, m, tag)
         it = 0
+        ns = 32
         while (missing > 0) & (it < SPIN):
-            gl.inline_asm_elementwise("nanosleep.u32 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                      pack=1)
+            gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=gl.int32,
+                                      is_pure=False, pack=1)
             v = gl.load(ptrs, mask=m, other=0, volatile=True)
             missing = _self_missing(v, m, tag)
+            ns = gl.minimum(ns * 2, 4096)
             it += 1
         if missing > 0:  # compute and publish the missing pieces here: same code, same bits as their owners'
             l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -142,26 +144,44 @@ if HAS_GLUON:
         vals = v.to(gl.int32).to(gl.float32, bitcast=True)
         return gl.sum(gl.where(m, vals, 0.0), axis=1)
 
+    # The gate's layouts are chosen so that h, as ``_self_collect`` sums it (row r of A in lane r % 32 of
+    # warp r // 32), is already each one's r-vector: the conversions between them are asserted free, and
+    # the term costs three cross-thread reductions (missing pieces, W1 h, B (g h)) instead of a shared-
+    # memory round trip per conversion (call 2: collect + gate + term were ~1 us of the 8192^2 EC).
+
     @gluon.jit
     def _self_gate_operands(W1, B1, W2, B2, R, D, R_P: gl.constexpr, D_P: gl.constexpr, WARPS: gl.constexpr):
-        """The gate MLP's weights (fp32, in the gate's layout), requested before the K loop."""
-        gl_: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
-        rr = gl.arange(0, R_P, layout=gl.SliceLayout(0, gl_))
-        dd = gl.arange(0, D_P, layout=gl.SliceLayout(1, gl_))
+        """The gate MLP's weights (fp32), requested before the K loop: W1 [D_P, R_P] with a column r per
+        thread (W1 h reduces over the lanes), W2 [R_P, D_P] with a row r per thread (W2 z reduces in
+        registers, z being in every thread)."""
+        l1: gl.constexpr = gl.BlockedLayout([D_P, 1], [1, 32], [1, WARPS], [0, 1])
+        l2: gl.constexpr = gl.BlockedLayout([1, D_P], [32, 1], [WARPS, 1], [1, 0])
+        rr = gl.arange(0, R_P, layout=gl.SliceLayout(0, l1))
+        dd = gl.arange(0, D_P, layout=gl.SliceLayout(1, l1))
         w1 = gl.load(W1 + gl.expand_dims(dd, 1) * R + gl.expand_dims(rr, 0),
                      mask=gl.expand_dims(dd < D, 1) & gl.expand_dims(rr < R, 0), other=0.0).to(gl.float32)
         b1 = gl.load(B1 + dd, mask=dd < D, other=0.0).to(gl.float32)
-        rc = gl.arange(0, R_P, layout=gl.SliceLayout(1, gl_))
-        dc = gl.arange(0, D_P, layout=gl.SliceLayout(0, gl_))
+        rc = gl.arange(0, R_P, layout=gl.SliceLayout(1, l2))
+        dc = gl.arange(0, D_P, layout=gl.SliceLayout(0, l2))
         w2 = gl.load(W2 + gl.expand_dims(rc, 1) * D + gl.expand_dims(dc, 0),
                      mask=gl.expand_dims(rc < R, 1) & gl.expand_dims(dc < D, 0), other=0.0).to(gl.float32)
         b2 = gl.load(B2 + rc, mask=rc < R, other=0.0).to(gl.float32)
         return w1, b1, w2, b2
 
     @gluon.jit
+    def _self_b_rows(EB, N, R, pid, BN: gl.constexpr, R_P: gl.constexpr, WARPS: gl.constexpr):
+        """B's rows of the CTA [BN, R_P] with a column r per thread (each of a warp's 32 lanes reads one
+        of 32 consecutive values of a row: coalesced), requested before the K loop."""
+        lb: gl.constexpr = gl.BlockedLayout([BN, 1], [1, 32], [1, WARPS], [0, 1])
+        rows = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, lb))
+        cols = gl.arange(0, R_P, layout=gl.SliceLayout(0, lb))
+        m = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < R, 0)
+        return gl.load(EB + gl.expand_dims(rows, 1) * R + gl.expand_dims(cols, 0), mask=m, other=0.0)
+
+    @gluon.jit
     def _self_rows(h, w1, b1, w2, b2, b, alpha, out_layout: gl.constexpr, ACT: gl.constexpr):
         """``alpha sum_j b[n, j] (g h)[j]`` of the CTA's rows, g = sigmoid(W2 act(W1 h + b1) + b2)."""
-        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout))
+        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout), assert_trivial=True)
         z = gl.sum(w1 * gl.expand_dims(hz, 0), axis=1) + b1
         if ACT == 0:
             z = z / (1.0 + gl.exp(-z))
@@ -169,11 +189,12 @@ if HAS_GLUON:
             z = gl.maximum(z, 0.0)
         else:
             z = 0.5 * z * (1.0 + gl.erf(z * 0.7071067811865476))
-        zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout))
+        zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout), assert_trivial=True)
         u = gl.sum(w2 * gl.expand_dims(zz, 0), axis=1) + b2
-        gh = gl.convert_layout(h, u.type.layout) / (1.0 + gl.exp(-u))
-        ghb = gl.convert_layout(gh, gl.SliceLayout(0, b.type.layout))
+        gh = gl.convert_layout(h, u.type.layout, assert_trivial=True) / (1.0 + gl.exp(-u))
+        ghb = gl.convert_layout(gh, gl.SliceLayout(0, b.type.layout), assert_trivial=True)
         return gl.convert_layout(gl.sum(b.to(gl.float32) * gl.expand_dims(ghb, 0), axis=1) * alpha, out_layout)
+
 
 class EcEpilogue:
     """The decode EC's operands for the TMA kernel (module docstring): ``b`` [N, RC] each row's EC

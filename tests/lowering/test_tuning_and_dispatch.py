@@ -42,7 +42,8 @@ def test_shipped_tables_are_well_formed():
         for key, val in table.items():
             if "configs_" in f:
                 kind = key.split("|")[0]
-                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemm", "gemmwg", "ecstruct")
+                assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemv1self", "gemm", "gemmwg",
+                                "ecstruct")
                 if kind == "gemm" and val[0] == "wgmma_ra":  # the register-operand wgmma GEMM
                     from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
 
@@ -52,6 +53,15 @@ def test_shipped_tables_are_well_formed():
                     from spear_compile.lowering.w4a16_gemm_wgmma import check_config
 
                     check_config(tuple(val[1:] if kind == "gemm" else val))
+                    continue
+                if kind == "gemv1self":  # the one-launch decode EC: which kernel, in which config
+                    from spear_compile.lowering.w4a16_gemv_tma import unpack_config
+
+                    assert val[0] in ("cc", "tma") and len(key.split("|")) == 4
+                    if val[0] == "tma":
+                        unpack_config(tuple(val[1:]))
+                    else:
+                        assert len(val) == 5 and all(isinstance(v, int) and v >= 0 for v in val[1:])
                     continue
                 if kind == "gemv1tmaec":  # which decode EC pair a single EC takes (1: the TMA one)
                     assert val in (0, 1) and len(key.split("|")) == 4
