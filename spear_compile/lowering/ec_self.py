@@ -10,30 +10,30 @@ single launches lost for other reasons: extra producer programs scheduled after 
 everyone waited for. Here no program is extra and no counter is shared:
 
 * **Pieces.** ``h = A x`` is cut into ``NP = R * NC`` pieces, piece ``p`` = row ``p // NC`` of A times
-  x over the ``p % NC``-th chunk of ``PW`` columns. The first ``OWNERS`` programs (all of them, or as
-  many as the GPU has SMs if the grid is larger) compute pieces ``pid, pid + OWNERS, ...`` (``PPC`` of
-  them) right after requesting their first weight tile - A's bytes are spread over the programs and
-  their latency overlaps the weight stream's. Owners are low program ids, which the GPU dispatches
-  first, so a grid of several waves does not leave its first wave waiting for pieces owned by a later
-  one (if it did, the fallback below would still finish the launch, slowly).
+  x over the ``p % NC``-th chunk of ``PW`` columns. The first ``OWNERS`` programs *to start* (all of
+  them, or as many as the GPU has SMs if the grid is larger) compute pieces ``role, role + OWNERS, ...``
+  (``PPC`` of them) right after requesting their first weight tile - A's bytes are spread over the
+  programs and their latency overlaps the weight stream's. Roles come from a ticket (one relaxed
+  64-bit atomic per program, never reset): ticket ``t`` gives role ``t % grid`` and launch index ``t //
+  grid``. An owner is a program that is running, so nothing waits on a program the GPU has not
+  scheduled. (Session 17, call 2: owners by program id - low ids, assumed dispatched first - left
+  grids of several waves spinning for milliseconds.)
 * **Tags, not counters.** A piece is published as one 64-bit word: its fp32 value in the low half, the
-  launch's tag in the high half. A reader knows a slot is this launch's by its tag alone; no flag,
-  no counter to reset, no fence between value and flag. The tag is ``launch index + 1`` (mod 2^31),
-  and the launch index comes from a *per-program* counter ``tick[pid]`` that only that program reads
-  and increments: every launch of a site runs every program once, so all of them agree without
-  talking. (A stale slot carries the previous launch's tag, never this one's.)
+  launch's tag (launch index + 1, mod 2^31) in the high half. A reader knows a slot is this launch's by
+  its tag alone; no flag, no counter to reset, no fence between value and flag. (A stale slot carries
+  the previous launch's tag, never this one's.)
 * **Every program gates for itself.** After its K loop a program reads the ``R x NC`` slots (one L2
   round trip, 2-6 KB), sums each row over its chunks in a fixed order (deterministic), applies the
   gate MLP (operands loaded before the loop) and adds ``alpha B (g h)`` to its rows.
-* **No deadlock, whatever the residency.** A program waits for others only after its own pieces are
-  out, and only ``SPIN`` re-reads; then it computes the missing pieces itself with the same code
-  (same shape, so the same bits) and publishes them too - an idempotent write. Programs the GPU has
-  not scheduled yet can never hold it up, and Triton's interpreter (programs run one after another,
-  ``SPIN = 0``) exercises this path on the CPU.
+* **No deadlock, whatever happens.** A program waits for others only after its own pieces are out, only
+  for pieces of programs already running, and only ``SPIN`` re-reads (backing off); then it computes
+  the missing pieces itself with the same code (same shape, so the same bits) and publishes them too -
+  an idempotent write. Triton's interpreter (programs run one after another, ``SPIN = 0``) exercises
+  this path on the CPU.
 
 Host side: ``self_plan`` picks the piece width and checks that a program's pieces fit in registers;
-``self_workspace`` holds each site's ``tick`` and slots (keyed by A's storage, the grid and the plan:
-sites never share one, so two streams' GEMVs cannot meet in it).
+``self_workspace`` holds each site's ticket and slots (keyed by A's storage, the grid and the plan: the
+launch index needs every launch on a ticket to have the same grid, and sites never share one).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import torch
 
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 
-SPIN = 0 if INTERPRET else 1024  # re-reads of the slots before a program computes missing pieces itself
+SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes missing pieces itself
 MAX_SLOTS = 1024  # R * NC: what every program reads after its loop (8 KB at most)
 PIECE_WIDTHS = (256, 512, 1024, 2048, 4096)
 
@@ -99,7 +99,7 @@ _WORKSPACES: dict = {}
 
 
 def self_workspace(A: torch.Tensor, grid: int, plan: SelfPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tick int32 [grid], slots int64 [NP]) of one EC site, zeroed when made (tags start at 1). Keyed by
+    """(ticket int64 [1], slots int64 [NP]) of one EC site, zeroed when made (tags start at 1). Keyed by
     A's storage and the launch geometry; made outside CUDA-graph capture (the caller's first run)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -112,7 +112,7 @@ def self_workspace(A: torch.Tensor, grid: int, plan: SelfPlan) -> tuple[torch.Te
                            "first use, and this first use is inside a CUDA graph capture: run the model once first")
     for k in [k for k, v in _WORKSPACES.items() if v[0].expired()]:
         del _WORKSPACES[k]
-    ws = (torch.zeros(grid, dtype=torch.int32, device=A.device), torch.zeros(plan.np, dtype=torch.int64, device=A.device))
+    ws = (torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(plan.np, dtype=torch.int64, device=A.device))
     _WORKSPACES[key] = (StorageWeakRef(A.untyped_storage()), ws)
     return ws
 
@@ -130,11 +130,12 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def ec_tag(TICK, pid):
-        """This launch's tag (launch index + 1, mod 2^31) from program ``pid``'s own counter, advanced."""
-        e = tl.load(TICK + pid, cache_modifier=".cg")
-        tl.store(TICK + pid, e + 1)
-        return (e + 1) & 0x7FFFFFFF
+    def ec_ticket(TICKET):
+        """(tag, role): this launch's tag (launch index + 1, mod 2^31) and the program's role (the order
+        in which it started), from its ticket - one relaxed atomic on the site's int64 counter."""
+        t = tl.atomic_add(TICKET, 1, sem="relaxed")
+        grid = tl.num_programs(0)
+        return ((t // grid + 1) & 0x7FFFFFFF).to(tl.int32), (t % grid).to(tl.int32)
 
     @triton.jit
     def ec_pieces(A, X, K, NC, p, mask_p, PW: tl.constexpr):
@@ -152,10 +153,11 @@ if HAS_TRITON:
         tl.store(SLOTS + p, bits | (tag.to(tl.int64) << 32), mask=mask_p)
 
     @triton.jit
-    def ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, pid, tag, PW: tl.constexpr, PPC_P: tl.constexpr):
-        """Program ``pid``'s pieces (``pid + i OWNERS``; none unless pid < OWNERS), published under ``tag``."""
-        p = pid + tl.arange(0, PPC_P) * OWNERS
-        mp = (p < R * NC) & (pid < OWNERS)
+    def ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, role, tag, PW: tl.constexpr, PPC_P: tl.constexpr):
+        """The pieces of role ``role`` (``role + i OWNERS``; none unless role < OWNERS), published under
+        ``tag``."""
+        p = role + tl.arange(0, PPC_P) * OWNERS
+        mp = (p < R * NC) & (role < OWNERS)
         ec_publish(SLOTS, p, mp, ec_pieces(A, X, K, NC, p, mp, PW), tag)
 
     @triton.jit
@@ -177,13 +179,13 @@ if HAS_TRITON:
         it = 0
         ns = 32
         while (missing > 0) & (it < SPIN):  # (SPIN = 0 in the interpreter, which has no inline PTX)
-            # back off exponentially (32 ns to 4 us): thousands of programs re-reading the same lines slow
-            # the owners' stores to them (session 17: 0.14-2 ms launches of grids of 1024+ programs)
+            # back off exponentially (32 to 512 ns): many programs re-reading the same lines in a tight loop
+            # would compete with the owners' stores to them
             tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32,
                                       is_pure=False, pack=1)
             v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
             missing = _slots_missing(v, m, tag)
-            ns = tl.minimum(ns * 2, 4096)
+            ns = tl.minimum(ns * 2, 512)
             it += 1
         if missing > 0:
             NP = R * NC

@@ -59,7 +59,7 @@ if HAS_GLUON:
 
     from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
     from .w4a16_gemv_tma_ec import (_ec_operands, _ec_rows, _self_collect, _self_gate_operands, _self_own,
-                                    _self_b_rows, _self_publish, _self_rows, _self_slots, _self_tag)
+                                    _self_publish, _self_rows, _self_slots, _self_ticket)
 
     try:  # Hopper TMA and mbarriers in Gluon (Triton 3.5+); without them the dispatch never picks this kernel
         from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -364,7 +364,7 @@ if HAS_TMA:
         (``_stage_x``), in place of a separate RMSNorm kernel. HAS_EC (SPLIT = 1): the decode EC's term
         is added to the rows before the bias / GLU (``w4a16_gemv_tma_ec``; WAIT when launched with PDL
         behind the EC's producer grid). SELF (with HAS_EC, no ROFF): the one-launch form (``ec_self.py``):
-        GH holds the int64 slots, CNT the per-program launch counters, EA / EW1 / EB1 / EW2 / EB2 the
+        GH holds the int64 slots, CNT the site's int64 ticket, EA / EW1 / EB1 / EW2 / EB2 the
         EC's A and gate; the CTA's pieces of h are requested before x's staging and published after the
         first K step (their loads have had x's staging and that step to land), the slots are read at the
         start of the last K step (their round trip overlaps it), and after the loop the term is collected,
@@ -397,16 +397,12 @@ if HAS_TMA:
             if i < KTS:
                 _request_tile(desc, sdesc, smem, ssmem, bars, i, row0 + i * TR, pid * KT + t0 + i, nbytes, True,
                               SZ_TMA)
-        if HAS_EC and SELF:  # B's rows, the gate, this CTA's pieces of h = A x: requested now
-            ecb = _self_b_rows(EB, N, R, pid, BN, RC_P, WARPS)
-            eca = gl.load(ALPHA).to(gl.float32)
-            ecg = 0
-            ecm = 0
-            tag = _self_tag(CNT, pid)
-            sp, smp, sa, sx = _self_own(GH, EA, X, K, R, NC, OWNERS, pid, PW, PPC_P, WARPS)
-            w1, b1, w2, b2 = _self_gate_operands(EW1, EB1, EW2, EB2, R, D, RC_P, D_P, WARPS)
-        elif HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
+        if HAS_EC:  # the EC's rows of B (and offsets, alpha) are in flight during the K loop
             ecb, ecg, ecm, eca = _ec_operands(EB, ROFF, ALPHA, N, RC, pid, BN, RC_P, HAS_ROFF, WARPS)
+            if SELF:  # the launch's tag and this CTA's role, its pieces of h = A x requested, the gate
+                tag, role = _self_ticket(CNT)
+                sp, smp, sa, sx = _self_own(GH, EA, X, K, R, NC, OWNERS, role, PW, PPC_P, WARPS)
+                w1, b1, w2, b2 = _self_gate_operands(EW1, EB1, EW2, EB2, R, D, RC_P, D_P, WARPS)
         else:
             ecb = 0
             ecg = 0
@@ -569,7 +565,7 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
     if ec == "self":  # the one-launch form (ec_self.py) at r = 64, one piece per CTA of 1024 columns
-        types.update(GH="*i64")
+        types.update(GH="*i64", CNT="*i64")
         consts.update(HAS_EC=True, RC_P=64, SELF=True, PW=1024, PPC_P=2, NC_P=next_pow2(-(-K // 1024)), SPIN=4096,
                       D_P=16, ACT=0)
     elif ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
@@ -782,7 +778,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     self_args = (scales,) * 5 + (1, 1, 1)  # the one-launch EC's A, gate, D, NC, OWNERS (dummies unless ec.self)
     if ec is None:  # EC operands unused without HAS_EC: fixed dummies, so nothing else specialises the kernel
         ec_args, ec_consts = (scales, cnt, scales, scales, 1, 1, 1), {}
-    elif getattr(ec, "self", False):  # EcSelf: slots in GH's place, the launch counters in CNT's
+    elif getattr(ec, "self", False):  # EcSelf: slots in GH's place, the ticket in CNT's
         from .ec_self import SPIN
 
         ec.check(N, K, config, rows, x2)

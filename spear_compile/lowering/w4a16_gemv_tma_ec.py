@@ -60,11 +60,11 @@ if HAS_GLUON:
     # ---- the one-launch form (``ec_self.py``, whose Triton helpers these mirror with explicit layouts) ----
 
     @gluon.jit
-    def _self_tag(TICK, pid):
-        """This launch's tag from program ``pid``'s own counter, advanced (``ec_self.ec_tag``)."""
-        e = gl.load(TICK + pid, cache_modifier=".cg")
-        gl.store(TICK + pid, e + 1)
-        return (e + 1) & 0x7FFFFFFF
+    def _self_ticket(TICKET):
+        """(tag, role) of this CTA in this launch from its ticket (``ec_self.ec_ticket``)."""
+        t = gl.atomic_add(TICKET, 1, sem="relaxed")
+        grid = gl.num_programs(0)
+        return ((t // grid + 1) & 0x7FFFFFFF).to(gl.int32), (t % grid).to(gl.int32)
 
     @gluon.jit
     def _self_load(A, X, K, NC, p, mask_p, PW: gl.constexpr, WARPS: gl.constexpr):
@@ -89,12 +89,12 @@ if HAS_GLUON:
         gl.store(SLOTS + pv, bits | (tag.to(gl.int64) << 32), mask=mv)
 
     @gluon.jit
-    def _self_own(SLOTS, A, X, K, R, NC, OWNERS, pid, PW: gl.constexpr, PPC_P: gl.constexpr, WARPS: gl.constexpr):
-        """Program ``pid``'s pieces (``pid + i OWNERS``; none unless pid < OWNERS): their indices, mask and
-        requested operands."""
+    def _self_own(SLOTS, A, X, K, R, NC, OWNERS, role, PW: gl.constexpr, PPC_P: gl.constexpr, WARPS: gl.constexpr):
+        """The pieces of the CTA with ticket role ``role`` (``role + i OWNERS``; none unless role <
+        OWNERS): their indices, mask and requested operands."""
         l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        p = pid + gl.arange(0, PPC_P, layout=l1) * OWNERS
-        mp = (p < R * NC) & (pid < OWNERS)
+        p = role + gl.arange(0, PPC_P, layout=l1) * OWNERS
+        mp = (p < R * NC) & (role < OWNERS)
         a, xv = _self_load(A, X, K, NC, p, mp, PW, WARPS)
         return p, mp, a, xv
 
@@ -127,7 +127,7 @@ if HAS_GLUON:
                                       is_pure=False, pack=1)
             v = gl.load(ptrs, mask=m, other=0, volatile=True)
             missing = _self_missing(v, m, tag)
-            ns = gl.minimum(ns * 2, 4096)
+            ns = gl.minimum(ns * 2, 512)
             it += 1
         if missing > 0:  # compute and publish the missing pieces here: same code, same bits as their owners'
             l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -144,44 +144,26 @@ if HAS_GLUON:
         vals = v.to(gl.int32).to(gl.float32, bitcast=True)
         return gl.sum(gl.where(m, vals, 0.0), axis=1)
 
-    # The gate's layouts are chosen so that h, as ``_self_collect`` sums it (row r of A in lane r % 32 of
-    # warp r // 32), is already each one's r-vector: the conversions between them are asserted free, and
-    # the term costs three cross-thread reductions (missing pieces, W1 h, B (g h)) instead of a shared-
-    # memory round trip per conversion (call 2: collect + gate + term were ~1 us of the 8192^2 EC).
-
     @gluon.jit
     def _self_gate_operands(W1, B1, W2, B2, R, D, R_P: gl.constexpr, D_P: gl.constexpr, WARPS: gl.constexpr):
-        """The gate MLP's weights (fp32), requested before the K loop: W1 [D_P, R_P] with a column r per
-        thread (W1 h reduces over the lanes), W2 [R_P, D_P] with a row r per thread (W2 z reduces in
-        registers, z being in every thread)."""
-        l1: gl.constexpr = gl.BlockedLayout([D_P, 1], [1, 32], [1, WARPS], [0, 1])
-        l2: gl.constexpr = gl.BlockedLayout([1, D_P], [32, 1], [WARPS, 1], [1, 0])
-        rr = gl.arange(0, R_P, layout=gl.SliceLayout(0, l1))
-        dd = gl.arange(0, D_P, layout=gl.SliceLayout(1, l1))
+        """The gate MLP's weights (fp32, in the gate's layout), requested before the K loop."""
+        gl_: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        rr = gl.arange(0, R_P, layout=gl.SliceLayout(0, gl_))
+        dd = gl.arange(0, D_P, layout=gl.SliceLayout(1, gl_))
         w1 = gl.load(W1 + gl.expand_dims(dd, 1) * R + gl.expand_dims(rr, 0),
                      mask=gl.expand_dims(dd < D, 1) & gl.expand_dims(rr < R, 0), other=0.0).to(gl.float32)
         b1 = gl.load(B1 + dd, mask=dd < D, other=0.0).to(gl.float32)
-        rc = gl.arange(0, R_P, layout=gl.SliceLayout(1, l2))
-        dc = gl.arange(0, D_P, layout=gl.SliceLayout(0, l2))
+        rc = gl.arange(0, R_P, layout=gl.SliceLayout(1, gl_))
+        dc = gl.arange(0, D_P, layout=gl.SliceLayout(0, gl_))
         w2 = gl.load(W2 + gl.expand_dims(rc, 1) * D + gl.expand_dims(dc, 0),
                      mask=gl.expand_dims(rc < R, 1) & gl.expand_dims(dc < D, 0), other=0.0).to(gl.float32)
         b2 = gl.load(B2 + rc, mask=rc < R, other=0.0).to(gl.float32)
         return w1, b1, w2, b2
 
     @gluon.jit
-    def _self_b_rows(EB, N, R, pid, BN: gl.constexpr, R_P: gl.constexpr, WARPS: gl.constexpr):
-        """B's rows of the CTA [BN, R_P] with a column r per thread (each of a warp's 32 lanes reads one
-        of 32 consecutive values of a row: coalesced), requested before the K loop."""
-        lb: gl.constexpr = gl.BlockedLayout([BN, 1], [1, 32], [1, WARPS], [0, 1])
-        rows = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, lb))
-        cols = gl.arange(0, R_P, layout=gl.SliceLayout(0, lb))
-        m = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < R, 0)
-        return gl.load(EB + gl.expand_dims(rows, 1) * R + gl.expand_dims(cols, 0), mask=m, other=0.0)
-
-    @gluon.jit
     def _self_rows(h, w1, b1, w2, b2, b, alpha, out_layout: gl.constexpr, ACT: gl.constexpr):
         """``alpha sum_j b[n, j] (g h)[j]`` of the CTA's rows, g = sigmoid(W2 act(W1 h + b1) + b2)."""
-        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout), assert_trivial=True)
+        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout))
         z = gl.sum(w1 * gl.expand_dims(hz, 0), axis=1) + b1
         if ACT == 0:
             z = z / (1.0 + gl.exp(-z))
@@ -189,12 +171,11 @@ if HAS_GLUON:
             z = gl.maximum(z, 0.0)
         else:
             z = 0.5 * z * (1.0 + gl.erf(z * 0.7071067811865476))
-        zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout), assert_trivial=True)
+        zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout))
         u = gl.sum(w2 * gl.expand_dims(zz, 0), axis=1) + b2
-        gh = gl.convert_layout(h, u.type.layout, assert_trivial=True) / (1.0 + gl.exp(-u))
-        ghb = gl.convert_layout(gh, gl.SliceLayout(0, b.type.layout), assert_trivial=True)
+        gh = gl.convert_layout(h, u.type.layout) / (1.0 + gl.exp(-u))
+        ghb = gl.convert_layout(gh, gl.SliceLayout(0, b.type.layout))
         return gl.convert_layout(gl.sum(b.to(gl.float32) * gl.expand_dims(ghb, 0), axis=1) * alpha, out_layout)
-
 
 class EcEpilogue:
     """The decode EC's operands for the TMA kernel (module docstring): ``b`` [N, RC] each row's EC

@@ -53,7 +53,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ._triton import gate_act, gdc_wait
-    from .ec_self import ec_collect, ec_produce_own, ec_tag
+    from .ec_self import ec_collect, ec_produce_own, ec_ticket
 
     @triton.jit
     def _nib(w, MASK: tl.constexpr, MAGIC, BIAS: tl.constexpr, EXACT: tl.constexpr):
@@ -318,9 +318,9 @@ if HAS_TRITON:
             offs_r = tl.arange(0, R_P)
             mask_r = offs_r < R
             if SELF:
-                tag = ec_tag(TICK, pid)
+                tag, role = ec_ticket(TICK)
                 if (EC_PARTS & 1) != 0:
-                    ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, pid, tag, PW, PPC_P)
+                    ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, role, tag, PW, PPC_P)
                 w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
             # EC operands that do not depend on h: load them before the weight stream
             bt = tl.load(B + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
