@@ -7,7 +7,8 @@ import torch.nn as nn
 import spear_compile as spear
 from spear_compile import CompileConfig
 from spear_compile.passes.fuse_glu import silu_input
-from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, snapshot, spear_ops_after
+from tests.helpers import (assert_compiled_matches_eager, capture, quantized_llama, round_trip_reaches_pass, snapshot,
+                           spear_ops_after)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,7 +125,9 @@ def test_a_lossy_conversion_chain_is_not_matched():
     spear.quantize_(m, spear.QuantConfig(group_size=32), progress=False)
     x = torch.randn(1, 64)
     # (no compiled-vs-eager check here: Inductor itself drops a to(bf16).float() round trip)
-    assert snapshot(capture(m, (x,)), "fuse_glu").matched_count == 0
+    snap = snapshot(capture(m, (x,)), "fuse_glu")
+    assert snap.matched_count == (0 if round_trip_reaches_pass(snap) else 1)
+
 
 
 def test_the_cuda_entry_checks_its_parts():

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import spear_compile as spear
 from spear_compile import CompileConfig
-from tests.helpers import assert_compiled_matches_eager, capture, quantized_llama, snapshot
+from tests.helpers import (assert_compiled_matches_eager, capture, quantized_llama, round_trip_reaches_pass,
+                           snapshot)
 
 
 class HFNorm(nn.Module):
@@ -104,7 +105,10 @@ def test_alpha_and_lossy_conversions_are_respected(form, fused):
     torch.manual_seed(0)
     m = _quantized(_OddNorm(form), torch.float32)
     x = torch.randn(1, 1, 64)
-    assert snapshot(capture(m, (x,)), "fuse_rmsnorm").matched_count == fused
+    snap = snapshot(capture(m, (x,)), "fuse_rmsnorm")
+    if form == "rounded" and not round_trip_reaches_pass(snap):  # (torch 2.11: removed before the passes)
+        fused = 1
+    assert snap.matched_count == fused
     if form == "alpha":  # (not for "rounded": Inductor itself drops a to(bf16).float() round trip)
         assert_compiled_matches_eager(m, x)
 
