@@ -196,9 +196,10 @@ def lab_gemv(args) -> None:
                 row["best_tma"] = fastest("tma_")
                 print(f"   tma best {row['best_tma']} {row['us'][row['best_tma']]:.1f} us", flush=True)
         best = row["best_v4"] = fastest("v4_")
-        if (N, K) in ((4096, 4096), (8192, 8192), (11008, 4096)):  # fused EC stages (r = 64), best config
+        cfg = tuple(int(v) for v in best.split("_")[2:])
+        if ((N, K) in ((4096, 4096), (8192, 8192), (11008, 4096))  # the one-launch EC's parts (r = 64), best tile
+                and T.self_plan_ok(64, K, -(-N // cfg[0]), cfg[2], x.device)):
             ec = make_ec(N, K, 64)
-            cfg = tuple(int(v) for v in best.split("_")[2:])
             nib = best.split("_")[1]
             row["ec_config"] = list(cfg)
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")

@@ -54,7 +54,7 @@ def _producer_only(x2, ec):
 def _pair(x2, wargs, ec, cfg):
     """Producer launch then the GEMV epilogue, both without the PDL attribute (attribution)."""
     _producer_only(x2, ec)
-    return T.w4a16_gemv1(x2, *wargs, G, None, ec=ec, config=cfg, ec_parts=8, producers=0)
+    return T.w4a16_gemv1(x2, *wargs, G, None, ec=ec, config=cfg, pair=True)
 
 
 def run_shape(N: int, K: int, ms: list[int], res: dict, out_dir: str, what: str) -> None:

@@ -34,6 +34,10 @@ everyone waited for. Here no program is extra and no counter is shared:
 Host side: ``self_plan`` picks the piece width and checks that a program's pieces fit in registers;
 ``self_workspace`` holds each site's ticket and slots (keyed by A's storage, the grid and the plan: the
 launch index needs every launch on a ticket to have the same grid, and sites never share one).
+Assumption: launches of one site never overlap - one stream, and no programmatic dependent launch of
+the one-launch GEMV - or their tickets would interleave and a program could read another launch's
+pieces. (A site is one EC on one stream, as decode runs it; the pair, ``ec_decode_triton.py``, has no
+such state.)
 """
 from __future__ import annotations
 

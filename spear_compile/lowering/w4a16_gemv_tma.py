@@ -564,9 +564,10 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
                  EB1="*bf16", EW2="*bf16", EB2="*bf16", D="i32", NC="i32", OWNERS="i32")
     consts = dict(WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, OPS=ops, KP=-(-K // step) * step,
                   SPLIT=split, PER_CHANNEL=per_channel, HAS_Z=True, HAS_BIAS=not glu, GLU=glu, NORM=norm)
-    if ec == "self":  # the one-launch form (ec_self.py) at r = 64, one piece per CTA of 1024 columns
+    if ec == "self" or isinstance(ec, tuple):  # the one-launch form (ec_self.py) at r = 64: ("self", PW, PPC_P)
+        pw, ppc_p = (1024, 2) if ec == "self" else ec[1:]  # (1024, 2): two pieces of 1024 columns per CTA
         types.update(GH="*i64", CNT="*i64")
-        consts.update(HAS_EC=True, RC_P=64, SELF=True, PW=1024, PPC_P=2, NC_P=next_pow2(-(-K // 1024)), SPIN=4096,
+        consts.update(HAS_EC=True, RC_P=64, SELF=True, PW=pw, PPC_P=ppc_p, NC_P=next_pow2(-(-K // pw)), SPIN=4096,
                       D_P=16, ACT=0)
     elif ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
         consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
@@ -718,7 +719,8 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     gate / up blocks interleaved by ``glu_interleave`` for this config; Y is [1, N / 2] =
     silu(gate) * up (no bias, no K-split). ``norm``: (weight [K], eps) of an RMSNorm applied to x as the
     kernel stages it (OPS = 2, no K-split; ``norm_ok``). ``ec``: the decode EC's term added to every row
-    before the bias / GLU (``EcEpilogue``; no K-split, not persistent: ``ec_ok``)."""
+    before the bias / GLU (``EcEpilogue``: the pair's epilogue; ``EcSelf``: the one-launch form, without
+    norm or GLU; either with no K-split and not persistent: ``ec_ok``)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
@@ -747,7 +749,12 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if norm is not None and (tuple(norm[0].shape) != (K,) or norm[0].dtype != x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: norm weight {tuple(norm[0].shape)} {norm[0].dtype} does not match x's "
                          f"K={K} and dtype {x2.dtype}")
-    if ec is not None and not getattr(ec, "self", False):
+    if ec is not None and getattr(ec, "self", False):  # the one-launch EC (EcSelf): pieces read x as given
+        if norm is not None or glu:
+            raise ValueError("w4a16_gemv_tma: the one-launch EC takes neither an RMSNorm prologue nor the GLU "
+                             "epilogue (its pieces read x unnormalised; use the pair, EcEpilogue)")
+        ec.check(N, K, config, rows, x2)
+    elif ec is not None:
         ec.check(N, config)
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
@@ -781,7 +788,6 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     elif getattr(ec, "self", False):  # EcSelf: slots in GH's place, the ticket in CNT's
         from .ec_self import SPIN
 
-        ec.check(N, K, config, rows, x2)
         tick, slots = ec.workspace(rows, warps)
         cnt, plan, R = tick, ec.plan(rows, warps), ec.a.shape[0]
         ec_args = (ec.b, cnt, slots, ec.alpha, R, R, 0)

@@ -69,7 +69,10 @@ if HAS_GLUON:
     @gluon.jit
     def _self_load(A, X, K, NC, p, mask_p, PW: gl.constexpr, WARPS: gl.constexpr):
         """Pieces ``p`` [PPC_P]' operands: rows p // NC of A and x over chunks p % NC ([PPC_P, PW] each),
-        requested now and consumed by ``_self_value`` once x is staged (their latency overlaps it)."""
+        requested now and consumed by ``_self_publish`` after the first K step (their latency overlaps x's
+        staging and that step). NOTE: with PPC_P < WARPS this layout repeats the rows in several warps, so
+        a thread holds up to WARPS / PPC_P times the ``self_plan`` budget (offline: 144-189 registers, no
+        spills, on the shipped plans; the measured kernel - spreading PW over the spare warps is untried)."""
         pl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
         pp = gl.convert_layout(p, gl.SliceLayout(1, pl))
         mp = gl.convert_layout(mask_p, gl.SliceLayout(1, pl))
@@ -254,7 +257,7 @@ class EcSelf:
         check_self_operands(self.a, K, x2)
         if self.plan(rows, config[0]) is None:
             raise ValueError(f"w4a16_gemv_tma: the one-launch EC's pieces of A {tuple(self.a.shape)} do not fit "
-                             f"{rows} CTAs (ec_self.self_plan): use the two-launch pair")
+                             f"{rows} CTAs of {config[0]} warps (ec_self.self_plan): use the two-launch pair")
 
 
 def tma_self_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple,

@@ -11,9 +11,9 @@ mantissa of 2^E gives exactly 2^E + q. Exact mode subtracts 2^E per weight (LOP3
 FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x_k once per
 32-column chunk from the activation side (LOP3, FFMA). Scales and zero points apply once
 per 32-column chunk. With ``HAS_EC`` and ``SELF`` the EC runs in the same launch (``ec_self.py``):
-every program computes its pieces of ``h = A x`` right after requesting its first weight tile and
-publishes them tagged; after its weight loop it reads all pieces, gates and adds ``alpha * B[rows] (g *
-h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a separate producer grid
+the first programs to start (by ticket) compute the pieces of ``h = A x`` right after requesting their
+first weight tile and publish them tagged; after its weight loop every program reads all pieces, gates
+and adds ``alpha * B[rows] (g * h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a separate producer grid
 (``ec_decode_triton.py``, launched before this one, which then runs under programmatic dependent
 launch and waits with ``griddepcontrol.wait`` only before the epilogue).
 
@@ -298,9 +298,10 @@ if HAS_TRITON:
         NC_P: tl.constexpr, SPIN: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
         GH_COPIES: tl.constexpr,
     ):
-        """EC_PARTS (timing studies leave parts out; the result is then wrong): SELF - 1 this program's
-        pieces of h, 2 the collect + gate, 8 the ``alpha B (g h)`` epilogue; the pair - 8 the epilogue
-        reading g * h from GH, 16 ``griddepcontrol.wait`` before it."""
+        """EC_PARTS: SELF - 1 this program's pieces of h (if its ticket makes it an owner), 2 the collect +
+        gate, 8 the ``alpha B (g h)`` epilogue (11 everything; 10 the same result with every program
+        computing the pieces itself; other subsets are timing studies with a wrong result); the pair - 8
+        the epilogue reading g * h from GH, 16 ``griddepcontrol.wait`` before it."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -550,7 +551,7 @@ GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
     (8, 512, 4, 0), (8, 512, 4, 1), (8, 256, 2, 1), (16, 512, 4, 0), (8, 128, 1, 1),
 ]
 GH_COPIES = 16  # copies of the M = 1 kernel's g * h in the workspace
-MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the M = 1 kernel
+MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the decode EC's producer grid
 # Nibble arithmetic of the M = 1 kernel: "exact" (q exact in fp32), "biased" (2^E + q with
 # 2^E <= 2^15, the bias removed per 32-column chunk; fp32 relative error ~3e-4) or "bf16x2"
 # (packed bf16 pairs, bf16 activations only; products summed 4 at a time in bf16). The default
@@ -645,9 +646,10 @@ def _tiles(bk: int, G: int, K: int) -> tuple[int, int]:
 
 def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernels' workspace: fp32 [GEMV_MAX_M + GH_COPIES + MAX_PRODUCERS, r_p] (rows <
-    GEMV_MAX_M: the M > 1 kernel's h accumulators; then the M = 1 kernel's published g * h copies
-    and its producers' h partials) and int32 counters
-    (the M > 1 kernel uses [0], [1]; the M = 1 kernel [0], [32], [64]), zeroed once.
+    GEMV_MAX_M: the M > 1 kernel's h accumulators; then the g * h copies the decode EC's producer grid
+    publishes and its producers' h partials, ``ec_decode_triton.py``) and int32 counters (the M > 1
+    kernel uses [0], [1]; the producer grid [0]), zeroed once. (The one-launch M = 1 EC has its own,
+    per site: ``ec_self.self_workspace``.)
 
     Shared by every fused launch on the device: launches on one stream serialize, and each
     launch leaves the h rows and counters zeroed (see the kernel docstrings).
@@ -731,8 +733,8 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations.
     With ``ec``: the EC in the same launch (``ec_self.py``), or with ``pair`` the epilogue of the
     two-launch pair, reading g * h from the producer grid's workspace (``ec_decode_triton.py``; waits
-    for that grid when ``launch_pdl``). ``ec_parts`` leaves EC stages out, for timing only (kernel
-    docstring; the result is then wrong). ``words``: the GEMV layout itself (``qweight`` is then
+    for that grid when ``launch_pdl``). ``ec_parts`` leaves EC stages out (kernel docstring: timing
+    studies, except the one launch's 2 | 8 - every program computes the pieces itself, the same result). ``words``: the GEMV layout itself (``qweight`` is then
     unused): the concatenated weights of ``w4a16_cat.py``."""
     M, K = x2.shape
     words = gemv_words(qweight) if words is None else words
@@ -806,11 +808,12 @@ def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, 
         if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, cfg[0]), cfg[2], x2.device):
             return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=cfg, out=out, words=words)
     elif choice[0] == "tma" and words is None and ec[1].is_contiguous():
-        from .w4a16_gemv_tma import tile_geometry, tma_config_for, tma_key
+        from .w4a16_gemv_tma import ec_ok, tile_geometry, tma_config_for, tma_key
 
         # tma_config_for's checks (sm_90+, Gluon, bf16, K and G multiples of 128) on a one-entry table
         params = tuple(p.dtype for p in (scales, zeros) if p is not None)
-        if tma_config_for(N, K, G, x2.dtype, x2.device, {tma_key(N, K, G): list(cfg)}, params) is None:
+        if not ec_ok(cfg) or tma_config_for(N, K, G, x2.dtype, x2.device, {tma_key(N, K, G): list(cfg)},
+                                            params) is None:
             return None
         if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, tile_geometry(cfg)[0]), cfg[0], x2.device):
             from .w4a16_gemv_tma_ec import tma_self_gemv
@@ -832,7 +835,8 @@ def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "si
     """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``. On Hopper: the one-launch form (``ec_self.py``) where the
     tuned table measured it fastest for the shape, else the producer launch + a PDL-launched GEMV - the
     TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
-    (``ec_cat.ec_tma_config``), else the CUDA-core kernel. Elsewhere (no PDL) the one launch.
+    (``ec_cat.ec_tma_config``), else the CUDA-core kernel. Elsewhere (no PDL) the one launch on the
+    CUDA-core kernel, or the pair in stream order where A's pieces do not fit its programs.
     ``words``: the GEMV layout itself (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the
     TMA route themselves)."""
     from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl

@@ -69,15 +69,20 @@ def test_one_launch_ec_without_owners_computes_the_pieces_itself(parts):
     """No program publishes its own pieces (EC_PARTS without bit 1): every reader gives up waiting
     after SPIN re-reads and computes the missing pieces - the path that keeps a launch whose programs
     are not all resident from deadlocking. Same bits as with the owners."""
+    from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
     from spear_compile.lowering.w4a16_triton import w4a16_gemv1
 
     dtype, config = torch.float16, (32, 32, 2, 0)
     (q, s, z, b, G), ec = _setup(123, 320, 8, 4, dtype, seed=5)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(4)).to(DEV, dtype)
     y_own = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
+    _, slots = self_workspace(ec[0], 4, self_plan(8, 320, 4, 64, sm_count(torch.device(DEV))))
+    own_bits = (slots & 0xFFFFFFFF).clone()
     y_fallback = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config, ec_parts=parts)
     _close(y_fallback, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
     assert torch.equal(y_own, y_fallback)
+    # the pieces themselves (fp32, before any rounding to fp16) have the same bits, now under the new tag
+    assert torch.equal(slots & 0xFFFFFFFF, own_bits) and ((slots >> 32) == 2).all()
 
 
 def test_self_plan_picks_fewest_slots_within_the_register_budget():
@@ -95,6 +100,21 @@ def test_self_plan_picks_fewest_slots_within_the_register_budget():
     # 64 rows of A over 8192 columns cannot be spread over 16 programs of 32 threads
     assert self_plan(64, 8192, 16, 32) is None
     assert min(PIECE_WIDTHS) >= 128
+
+
+def test_self_plan_is_the_fewest_slots_that_fit(monkeypatch):
+    """Against a brute force over the piece widths (on a GPU; the interpreter takes the narrowest that fits)."""
+    from spear_compile.lowering import ec_self
+
+    monkeypatch.setattr(ec_self, "INTERPRET", False)
+    for R, K, grid, threads, sms in [(64, 4096, 344, 128, 132), (64, 11008, 128, 256, 132), (16, 4096, 512, 128, 132),
+                                     (64, 8192, 256, 128, 132), (32, 2048, 8, 64, None)]:
+        plan = ec_self.self_plan(R, K, grid, threads, sms)
+        owners = min(grid, sms or grid)
+        fits = [R * -(-K // pw) for pw in ec_self.PIECE_WIDTHS
+                if R * -(-K // pw) <= ec_self.MAX_SLOTS
+                and ec_self.next_pow2(-(-R * -(-K // pw) // owners)) * pw <= 32 * threads]
+        assert (plan is None) == (not fits) and (plan is None or plan.np == min(fits)), (R, K, grid, plan)
 
 
 def test_one_launch_ec_refuses_bad_operands():

@@ -1,8 +1,8 @@
 """The one-launch decode EC on the TMA GEMV (``w4a16_gemv_tma_ec.EcSelf``, the Gluon mirror of ``ec_self.py``).
 
 The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU it is compiled for sm_90
-(no spills) and the host checks and the dispatch are tested; the protocol itself (tags, per-program
-counters, the fallback) runs on the CPU through the CUDA-core kernel's Triton form in
+(no spills) and the host checks and the dispatch are tested; the protocol itself (tags, tickets, the
+fallback) runs on the CPU through the CUDA-core kernel's Triton form in
 ``test_ec_self.py``. On a Hopper GPU the kernel runs against ``ec_linear_ref``: several launches, the
 fallback path (``parts=10``), and replays of a CUDA graph.
 """
@@ -26,8 +26,10 @@ def test_one_launch_tma_ec_compiles_for_sm90_without_spills():
     code = ("import re\n"
             "from spear_compile.lowering.w4a16_gemv_tma import compile_sm90\n"
             "from tests.lowering.sass_wgmma import compile_sass\n"
-            "for cfg in [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2)]:\n"
-            "    ptx = compile_sm90(cfg, K=4096, ec='self')['ptx']\n"
+            "for cfg, K, ec in [((4, 2, 2, 2, 2), 4096, 'self'), ((4, 2, 4, 2, 2), 4096, 'self'),\n"
+            "                   ((2, 2, 4, 2, 2), 4096, 'self'), ((4, 2, 2, 2, 2), 8192, ('self', 4096, 1)),\n"
+            "                   ((8, 2, 2, 2, 2), 11008, ('self', 4096, 2))]:  # (the last two: shipped plans)\n"
+            "    ptx = compile_sm90(cfg, K=K, ec=ec)['ptx']\n"
             "    assert 'ld.volatile.global' in ptx and 'st.global.b64' in ptx, cfg\n"
             "    log, _ = compile_sass(ptx)\n"
             "    assert re.search(r'\\b0 bytes spill stores', log), (cfg, log[-400:])\n"
@@ -60,6 +62,24 @@ def test_one_launch_tma_ec_host_checks():
         EcSelf(big).check(N, 16384, (4, 2, 2, 2, 2), 2, torch.zeros(1, 16384))
 
 
+def test_one_launch_tma_ec_refuses_persistence_norm_and_glu():
+    """Refused before any launch (the persistent kernel has no EC, and the pieces read x unnormalised)."""
+    from spear_compile.lowering.w4a16_gemv_tma_ec import EcSelf
+
+    N, K, R, D = 256, 1024, 8, 4
+    bf = torch.bfloat16
+    ec = EcSelf([torch.zeros(R, K, dtype=bf), torch.zeros(N, R, dtype=bf), torch.zeros(D, R, dtype=bf),
+                 torch.zeros(D, dtype=bf), torch.zeros(R, D, dtype=bf), torch.zeros(R, dtype=bf), torch.ones(())])
+    x, q, s = torch.zeros(1, K, dtype=bf), torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 128, dtype=bf)
+    with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
+        gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 3, 2, 1, 2), ec=ec)
+    with pytest.raises(ValueError, match="neither an RMSNorm prologue nor the GLU"):
+        gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 2, 2), norm=(torch.ones(K, dtype=bf), 1e-5),
+                          ec=ec)
+    with pytest.raises(ValueError, match="neither an RMSNorm prologue nor the GLU"):
+        gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 2, 2), glu=True, ec=ec)
+
+
 def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     """gemv1_ec on a PDL-capable GPU: the table's ``gemv1self`` entry picks the CUDA-core or the TMA form
     (the latter only where TMA can run); without it, the pairs."""
@@ -82,6 +102,9 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 1, 2]})  # persistent
+    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"  # (the EC epilogue needs one CTA per row block)
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: False)  # no TMA here: the pair
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
     monkeypatch.setattr(T, "_TABLE", {})
@@ -116,8 +139,11 @@ def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
     assert _rel(no_ec, ref) > 5e-2  # dropping the EC term would fail
     tick, slots = self_workspace(ec[0], rows, plan)
     assert tick.item() == 3 * rows and ((slots >> 32) == 3).all()
-    # nobody publishes its own pieces (parts 10): every CTA computes the missing ones itself - same bits
+    # nobody publishes its own pieces (parts 10): every CTA computes the missing ones itself - same bits,
+    # in the pieces themselves (fp32, before any rounding to the output's dtype) and in the output
+    own_bits = (slots & 0xFFFFFFFF).clone()
     assert torch.equal(tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, parts=10), outs[0])
+    assert torch.equal(slots & 0xFFFFFFFF, own_bits) and ((slots >> 32) == 4).all()
 
 
 @on_hopper

@@ -59,7 +59,10 @@ def test_shipped_tables_are_well_formed():
 
                     assert val[0] in ("cc", "tma") and len(key.split("|")) == 4
                     if val[0] == "tma":
+                        from spear_compile.lowering.w4a16_gemv_tma import ec_ok
+
                         unpack_config(tuple(val[1:]))
+                        assert ec_ok(tuple(val[1:])), (key, val)  # one CTA per row block, no K-split
                     else:
                         assert len(val) == 5 and all(isinstance(v, int) and v >= 0 for v in val[1:])
                     continue
