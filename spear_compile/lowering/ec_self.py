@@ -7,7 +7,8 @@ Why: the decode EC's two-launch form (the producer grid, then the GEMV launched 
 (benchmarks/NOTES.md, session 13), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
 single launches lost for other reasons: extra producer programs scheduled after (session 2) or beside
 (session 13) the GEMV's own, one hot counter every program hit twice, and a last producer whose gate
-everyone waited for. Here no program is extra and no counter is shared:
+everyone waited for. Here no program is extra, and the one shared counter (a ticket) is never polled or
+reset:
 
 * **Pieces.** ``h = A x`` is cut into ``NP = R * NC`` pieces, piece ``p`` = row ``p // NC`` of A times
   x over the ``p % NC``-th chunk of ``PW`` columns. The first ``OWNERS`` programs *to start* (all of
@@ -16,8 +17,8 @@ everyone waited for. Here no program is extra and no counter is shared:
   programs and their latency overlaps the weight stream's. Roles come from a ticket (one relaxed
   64-bit atomic per program, never reset): ticket ``t`` gives role ``t % grid`` and launch index ``t //
   grid``. An owner is a program that is running, so nothing waits on a program the GPU has not
-  scheduled. (Session 17, call 2: owners by program id - low ids, assumed dispatched first - left
-  grids of several waves spinning for milliseconds.)
+  scheduled. (Session 17, calls 1-3: owners by program id - low ids, assumed dispatched first - left
+  grids of several waves spinning for milliseconds; the H200 does not dispatch in program-id order.)
 * **Tags, not counters.** A piece is published as one 64-bit word: its fp32 value in the low half, the
   launch's tag (launch index + 1, mod 2^31) in the high half. A reader knows a slot is this launch's by
   its tag alone; no flag, no counter to reset, no fence between value and flag. (A stale slot carries
@@ -30,6 +31,10 @@ everyone waited for. Here no program is extra and no counter is shared:
   the missing pieces itself with the same code (same shape, so the same bits) and publishes them too -
   an idempotent write. Triton's interpreter (programs run one after another, ``SPIN = 0``) exercises
   this path on the CPU.
+
+Measured (H200, session 17, benchmarks/NOTES.md): the dependent launch is gone, but the one launch's own
+operands, pieces and tail cost 1.1-2.4 us, so it beats the pairs by 0.1-0.9 us on three of the five issue
+shapes (11008x4096 12.8 vs 13.7 us) and loses on the other two; the lab decides per shape.
 
 Host side: ``self_plan`` picks the piece width and checks that a program's pieces fit in registers;
 ``self_workspace`` holds each site's ticket and slots (keyed by A's storage, the grid and the plan: the
