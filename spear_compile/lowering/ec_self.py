@@ -46,10 +46,12 @@ such state.)
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 
+from . import _triton
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 
 SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes missing pieces itself
@@ -75,7 +77,13 @@ def self_plan(R: int, K: int, grid: int, threads: int, sms: Optional[int] = None
     """The plan with the fewest slots among those whose ``PPC_P x PW`` elements of A (and as many of x)
     stay within ``max_per_thread`` per thread of a ``threads``-thread program, the pieces owned by the
     first min(grid, ``sms``) programs; None if none does (the shape's A is too large for its owners: the
-    two-launch pair runs instead)."""
+    two-launch pair runs instead). Cached: the decode dispatch and the wrappers ask it on every call."""
+    return _plan(R, K, grid, threads, sms, max_per_thread, INTERPRET)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(R: int, K: int, grid: int, threads: int, sms: Optional[int], max_per_thread: int,
+          interpret: bool) -> Optional[SelfPlan]:
     owners = min(grid, sms or grid)
     best = None
     for pw in PIECE_WIDTHS:
@@ -86,22 +94,16 @@ def self_plan(R: int, K: int, grid: int, threads: int, sms: Optional[int] = None
             continue
         if best is None or np_ < best.np:
             best = SelfPlan(pw, nc, np_, ppc_p, next_pow2(nc), owners)
-        if INTERPRET:  # the interpreter's cost is elementwise work: the narrowest piece that fits
+        if interpret:  # the interpreter's cost is elementwise work: the narrowest piece that fits
             break
     return best
-
-
-_SMS: dict = {}
 
 
 def sm_count(device: torch.device) -> Optional[int]:
     """SMs of a CUDA device (None elsewhere): how many programs own pieces (``self_plan``)."""
     if device.type != "cuda" or INTERPRET:
         return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    return _triton.sm_count(device)
 
 
 _WORKSPACES: dict = {}

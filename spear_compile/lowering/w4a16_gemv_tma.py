@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import next_pow2
+from ._triton import next_pow2, sm_count
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 
 HAS_TMA = False
@@ -344,7 +344,8 @@ if HAS_TMA:
 
     @gluon.jit
     def _w4a16_gemv_tma_kernel(X, desc, sdesc, S, Z, BIAS, Y, WS, CNT, NW, EPS, EB, ROFF, GH, ALPHA, N, K, NG, RC, R,
-                               GHS, EA, EW1, EB1, EW2, EB2, D, NC, OWNERS, WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
+                               GHS, EA, EW1, EB1, EW2, EB2, D, NC, OWNERS, WL: gl.constexpr, TL: gl.constexpr,
+                               G: gl.constexpr, WARPS: gl.constexpr,
                                RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr, OPS: gl.constexpr,
                                KP: gl.constexpr, SPLIT: gl.constexpr, PER_CHANNEL: gl.constexpr,
                                HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
@@ -771,7 +772,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     y = out if out is not None else torch.empty(M, N // 2 if glu else N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     if persist:  # a few programs per SM, each taking every P-th row block (P = the grid)
-        grid = min(rows, persist * _sm_count(x2.device))
+        grid = min(rows, persist * sm_count(x2.device))
         _w4a16_gemv_tma_persistent_kernel[(grid,)](
             x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
             norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
@@ -822,16 +823,6 @@ def norm_ok(config: tuple) -> bool:
     """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
     _, _, _, _, ops, split, _ = unpack_config(config)
     return ops == OPS_SMEM and split == 1
-
-
-_SMS: dict = {}  # device index -> SM count (asked once)
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:

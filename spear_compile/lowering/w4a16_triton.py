@@ -13,9 +13,9 @@ FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x
 per 32-column chunk. With ``HAS_EC`` and ``SELF`` the EC runs in the same launch (``ec_self.py``):
 the first programs to start (by ticket) compute the pieces of ``h = A x`` right after requesting their
 first weight tile and publish them tagged; after its weight loop every program reads all pieces, gates
-and adds ``alpha * B[rows] (g * h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a separate producer grid
-(``ec_decode_triton.py``, launched before this one, which then runs under programmatic dependent
-launch and waits with ``griddepcontrol.wait`` only before the epilogue).
+and adds ``alpha * B[rows] (g * h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a
+separate producer grid (``ec_decode_triton.py``, launched before this one, which then runs under
+programmatic dependent launch and waits with ``griddepcontrol.wait`` only before the epilogue).
 
 ``_w4a16_gemv_kernel`` - small M > 1 (and shapes the M = 1 kernel does not take: K or G
 not a multiple of 32). One program per BLOCK_N output rows loops
@@ -734,8 +734,9 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     With ``ec``: the EC in the same launch (``ec_self.py``), or with ``pair`` the epilogue of the
     two-launch pair, reading g * h from the producer grid's workspace (``ec_decode_triton.py``; waits
     for that grid when ``launch_pdl``). ``ec_parts`` leaves EC stages out (kernel docstring: timing
-    studies, except the one launch's 2 | 8 - every program computes the pieces itself, the same result). ``words``: the GEMV layout itself (``qweight`` is then
-    unused): the concatenated weights of ``w4a16_cat.py``."""
+    studies, except the one launch's 2 | 8 - every program computes the pieces itself, the same result).
+    ``words``: the GEMV layout itself (``qweight`` is then unused): the concatenated weights of
+    ``w4a16_cat.py``."""
     M, K = x2.shape
     words = gemv_words(qweight) if words is None else words
     N = words.shape[0]

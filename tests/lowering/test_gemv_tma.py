@@ -330,7 +330,7 @@ def test_persistent_programs_take_several_row_blocks_on_gpu(config, monkeypatch)
     tile stream across row-block boundaries); plain with bias, GLU, and GLU with the RMSNorm prologue."""
     from spear_compile.lowering import w4a16_cat as C
 
-    monkeypatch.setattr(gt, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(gt, "sm_count", lambda device: 1)
     N, K, G = 200, 1280, 128
     x, q, qw, s, z, b = _case(N, K, G)
     x, qw, s, z, b = (t.cuda() for t in (x, qw, s, z, b))
