@@ -8,7 +8,8 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
     cublas_beta1  E.addmm_(x, W^T)               the same GEMM reading C (the C-operand structure)
     cublas_kcat   F.linear([x | hg], [W | B])    one GEMM over K + r: the EC as extra K columns
     dequant       w4_dequantize                  the W4 path's first pass
-    shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T
+    shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T (cuBLAS shrink, then the gate)
+    shrink_gate_sk  ec_shrink_gate_splitk        the same in one split-K kernel (session 18; "in_gemm_sk")
     expand        hg B^T                         E for the C-operand structure
     w4            dequant + cuBLAS               our W4 at this M
     w4_table      w4a16_gemm                     our W4 as the tuned table runs it (maybe a wgmma GEMM)
@@ -42,6 +43,7 @@ from kernels import DT, G, STRUCTURES, make_ec, make_weights  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 from spear_compile.lowering.dequant_cublas import dequant_cublas  # noqa: E402
 from spear_compile.lowering.dispatch import ec_overlapped  # noqa: E402
+from spear_compile.lowering.ec_shrink_splitk import ec_shrink_gate_splitk  # noqa: E402
 from spear_compile.lowering.ec_triton import ec_shrink_gate  # noqa: E402
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
 
@@ -68,6 +70,7 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         "cublas_kcat": lambda i: F.linear(xc[i], wc[i]),
         "dequant": lambda i: T.w4_dequantize(*q(i), G, DT),
         "shrink_gate": lambda i: ec_shrink_gate(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
+        "shrink_gate_sk": lambda i: ec_shrink_gate_splitk(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
         "expand": lambda i: torch.mm(hg, B.t()),
         "w4": lambda i: dequant_cublas(xs[i], *q(i), G, None),
         "w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None),
@@ -84,7 +87,7 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
     for name, fn in parts.items():
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)
-        print(f"{N}x{K} M={M} {name:13s} {row[name]:8.1f} us", flush=True)
+        print(f"{N}x{K} M={M} {name:15s} {row[name]:8.1f} us", flush=True)
     row["kcat_estimate"] = max(row["dequant"], row["shrink_gate"]) + row["cublas_kcat"]
     row["kcat_over_w4"] = row["kcat_estimate"] / row["w4"]
     for st in STRUCTURES:

@@ -11,7 +11,7 @@ graphs with input copies rotating through more than 3x the L2:
   ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
   ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above, in the structure
                    measured fastest for the shape (``dispatch.ec_overlapped`` "auto")
-  ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi,in_gemm}  (M >= 256) each prefill EC structure; the
+  ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi,in_gemm,in_gemm_sk}  (M >= 256) each prefill EC structure; the
                    fastest is saved in the tuned table (``ecstruct|M|N|K|G``) before "auto" is timed
 
 Writes JSON (all numbers, GPU, versions, date), the tuned-config table and the measured

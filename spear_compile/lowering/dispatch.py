@@ -103,7 +103,7 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "in_gemm")
+OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "in_gemm", "in_gemm_sk")
 
 
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
@@ -120,6 +120,9 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
       then launched with PDL behind the gate kernel, its K loop overlapping the gate): no pass over Y,
       no second stream (where neither kernel can take the call - not sm_90, fp16, an unaligned shape -
       "side" runs instead, "c_operand" on CPU);
+    * "in_gemm_sk": "in_gemm" with the shrink and the gate in one split-K kernel
+      (``ec_shrink_splitk.py``) that triggers the PDL-launched GEMM first thing, so the shrink runs
+      beside the GEMM's K loop instead of before it;
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
       (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
 
@@ -137,8 +140,9 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
 
         return ec_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
                                  side=side, high_priority_ec=structure == "c_operand_hi")
-    if structure == "in_gemm":
-        y = _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act)
+    if structure.startswith("in_gemm"):
+        y = _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
+                        splitk=structure == "in_gemm_sk")
         if y is not None:
             return y
         if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the structure that runs there
@@ -162,14 +166,16 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
 _PADDED_B: dict = {}
 
 
-def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act):
+def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, splitk=False):
     """The "in_gemm" structure, or None where no warpgroup-MMA GEMM can take the call. Where the tuned table
     runs this shape on the register-operand GEMM, that kernel takes the EC step and is launched with PDL
     behind the gate kernel: its K loop runs while the gate finishes, and it waits only before reading
-    alpha g h (the shrink, cuBLAS, still runs first)."""
+    alpha g h. ``splitk``: shrink and gate in one split-K kernel that triggers the GEMM at once
+    (``ec_shrink_splitk.py``); else cuBLAS's shrink runs first, then the gate kernel."""
     from . import w4a16_gemm_wgmma as wg
     from . import w4a16_gemm_wgmma_ra as ra
     from .ec_decode_triton import pdl_launch_ok
+    from .ec_shrink_splitk import ec_shrink_gate_splitk
     from .ec_triton import ec_shrink_gate
     from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config
 
@@ -189,12 +195,13 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
         return out
 
     Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
+    shrink_gate = ec_shrink_gate_splitk if splitk and A.is_contiguous() else ec_shrink_gate
     if use_ra:
         pdl = pdl_launch_ok(x2.device)
-        hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)
+        hg = shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)
         return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, group_size, bias, config=tuple(cfg[1:]),
                                       ec=(hg, Bp), ec_wait=pdl)
-    hg = ec_shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)  # [M, R_P], alpha g h
+    hg = shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype)  # [M, R_P], alpha g h
     return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, config=wgmma_config(M, N, K, group_size),
                                ec=(hg, Bp))
 

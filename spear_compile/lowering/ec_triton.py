@@ -36,11 +36,19 @@ if HAS_TRITON:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         offs_r = tl.arange(0, R_P)
+        h = tl.load(H + offs_m[:, None] * stride_hm + offs_r[None, :], mask=mask_m[:, None] & (offs_r < R)[None, :],
+                    other=0.0).to(tl.float32)
+        ec_gate_store(h, offs_m, mask_m, W1, B1, W2, B2, ALPHA, HG, R, D, R_P, D_P, ACT, HAS_ALPHA)
+
+    @triton.jit
+    def ec_gate_store(h, offs_m, mask_m, W1, B1, W2, B2, ALPHA, HG, R, D,
+                      R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr, HAS_ALPHA: tl.constexpr):
+        """HG[offs_m] = (alpha *) g * h for rows ``h`` [BLOCK_M, R_P] (fp32, columns >= R zero): the gate MLP
+        in fp32, stored in HG's dtype with row stride R_P (shared by the gate kernels)."""
+        offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
         offs_d = tl.arange(0, D_P)
         mask_d = offs_d < D
-        h = tl.load(H + offs_m[:, None] * stride_hm + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
-                    other=0.0).to(tl.float32)
         w1 = tl.load(W1 + offs_d[:, None] * R + offs_r[None, :], mask=mask_d[:, None] & mask_r[None, :], other=0.0)
         z = tl.dot(h, tl.trans(w1.to(tl.float32)))
         z = gate_act(z + tl.load(B1 + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :], ACT)

@@ -189,7 +189,8 @@ def _ec_case(N, K, R, device):
     return tuple(t.to(device, torch.bfloat16) for t in (A, B, W1, b1, W2, b2)) + (torch.tensor(1.25, device=device),)
 
 
-def test_in_gemm_structure_gives_the_reference_wherever_it_runs():
+@pytest.mark.parametrize("structure", ["in_gemm", "in_gemm_sk"])
+def test_in_gemm_structure_gives_the_reference_wherever_it_runs(structure):
     """On CPU (Triton's interpreter) "in_gemm" cannot run its kernel and takes a structure that runs there;
     on a GPU it runs the wgmma kernel (sm_90+) or the side-stream structure: the reference's numbers
     either way."""
@@ -201,7 +202,7 @@ def test_in_gemm_structure_gives_the_reference_wherever_it_runs():
     x, qw, s, z, b = _case(24, 128, 64, M=5, device=dev)
     ec = _ec_case(24, 128, 8, dev)
     ref = ec_linear_ref(x, qw, s, z, 64, b, *ec, "silu")
-    y = ec_overlapped(x, qw, s, z, 64, b, *ec, "silu", structure="in_gemm")
+    y = ec_overlapped(x, qw, s, z, 64, b, *ec, "silu", structure=structure)
     assert ((y.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
 
 
@@ -236,10 +237,11 @@ def test_register_operand_kernel_refuses_fractional_zero_points_on_gpu():
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("R", [64, 20])
 @pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4)])
-def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, config, monkeypatch):
+@pytest.mark.parametrize("structure", ["in_gemm", "in_gemm_sk"])
+def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, config, structure, monkeypatch):
     """Where the table runs the shape on the register-operand GEMM, "in_gemm" launches it with PDL behind the
     gate kernel (it waits before reading alpha g h) and it adds the EC as one more K step: the reference's
-    numbers, also with PDL off (plain stream order)."""
+    numbers, also with PDL off (plain stream order). "in_gemm_sk": behind the split-K shrink + gate."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.lowering import w4a16_triton as T
     from spear_compile.lowering.dispatch import ec_overlapped
@@ -256,7 +258,7 @@ def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, con
     ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
     for no_pdl in ("0", "1"):
         monkeypatch.setenv("SPEAR_NO_PDL", no_pdl)
-        y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure="in_gemm")
+        y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure=structure)
         assert calls[-1][0] is not None and calls[-1][1] is (no_pdl == "0")  # the EC step ran, PDL as asked
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (no_pdl, err.max())
