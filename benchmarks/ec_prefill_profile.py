@@ -83,11 +83,19 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         parts["ra_ec"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, ec=(hgp, B.contiguous()))
     for st in STRUCTURES:
         parts[st] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
+    from spear_compile.lowering import ec_shrink_splitk as SK
+
     row = {"N": N, "K": K, "M": M, "r": r}
     for name, fn in parts.items():
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)
         print(f"{N}x{K} M={M} {name:15s} {row[name]:8.1f} us", flush=True)
+    # the split-K shrink with 4 programs per SM (faster alone, no longer beside every GEMM CTA)
+    default, SK.PROGRAMS_PER_SM = SK.PROGRAMS_PER_SM, 4
+    for name in ("shrink_gate_sk", "in_gemm_sk"):
+        row[name + "_x4"] = bench_graph(parts[name], copies=copies)
+        print(f"{N}x{K} M={M} {name + '_x4':15s} {row[name + '_x4']:8.1f} us", flush=True)
+    SK.PROGRAMS_PER_SM = default
     row["kcat_estimate"] = max(row["dequant"], row["shrink_gate"]) + row["cublas_kcat"]
     row["kcat_over_w4"] = row["kcat_estimate"] / row["w4"]
     for st in STRUCTURES:

@@ -44,6 +44,10 @@ BLOCK_M = 16 if INTERPRET else 32
 BLOCK_K = 32 if INTERPRET else 64
 NUM_WARPS, NUM_STAGES = 4, 2
 INTERPRET_PROGRAMS = 8  # (the interpreter: enough programs to exercise the split)
+# Programs per SM. 1: each fits beside a GEMM CTA (the design above); measured (session 18 call 2) the
+# GEMM still did not overlap it and the split-K shrink alone took 10-30 us, slower than cuBLAS + the gate,
+# so call 3 also times 4 per SM (a faster shrink that gives up co-residency).
+PROGRAMS_PER_SM = 1
 
 if HAS_TRITON:
     import triton
@@ -141,7 +145,7 @@ def ec_shrink_gate_splitk(x2: torch.Tensor, A, W1, b1, W2, b2, act: str = "silu"
     if x2.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"ec_shrink_gate_splitk: x dtype {x2.dtype}; expected float16 or bfloat16")
     r_p, d_p = max(16, next_pow2(R)), max(16, next_pow2(D))
-    programs = INTERPRET_PROGRAMS if not x2.is_cuda or INTERPRET else sm_count(x2.device)
+    programs = INTERPRET_PROGRAMS if not x2.is_cuda or INTERPRET else PROGRAMS_PER_SM * sm_count(x2.device)
     ks, chunk = splitk_geometry(M, K, programs)
     blocks = -(-M // BLOCK_M)
     part = torch.empty(ks, M, r_p, dtype=torch.float32, device=x2.device)
