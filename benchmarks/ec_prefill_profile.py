@@ -90,11 +90,11 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)
         print(f"{N}x{K} M={M} {name:15s} {row[name]:8.1f} us", flush=True)
-    # the split-K shrink with 4 programs per SM (faster alone, no longer beside every GEMM CTA)
-    default, SK.PROGRAMS_PER_SM = SK.PROGRAMS_PER_SM, 4
+    # the split-K shrink with 1 program per SM (each beside a GEMM CTA; session 18 call 2's setting)
+    default, SK.PROGRAMS_PER_SM = SK.PROGRAMS_PER_SM, 1
     for name in ("shrink_gate_sk", "in_gemm_sk"):
-        row[name + "_x4"] = bench_graph(parts[name], copies=copies)
-        print(f"{N}x{K} M={M} {name + '_x4':15s} {row[name + '_x4']:8.1f} us", flush=True)
+        row[name + "_x1"] = bench_graph(parts[name], copies=copies)
+        print(f"{N}x{K} M={M} {name + '_x1':15s} {row[name + '_x1']:8.1f} us", flush=True)
     SK.PROGRAMS_PER_SM = default
     row["kcat_estimate"] = max(row["dequant"], row["shrink_gate"]) + row["cublas_kcat"]
     row["kcat_over_w4"] = row["kcat_estimate"] / row["w4"]

@@ -12,10 +12,10 @@ i.e. nothing overlapped.
 Here one kernel does both, and its first instruction triggers the dependent GEMM:
 
 * **Split-K.** Program (m, k) computes the fp32 partial ``x[m rows] A[:, k slice]^T`` [BLOCK_M, R_P] and
-  stores it in a workspace. KS (the slices per row block) is chosen so the grid is at most one program
-  per SM: every SM does a small share (a few us) beside the GEMM's CTA instead of a few SMs doing all of
-  it (the first Triton shrink, one program per 64 rows: ~70 us at 8192^2, ``ec_triton.py``), and the
-  program's registers and shared memory leave room for that CTA (``BLOCK_M`` below).
+  stores it in a workspace. KS (the slices per row block) spreads the shrink over every SM (the first
+  Triton shrink, one program per 64 rows, took ~70 us at 8192^2, ``ec_triton.py``); a program's
+  registers and shared memory leave room for a GEMM CTA beside it (``BLOCK_M`` below), and
+  ``PROGRAMS_PER_SM`` / ``MAX_KS`` are the measured compromise between that and the shrink's own speed.
 * **Last arriver gates.** After its store a program takes a ticket on its row block's counter
   (acq_rel); the one that draws KS - 1 sums the KS partials in slice order (deterministic: the same bits
   whatever the arrival order), applies the gate MLP (``ec_triton.ec_gate_store``) and resets the counter
@@ -44,10 +44,14 @@ BLOCK_M = 16 if INTERPRET else 32
 BLOCK_K = 32 if INTERPRET else 64
 NUM_WARPS, NUM_STAGES = 4, 2
 INTERPRET_PROGRAMS = 8  # (the interpreter: enough programs to exercise the split)
-# Programs per SM. 1: each fits beside a GEMM CTA (the design above); measured (session 18 call 2) the
-# GEMM still did not overlap it and the split-K shrink alone took 10-30 us, slower than cuBLAS + the gate,
-# so call 3 also times 4 per SM (a faster shrink that gives up co-residency).
-PROGRAMS_PER_SM = 1
+# Programs per SM, and at most MAX_KS slices per row block (the last arriver sums them one after another).
+# Measured (H200, session 18 calls 2-3, ec_prefill_profile.py): with 1 per SM (each fits beside a GEMM CTA)
+# the split-K shrink alone took 10-30 us and in_gemm_sk overlapped nothing; 4 per SM: 15-20 us alone at
+# M = 1024, and in_gemm_sk at 8192^2 M = 1024 took the EC-step GEMM's own time (229 us; in_gemm 242), but
+# 64 slices at M = 256 made the last arriver's sum slow (24 us alone): hence the cap, which keeps M = 256 at
+# 16 slices (what 1 per SM gave there).
+PROGRAMS_PER_SM = 4
+MAX_KS = 16
 
 if HAS_TRITON:
     import triton
@@ -120,12 +124,12 @@ def _counters(A: torch.Tensor, blocks: int) -> torch.Tensor:
     return cnt
 
 
-def splitk_geometry(M: int, K: int, programs: int) -> tuple[int, int]:
-    """(KS slices, KCHUNK columns per slice, a multiple of BLOCK_K): at most ``programs`` programs (one per
-    SM, so each SM holds at most one beside a GEMM CTA) unless the row blocks alone are more."""
+def splitk_geometry(M: int, K: int, programs: int, max_ks: int = MAX_KS) -> tuple[int, int]:
+    """(KS slices, KCHUNK columns per slice, a multiple of BLOCK_K): at most ``programs`` programs (unless
+    the row blocks alone are more) and at most ``max_ks`` slices."""
     blocks = -(-M // BLOCK_M)
     steps = -(-K // BLOCK_K)
-    ks = max(1, min(steps, programs // blocks))
+    ks = max(1, min(steps, programs // blocks, max_ks))
     chunk = -(-steps // ks) * BLOCK_K
     return -(-K // chunk), chunk
 

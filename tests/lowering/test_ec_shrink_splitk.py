@@ -66,13 +66,14 @@ def test_splitk_is_deterministic_and_leaves_its_counters_at_zero():
 
 
 def test_splitk_geometry_covers_k_once():
-    from spear_compile.lowering.ec_shrink_splitk import BLOCK_K, BLOCK_M, splitk_geometry
+    from spear_compile.lowering.ec_shrink_splitk import BLOCK_K, BLOCK_M, MAX_KS, splitk_geometry
 
     for M, K, programs in [(1024, 4096, 132), (256, 8192, 132), (4096, 4096, 132), (17, 320, 8), (1, 64, 132),
                            (300, 640, 132)]:
         ks, chunk = splitk_geometry(M, K, programs)
         assert chunk % BLOCK_K == 0 and (ks - 1) * chunk < K <= ks * chunk  # every slice non-empty, K covered
-        assert ks == 1 or -(-M // BLOCK_M) * ks <= programs  # at most one program per SM
+        assert ks == 1 or -(-M // BLOCK_M) * ks <= programs  # at most the programs asked for
+        assert ks <= MAX_KS
 
 
 def test_splitk_refuses_bad_operands_with_a_clear_error():
