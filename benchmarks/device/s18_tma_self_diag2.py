@@ -12,7 +12,7 @@ from tests.lowering.test_gemv_gluon import _case
 from tests.lowering.test_gemv_tma_ec import _ec, _rel
 
 N, K, G, R = 4096, 2048, 128, 64
-for rep in range(5):
+for rep in range(12):
     for config in [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2)]:
         x, _, q, s, z, b = _case(N, K, G, seed=0)
         ec = [t.cuda() for t in _ec(N, K, R, 8, 0)]
@@ -28,7 +28,15 @@ for rep in range(5):
         line = f"rep {rep} {config} A {ec[0].data_ptr():#x} ws {before} plan {plan} errs {[f'{e:.4f}' for e in errs]}"
         line += f" fallback {_rel(fb, ref):.4f}"
         for y in outs:
-            if _rel(y, ref) > 1e-2:
-                bad = ((y.float() - fb.float()).abs() > 0.25).nonzero()[:, -1]
-                line += f" | bad rows vs fallback: {bad.numel()} first {bad[:8].tolist()}"
+            if _rel(y, ref) > 6e-3:  # (every good launch: 0.0031-0.0036)
+                diff = (y.float() - fb.float())[0]
+                bad = (diff.abs() > 0.1).nonzero()[:, 0]
+                blocks = sorted(set((bad // gt.tile_geometry(config)[0]).tolist()))
+                # one wrong piece of h (row r of A) shows as diff ~ c B[:, r] over every output row
+                Bf = ec[1].float()
+                c = (Bf * diff[:, None]).sum(0) / (Bf * Bf).sum(0)
+                resid = [((diff - c[r] * Bf[:, r]).norm() / diff.norm()).item() for r in range(R)]
+                r_best = min(range(R), key=lambda r: resid[r])
+                line += (f" | {bad.numel()} outputs off by > 0.1 in row blocks {blocks[:12]} ({len(blocks)}); best"
+                         f" single-piece fit r={r_best} residual {resid[r_best]:.3f}")
         print(line, flush=True)
