@@ -4,6 +4,10 @@ the workspace check, the fallback launch) five times, printing per case the work
 the launches, each launch's relative error and, on a bad launch, which output rows are off.
 Usage (GPU): python benchmarks/device/s18_tma_self_diag2.py"""
 
+import os
+
+import torch
+
 from spear_compile.lowering import w4a16_gemv_tma as gt
 from spear_compile.lowering.ec_linear import ec_linear_ref
 from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
@@ -22,6 +26,8 @@ for rep in range(12):
         tick, slots = self_workspace(ec[0], rows, plan)
         before = (tick.data_ptr(), int(tick.item()), int((slots >> 32).max()))
         ref = ec_linear_ref(x, q, s, z, G, b, *ec)
+        if os.environ.get("DIAG_SYNC") == "1":  # the GPU idle before the first launch (call 7's variant)
+            torch.cuda.synchronize()
         outs = [tma_self_gemv(x, q, s, z, G, b, ec, "silu", config) for _ in range(3)]
         errs = [_rel(y, ref) for y in outs]
         fb = tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, parts=10)
