@@ -27,5 +27,6 @@ for N, K in [(4096, 2048), (11008, 4096)]:
                 errs.append(_rel(y, ec_linear_ref(xs[i], q, s, z, G, b, *ec)))
             total += 3
             bad += sum(e > 5e-3 for e in errs)
-            print(N, K, config, "rep", rep, [f"{e:.4f}" for e in errs], flush=True)
+            print("BAD" if max(errs) > 5e-3 else "ok ", N, K, config, "rep", rep, [f"{e:.4f}" for e in errs],
+                  flush=True)
 print(f"launches with relative error > 0.005: {bad} of {total}")
