@@ -458,7 +458,7 @@ if HAS_TMA:
         if SPLIT == 1:
             term = 0.0
             if HAS_EC and SELF and (PARTS & 2) != 0:
-                h = _self_collect(sv, sptr, sm, GH, EA, X, K, R, NC, tag, PW, PPC_P, SPIN, WARPS)
+                h = _self_collect(sv, sptr, sm, GH, EA, X, K, R, NC, tag, PW, PPC_P, SPIN, WARPS, RC_P)
                 term = _self_rows(h, w1, b1, w2, b2, ecb, eca, gl.SliceLayout(1, gl.SliceLayout(0, mma)), ACT)
                 if (PARTS & 8) == 0:  # (timing: the term computed, then dropped in a way the compiler keeps)
                     term = gl.where(term == 12345.0, term, 0.0)

@@ -107,21 +107,29 @@ if HAS_GLUON:
 
     @gluon.jit
     def _self_slots(SLOTS, R, NC, R_P: gl.constexpr, NC_P: gl.constexpr, WARPS: gl.constexpr):
-        """The slot addresses [R_P, NC_P] and their mask: one thread per row of A holds its NC chunks,
-        so each row's sum is in one thread, in a fixed order."""
+        """The slot addresses [T, NC_P] and their mask, T = max(R_P, 32 WARPS): row i reads A-row i % R_P's
+        NC chunks, one thread per row, so each row's sum is in one thread, in a fixed order. Where R_P is
+        smaller than the CTA the rows are read by T / R_P threads each *as distinct elements*: a replicated
+        layout would let those threads load a slot at different times and disagree (one this launch's
+        piece, one stale), and the CTA-wide count of missing pieces, which reduces over one replica only,
+        would call the slots complete while the gate took the stale copy - wrong rows in that CTA, seen on
+        the H200 (benchmarks/NOTES.md, session 18)."""
+        T: gl.constexpr = R_P if R_P > 32 * WARPS else 32 * WARPS
         cl: gl.constexpr = gl.BlockedLayout([1, NC_P], [32, 1], [WARPS, 1], [1, 0])
-        offs_r = gl.arange(0, R_P, layout=gl.SliceLayout(1, cl))
+        offs_t = gl.arange(0, T, layout=gl.SliceLayout(1, cl))
+        offs_r = offs_t % R_P
         offs_c = gl.arange(0, NC_P, layout=gl.SliceLayout(0, cl))
         m = gl.expand_dims(offs_r < R, 1) & gl.expand_dims(offs_c < NC, 0)
         return SLOTS + gl.expand_dims(offs_r * NC, 1) + gl.expand_dims(offs_c, 0), m
 
     @gluon.jit
     def _self_collect(v, ptrs, m, SLOTS, A, X, K, R, NC, tag, PW: gl.constexpr, PPC_P: gl.constexpr,
-                      SPIN: gl.constexpr, WARPS: gl.constexpr):
+                      SPIN: gl.constexpr, WARPS: gl.constexpr, R_P: gl.constexpr):
         """h [R_P] from this launch's slots (``ec_self.ec_collect``), starting from ``v``, the slots as
         read during the last K step: re-read (with a back-off, so that waiting CTAs do not flood the
         slots' L2 lines: ``ec_self.ec_collect``) while some are missing, at most SPIN times, then compute
-        the rest here."""
+        all pieces here (every one, not only those this thread saw missing: a mask decided per replica
+        could load zeros and store them under this launch's tag)."""
         missing = _self_missing(v, m, tag)
         it = 0
         ns = 32
@@ -132,20 +140,20 @@ if HAS_GLUON:
             missing = _self_missing(v, m, tag)
             ns = gl.minimum(ns * 2, 512)
             it += 1
-        if missing > 0:  # compute and publish the missing pieces here: same code, same bits as their owners'
+        if missing > 0:  # compute and publish the pieces here: same code, same bits as their owners'
             l1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
             NP = R * NC
             for g in range(0, NP, PPC_P):
                 p = g + gl.arange(0, PPC_P, layout=l1)
                 mp = p < NP
-                old = gl.load(SLOTS + p, mask=mp, other=0, volatile=True)
-                need = mp & ((old >> 32).to(gl.int32) != tag)
-                a, xv = _self_load(A, X, K, NC, p, need, PW, WARPS)
-                _self_publish(SLOTS, p, need, a, xv, tag)
+                a, xv = _self_load(A, X, K, NC, p, mp, PW, WARPS)
+                _self_publish(SLOTS, p, mp, a, xv, tag)
             gl.thread_barrier()
             v = gl.load(ptrs, mask=m, other=0, volatile=True)
         vals = v.to(gl.int32).to(gl.float32, bitcast=True)
-        return gl.sum(gl.where(m, vals, 0.0), axis=1)
+        hs = gl.sum(gl.where(m, vals, 0.0), axis=1)  # [T]: every copy of a row holds this launch's piece
+        T: gl.constexpr = hs.shape[0]
+        return gl.max(gl.reshape(hs, [T // R_P, R_P]), axis=0)  # (equal copies: any one, bit for bit)
 
     @gluon.jit
     def _self_gate_operands(W1, B1, W2, B2, R, D, R_P: gl.constexpr, D_P: gl.constexpr, WARPS: gl.constexpr):
