@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 18, call 8: with the one-launch TMA EC no longer dispatched (TMA_SELF_ENABLED = False), the M = 1
+# Session 18, call 8 (and 11, with the fixed one-launch TMA EC dispatched again): the M = 1
 # kernels table and the E2E decode step (batch 1) on the shipped table.
 # Usage on the device: PYTHONPATH=$PWD bash benchmarks/device/s18_call8.sh OUT_DIR
 set -uo pipefail

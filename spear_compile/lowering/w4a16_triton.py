@@ -798,13 +798,12 @@ def gemv1self_key(N: int, K: int, G: int) -> str:
     return f"gemv1self|{N}|{K}|{G}"
 
 
-# The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) is not dispatched: on the H200 (session 18,
-# calls 1-7, benchmarks/NOTES.md) its first launch on a fresh workspace gave wrong rows in 1-10 CTAs in about a
-# third of the repetitions of one test case (4096x2048, r 64; relative error 0.006-0.021 instead of 0.0036),
-# as if those CTAs had used a stale (zero) piece of h; the cause is not found. Later launches were right, but
-# a race that shows only when stale pieces are zero could hide behind equal stale values. "tma" table entries
-# run the pair instead until it is understood; the lab and the GPU tests still run the kernel.
-TMA_SELF_ENABLED = False
+# The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) was switched off in session 18 when its
+# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, benchmarks/NOTES.md): its
+# slots were read in a replicated layout, the CTA-wide missing count looked at one copy and the gate took
+# another. Fixed in ``_self_slots`` / ``_self_collect``; with the fix 0 of 36 such launches were wrong (6-8
+# before). The switch stays as the way to turn the form off.
+TMA_SELF_ENABLED = True
 
 
 def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K) -> Optional[torch.Tensor]:

@@ -101,9 +101,10 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
     monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"  # the TMA one-launch form is off (TMA_SELF_ENABLED)
-    monkeypatch.setattr(T, "TMA_SELF_ENABLED", True)
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
+    monkeypatch.setattr(T, "TMA_SELF_ENABLED", False)  # the switch: the pair instead
+    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    monkeypatch.setattr(T, "TMA_SELF_ENABLED", True)
     monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 1, 2]})  # persistent
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"  # (the EC epilogue needs one CTA per row block)
     monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
