@@ -47,9 +47,10 @@ INTERPRET_PROGRAMS = 8  # (the interpreter: enough programs to exercise the spli
 # Programs per SM, and at most MAX_KS slices per row block (the last arriver sums them one after another).
 # Measured (H200, session 18 calls 2-3, ec_prefill_profile.py): with 1 per SM (each fits beside a GEMM CTA)
 # the split-K shrink alone took 10-30 us and in_gemm_sk overlapped nothing; 4 per SM: 15-20 us alone at
-# M = 1024, and in_gemm_sk at 8192^2 M = 1024 took the EC-step GEMM's own time (229 us; in_gemm 242), but
-# 64 slices at M = 256 made the last arriver's sum slow (24 us alone): hence the cap, which keeps M = 256 at
-# 16 slices (what 1 per SM gave there).
+# M = 1024 (one run had in_gemm_sk at 8192^2 M = 1024 at the EC-step GEMM's own time, 229 us vs in_gemm 242;
+# kernels.py in call 4 did not repeat it: 238.5 vs 232.5), and 64 slices at M = 256 made the last arriver's
+# sum slow (24 us alone): hence the cap, which keeps M = 256 at 16 slices. Overall (call 4) the structure won
+# one cell of ten, within spread: the GEMM does not run beside it, for reasons not yet measured.
 PROGRAMS_PER_SM = 4
 MAX_KS = 16
 
