@@ -99,6 +99,12 @@ def _plan(R: int, K: int, grid: int, threads: int, sms: Optional[int], max_per_t
     return best
 
 
+def slot_rows(r_p: int, warps: int) -> int:
+    """Rows T of the [T, NC_P] slot read in ``ec_collect``: at least the CTA's threads (no replicated copies)
+    and at least R_P."""
+    return max(r_p, 32 * warps)
+
+
 def sm_count(device: torch.device) -> Optional[int]:
     """SMs of a CUDA device (None elsewhere): how many programs own pieces (``self_plan``)."""
     if device.type != "cuda" or INTERPRET:
@@ -177,11 +183,21 @@ if HAS_TRITON:
 
     @triton.jit
     def ec_collect(SLOTS, A, X, K, R, NC, tag, PW: tl.constexpr, PPC_P: tl.constexpr, R_P: tl.constexpr,
-                   NC_P: tl.constexpr, SPIN: tl.constexpr):
+                   NC_P: tl.constexpr, SPIN: tl.constexpr, T: tl.constexpr):
         """h [R_P] (fp32; rows >= R zero) from this launch's slots: re-read (backing off) up to SPIN times
-        while some are missing, then compute and publish the missing pieces here (``ec_pieces``, the same shape
-        as their owners', so the same bits), and sum each row over its chunks in a fixed order."""
-        offs_r = tl.arange(0, R_P)
+        while some are missing, then compute and publish every piece here (``ec_pieces``, the same shape as
+        their owners', so the same bits), and sum each row over its chunks in a fixed order.
+
+        The slots are read as [T, NC_P], row i holding A-row i % R_P, with T = max(R_P, threads) (``T``,
+        ``slot_rows``): a tensor at least as large as the CTA's thread count along each covered dimension is
+        held without replicated copies, so every thread's loaded words are counted by ``missing``. Read as
+        [R_P, NC_P] with fewer elements than threads, two threads would each load a copy of the same slot,
+        the count would see one of them and the gate could use the other, stale one - the race session 18
+        found in the Gluon form (benchmarks/NOTES.md). h is the max over the T // R_P copies of each row,
+        which all hold this launch's bits once nothing is missing. The fallback computes every piece (not
+        only those its own copy saw missing, which another thread's copy could contradict)."""
+        offs_t = tl.arange(0, T)
+        offs_r = offs_t % R_P
         offs_c = tl.arange(0, NC_P)
         m = (offs_r < R)[:, None] & (offs_c < NC)[None, :]
         idx = offs_r[:, None] * NC + offs_c[None, :]
@@ -203,10 +219,29 @@ if HAS_TRITON:
             for g in range(0, NP, PPC_P):
                 p = g + tl.arange(0, PPC_P)
                 mp = p < NP
-                old = tl.load(SLOTS + p, mask=mp, other=0, volatile=True)
-                need = mp & ((old >> 32).to(tl.int32) != tag)
-                ec_publish(SLOTS, p, need, ec_pieces(A, X, K, NC, p, need, PW), tag)
+                ec_publish(SLOTS, p, mp, ec_pieces(A, X, K, NC, p, mp, PW), tag)
             tl.debug_barrier()  # this program's own stores are visible to all its threads
             v = tl.load(SLOTS + idx, mask=m, other=0, volatile=True)
         vals = v.to(tl.int32).to(tl.float32, bitcast=True)
-        return tl.sum(tl.where(m, vals, 0.0), axis=1)
+        rows = tl.sum(tl.where(m, vals, 0.0), axis=1)  # [T]: T // R_P equal copies of each row's sum
+        return tl.max(tl.reshape(rows, [T // R_P, R_P]), axis=0)
+
+
+def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, block_w: int = 64):
+    """Offline sm_90 compile of the CUDA-core GEMV with the one-launch EC (``w4a16_triton._w4a16_gemv1_kernel``,
+    SELF), for tests that read its layouts (the slot read must hold no replicated copies: ``ec_collect``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .w4a16_triton import _w4a16_gemv1_kernel
+
+    sig = {p: "*bf16" for p in ("X", "S", "Z", "BIAS", "Y", "A", "B", "W1", "B1", "W2", "B2")}
+    sig.update(QW="*i32", ALPHA="*fp32", SLOTS="*i64", GH="*fp32", TICK="*i64")
+    sig.update({p: "i32" for p in "N K KW NG R D NC OWNERS MAG7 MAG11 MAG15 MAG19 MAG23".split()})
+    consts = dict(G=128, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=True, NIB=0, ASM=True, PER_CHANNEL=False,
+                  HAS_Z=True, HAS_BIAS=False, HAS_EC=True, EC_PARTS=11, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
+                  SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=slot_rows(r_p, warps))
+    sig.update({c: "constexpr" for c in consts})
+    src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

@@ -296,7 +296,7 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, SELF: tl.constexpr, PW: tl.constexpr, PPC_P: tl.constexpr,
         NC_P: tl.constexpr, SPIN: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
-        GH_COPIES: tl.constexpr,
+        GH_COPIES: tl.constexpr, SLOT_T: tl.constexpr,
     ):
         """EC_PARTS: SELF - 1 this program's pieces of h (if its ticket makes it an owner), 2 the collect +
         gate, 8 the ``alpha B (g h)`` epilogue (11 everything; 10 the same result with every program
@@ -357,7 +357,7 @@ if HAS_TRITON:
         if HAS_EC:
             if SELF:
                 if (EC_PARTS & 2) != 0:
-                    h = ec_collect(SLOTS, A, X, K, R, NC, tag, PW, PPC_P, R_P, NC_P, SPIN)
+                    h = ec_collect(SLOTS, A, X, K, R, NC, tag, PW, PPC_P, R_P, NC_P, SPIN, SLOT_T)
                     gh = _ec_gate(h, w1, b1, w2, b2, ACT)
                     if (EC_PARTS & 8) != 0:
                         out += alpha * tl.sum(bt * gh[None, :], axis=1)
@@ -775,7 +775,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         A = B = W1 = b1 = W2 = b2 = alpha = slots = gh = tick = dummy
         R = D = r_p = d_p = 1
         parts = 0
-    from .ec_self import SPIN
+    from .ec_self import SPIN, slot_rows
 
     _w4a16_gemv1_kernel[(grid,)](
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
@@ -785,7 +785,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
         EC_PARTS=parts, SELF=plan is not None, PW=plan.pw if plan else 1, PPC_P=plan.ppc_p if plan else 1,
         NC_P=plan.nc_p if plan else 1, SPIN=SPIN, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
-        num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
+        SLOT_T=slot_rows(r_p, warps), num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return y
 

@@ -146,3 +146,25 @@ def test_one_launch_ec_with_fewer_owners_than_programs(monkeypatch):
     _close(y, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
     tick, slots = ec_self.self_workspace(ec[0], 8, plan)
     assert ((slots >> 32) == 1).all()
+
+
+def test_slot_read_holds_no_replicated_copies_on_sm90():
+    """The slots are read (compiled for sm_90, offline) in a layout whose coverage fits the tensor in every
+    dimension: each thread loads distinct slots, so the missing count sees every loaded word. With the old
+    [R_P, NC_P] read, 8 warps and R_P = 16, NC_P = 2 gave coverage [128, 2] over a [16, 2] tensor: eight
+    threads per slot, counted once (the race of benchmarks/NOTES.md, session 18)."""
+    from tests.lowering.test_gemv_gluon import run_compiled
+
+    code = ("import re\n"
+            "from spear_compile.lowering.ec_self import compile_gemv1_self_sm90\n"
+            "for warps, r_p, nc_p in ((8, 16, 2), (4, 64, 2), (4, 64, 16), (8, 64, 4), (2, 8, 1)):\n"
+            "    ttg = compile_gemv1_self_sm90(warps, r_p, nc_p).asm['ttgir']\n"
+            "    loads = re.findall(r'tt.load .*isVolatile = true.*tensor<(\\d+)x(\\d+)x!tt.ptr<i64>, #(\\w+)>', ttg)\n"
+            "    assert loads, (warps, r_p, nc_p)\n"
+            "    for rows, cols, name in loads:\n"
+            "        lay = re.search('#' + name + r' = #ttg.blocked<\\{sizePerThread = \\[(\\d+), (\\d+)\\], '\n"
+            "                        r'threadsPerWarp = \\[(\\d+), (\\d+)\\], warpsPerCTA = \\[(\\d+), (\\d+)\\]', ttg)\n"
+            "        s0, s1, t0, t1, w0, w1 = map(int, lay.groups())\n"
+            "        assert s0 * t0 * w0 <= int(rows) and s1 * t1 * w1 <= int(cols), (warps, r_p, nc_p, lay.group(0))\n"
+            "print('ok')\n")
+    run_compiled(code)
