@@ -16,6 +16,7 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
     ra, ra_ec     w4a16_gemm_wgmma_ra            the register-operand GEMM (Hopper), alone and with the EC
                                                  step on a ready alpha g h (no PDL wait): with shrink_gate,
                                                  the parts of the "in_gemm" structure (session 16)
+    ra_self       w4a16_gemm_wgmma_ra_ec_self    the same GEMM with the shrink roles in its launch (session 19)
     <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
@@ -81,6 +82,12 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)  # [M, R_P], as in_gemm
         parts["ra"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None)
         parts["ra_ec"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, ec=(hgp, B.contiguous()))
+        # the in-launch shrink roles on the table's register-operand config (or the first), whatever the table
+        # says for this shape ("in_gemm_self" itself follows the table)
+        cfg = T.gemm_config(M, N, K, G)
+        cfg_ra = tuple(cfg[1:]) if cfg[0] == T.WGMMA_RA else RA.RA_CONFIGS[0]
+        parts["ra_self"] = lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, B.contiguous(), W1, b1,
+                                                                     W2, b2, alpha, "silu", config=cfg_ra)
     for st in STRUCTURES:
         parts[st] = (lambda st: lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure=st))(st)
     from spear_compile.lowering import ec_shrink_splitk as SK

@@ -6,7 +6,7 @@
   M <= GEMV_MAX_M: on Hopper a producer grid + the PDL-launched GEMV (``ec_decode_triton.py``),
   elsewhere producers inside the GEMV launch; beyond GEMV_MAX_M the GEMM with the EC on a side stream.
 * "overlapped" (prefill): W4 GEMM (Triton, or from M = 256 dequantize + cuBLAS or on Hopper the
-  wgmma in-loop-dequant GEMM, per the tuned table) with the EC in one of five structures, the one
+  wgmma in-loop-dequant GEMM, per the tuned table) with the EC in one of several structures, the one
   measured fastest for the shape (``ec_overlapped``): shrink (cuBLAS) + gate on a side stream beside
   the GEMM, then ``y += alpha * hg B^T`` in place; or the EC first, beside the dequantize, into the C
   operand of the cuBLAS GEMM; each optionally with the EC's stream at high priority; or the expand as
@@ -103,12 +103,13 @@ def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "in_gemm", "in_gemm_sk")
+OVERLAP_STRUCTURES = ("auto", "side", "side_hi", "c_operand", "c_operand_hi", "in_gemm", "in_gemm_sk",
+                      "in_gemm_self")
 
 
 def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
                   side: Optional["torch.cuda.Stream"] = None, structure: str = "auto") -> torch.Tensor:
-    """The prefill EC, in one of five structures (``_hi``: the EC's stream has high priority, so
+    """The prefill EC, in one of several structures (``_hi``: the EC's stream has high priority, so
     its small kernels are scheduled ahead of the big kernel's pending CTAs):
 
     * "side" / "side_hi": W4 GEMM on the current stream, EC shrink + gate on a side stream, join,
@@ -123,6 +124,10 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     * "in_gemm_sk": "in_gemm" with the shrink and the gate in one split-K kernel
       (``ec_shrink_splitk.py``) that triggers the PDL-launched GEMM first thing, so the shrink runs
       beside the GEMM's K loop instead of before it;
+    * "in_gemm_self": one launch of the register-operand GEMM with one more CTA per block of x rows that
+      computes that block's shrink (wgmma) and gate while the output tiles run their K loops, which wait
+      for it only before their EC step (``ec_gemm_self.py``; rank <= 64, gate <= 16 wide, bf16; where the
+      table does not run the shape on that GEMM or the EC does not fit, "in_gemm");
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
       (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
 
@@ -142,7 +147,7 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
                                  side=side, high_priority_ec=structure == "c_operand_hi")
     if structure.startswith("in_gemm"):
         y = _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act,
-                        splitk=structure == "in_gemm_sk")
+                        splitk=structure == "in_gemm_sk", self_=structure == "in_gemm_self")
         if y is not None:
             return y
         if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the structure that runs there
@@ -166,15 +171,18 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
 _PADDED_B: dict = {}
 
 
-def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, splitk=False):
+def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, splitk=False,
+                self_=False):
     """The "in_gemm" structure, or None where no warpgroup-MMA GEMM can take the call. Where the tuned table
     runs this shape on the register-operand GEMM, that kernel takes the EC step and is launched with PDL
     behind the gate kernel: its K loop runs while the gate finishes, and it waits only before reading
     alpha g h. ``splitk``: shrink and gate in one split-K kernel that triggers the GEMM at once
-    (``ec_shrink_splitk.py``); else cuBLAS's shrink runs first, then the gate kernel."""
+    (``ec_shrink_splitk.py``); else cuBLAS's shrink runs first, then the gate kernel. ``self_``: shrink and gate
+    in the GEMM's own launch (``ec_gemm_self.py``) where that GEMM runs the shape and the EC fits it."""
     from . import w4a16_gemm_wgmma as wg
     from . import w4a16_gemm_wgmma_ra as ra
     from .ec_decode_triton import pdl_launch_ok
+    from .ec_gemm_self import self_takes
     from .ec_shrink_splitk import ec_shrink_gate_splitk
     from .ec_triton import ec_shrink_gate
     from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config
@@ -196,6 +204,9 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
 
     Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
     shrink_gate = ec_shrink_gate_splitk if splitk and A.is_contiguous() else ec_shrink_gate
+    if use_ra and self_ and self_takes(A, Bp, W1, K) is None:
+        return ra.w4a16_gemm_wgmma_ra_ec_self(x2, qweight, scales, zeros, group_size, bias, A, Bp, W1, b1, W2, b2,
+                                              alpha, act, config=tuple(cfg[1:]))
     if use_ra:
         pdl = pdl_launch_ok(x2.device)
         hg = shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)

@@ -51,6 +51,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
+    from .ec_gemm_self import ec_shrink_role, ec_ticket, ec_wait_hg
     from .w4a16_gemm_wgmma import _BK, _request_step
 
     # One asm instance per (row, word, lane t): the bf16 pair of byte t. $0 out; $1-$2 the word, $3-$4 the
@@ -150,18 +151,18 @@ if HAS_WGMMA:
         return acc, a, cn, sn
 
     @gluon.jit
-    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
-                                    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                    SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
-                                    EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0):
+    def _ra_tile(tile, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs, ecbars,
+                 HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
+                 PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
+                 DIAG: gl.constexpr):
+        """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
-        BKW: gl.constexpr = _BK // 8
-        pid = gl.program_id(0)
         num_m = gl.cdiv(M, BMX)
-        off_m = (pid % num_m) * BMX
-        off_n = (pid // num_m) * BNW
+        m_blk = tile % num_m
+        off_m = m_blk * BMX
+        off_n = (tile // num_m) * BNW
 
         src: gl.constexpr = SRC  # _a_source_layout(WARPS), made on the host
         lw: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, src))  # words [BNW, 8]
@@ -171,17 +172,7 @@ if HAS_WGMMA:
                                                       instr_shape=[16, BMX, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
 
-        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BMX, _BK], x_desc.layout)
-        ws = gl.allocate_shared_memory(gl.int32, [STAGES, BNW, BKW], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
         if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
-            bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
-            hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
-            ecbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(ecbars.index(0), count=1)
-            mbarrier.init(ecbars.index(1), count=1)
             mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
         KT = K // _BK
@@ -212,19 +203,20 @@ if HAS_WGMMA:
                                        a_layout, PF, DIAG)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
-            if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
-                gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-            mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
+            if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
+                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS)
+                fence_async_shared()
+                gl.thread_barrier()
+            else:
+                if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
+                    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1)
+                mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
+                mbarrier.wait(ecbars.index(1), 0)
             mbarrier.wait(ecbars.index(0), 0)
-            mbarrier.wait(ecbars.index(1), 0)
             acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.invalidate(ecbars.index(0))
-            mbarrier.invalidate(ecbars.index(1))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
 
         offs_w = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))  # Y's columns
         offs_x = off_m + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))  # Y's rows
@@ -232,6 +224,54 @@ if HAS_WGMMA:
             acc = acc + gl.expand_dims(gl.load(BIAS + offs_w, mask=offs_w < N, other=0.0).to(gl.float32), 1)
         mask = gl.expand_dims(offs_w < N, 1) & gl.expand_dims(offs_x < M, 0)
         gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
+    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
+                                    a_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
+                                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                                    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                                    SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
+                                    EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
+                                    EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0):
+        """One CTA: an output tile, or with ``EC_SELF`` the shrink role of an x block (``ec_gemm_self.py``;
+        a_desc, HG ... D are its operands, stand-ins otherwise)."""
+        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        BNW: gl.constexpr = w_desc.block_type.shape[0]
+        BKW: gl.constexpr = _BK // 8
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BMX, _BK], x_desc.layout)
+        ws = gl.allocate_shared_memory(gl.int32, [STAGES, BNW, BKW], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        bs = xs  # (stand-ins without an EC)
+        hgs = xs
+        ecbars = bars
+        if HAS_EC:
+            bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
+            hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
+            ecbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(ecbars.index(0), count=1)
+            mbarrier.init(ecbars.index(1), count=1)
+        if EC_SELF:
+            as_ = gl.allocate_shared_memory(gl.bfloat16, [STAGES, a_desc.block_type.shape[0], _BK], a_desc.layout)
+            tag, role = ec_ticket(TICK)
+            num_m = gl.cdiv(M, BMX)
+            if role < num_m:
+                ec_shrink_role(x_desc, a_desc, xs, as_, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
+                               R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT)
+            else:
+                _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
+                         ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
+                         EC_WAIT, EC_SELF, DIAG)
+        else:
+            _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
+                     ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
+                     EC_WAIT, EC_SELF, DIAG)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        if HAS_EC:
+            mbarrier.invalidate(ecbars.index(0))
+            mbarrier.invalidate(ecbars.index(1))
 
 
 # (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
@@ -284,35 +324,105 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
-    if ec is not None:
-        while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p) > SMEM_LIMIT:
+    return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, (bnw, bmx, stages, warps, pf),
+                   ec is not None, ec is not None and ec_wait, diag, None)
+
+
+def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
+            self_ops):
+    """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, hg, W1, b1, W2, b2, alpha, flags,
+    ticket, R, D, act code) also one shrink role per x block), the ring shortened until it fits."""
+    bnw, bmx, stages, warps, pf = cfg
+    ec_self = self_ops is not None
+    if has_ec:
+        while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
             stages -= 1
-    grid = (-(-M // bmx) * -(-N // bnw),)
+    num_m = -(-M // bmx)
+    grid = (num_m * -(-N // bnw) + (num_m if ec_self else 0),)
+    if self_ops is None:
+        self_ops = (xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0)
+    ad, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act = self_ops
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+        M, N, K, scales.shape[1], ad, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
+        G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
-        HAS_EC=ec is not None, EC_WAIT=ec is not None and ec_wait, DIAG=diag, num_warps=warps,
-        **({"launch_pdl": True} if ec is not None and ec_wait else {}))
+        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, num_warps=warps,
+        **({"launch_pdl": True} if ec_wait else {}))
     return y
 
 
-def ra_smem_bytes(config: tuple, r_p: int = 0) -> int:
+_PADDED_A: dict = {}
+
+
+def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor], A, B, W1, b1,
+                                W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
+                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus one shrink role
+    per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
+    R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
+    self_takes``); the rest as ``w4a16_gemm_wgmma_ra``."""
+    from ._triton import ACT_CODES, next_pow2
+    from .ec_gemm_self import R_SHRINK, self_takes, self_workspace
+    from .w4a16_gemm_wgmma import _descriptor
+    from .w4a16_triton import derived_cached
+
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
+    M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
+    why = self_takes(A, B, W1, K)
+    if why is not None:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: {why}")
+    if zeros is not None and not integer_zeros(zeros):
+        raise ValueError("w4a16_gemm_wgmma_ra_ec_self: zero points must be integers of magnitude < 128")
+    if M * N >= MAX_OUT_ELEMENTS:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: output [{M}, {N}] has 2^31 elements or more")
+    if act not in ACT_CODES:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: act={act!r}; expected one of {sorted(ACT_CODES)}")
+    R, D = A.shape[0], W1.shape[0]
+
+    def padded():  # [64, K]: the shrink MMA's M; rows past R are zeros (h's rows there are 0, so g h is)
+        a = torch.zeros(R_SHRINK, K, dtype=torch.bfloat16, device=A.device)
+        a[:R] = A
+        return a
+
+    a64 = A if R == R_SHRINK else derived_cached(_PADDED_A, [A], padded)
+    hg = torch.empty(M, max(16, next_pow2(R)), dtype=torch.bfloat16, device=x2.device)
+    y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, out, (hg, B), M, N, bmx,
+                                             bnw)
+    num_m = -(-M // bmx)
+    tick, flags = self_workspace(A, num_m * -(-N // bnw) + num_m, num_m)
+    ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
+    ops = (ad, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act])
+    return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
+                   (bnw, bmx, stages, warps, pf), True, False, 0, ops)
+
+
+def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
     """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
-    alpha g h tiles."""
+    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK]."""
     bnw, bmx, stages, _, _ = check_ra_config(config)
-    return stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
+    return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
+            + (stages * 64 * BK * 2 + 128 if ec_self else 0))
 
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                    has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True) -> dict:
-    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``)."""
-    from .w4a16_gemm_wgmma import desc_types
+                    has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
+                    ec_self: bool = False) -> dict:
+    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
+    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off."""
+    from .w4a16_gemm_wgmma import _layout, desc_types
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
-    types = dict(**desc_types(bmx, bnw, r_p),
-                 Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+    while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
+        stages -= 1
+    dt = desc_types(bmx, bnw, r_p)
+    a_t = f"tensordesc<bf16[64, {BK}],{_layout([64, BK], gl.bfloat16)!r}>" if ec_self else dt["x_desc"]
+    types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
+                 a_desc=a_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
+                 FLAGS="*i32", TICK="*i64", R="i32", D="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p), EC_WAIT=bool(r_p) and ec_wait)
+                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
+                  EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

@@ -24,15 +24,21 @@ def instructions(sass: str) -> list[tuple[int, str]]:
 
 
 def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
-    """Indices (first, last) of the innermost backward-branch loop that holds an HGMMA."""
-    hg = {a for a, t in ins if "HGMMA" in t}
+    """Indices (first, last) of the innermost backward-branch loop that holds a register-operand HGMMA (else,
+    one that holds any HGMMA: a kernel with a shared-memory-operand loop too, such as the in-launch EC's
+    shrink role, is checked on the register-operand one)."""
+    loops = []
     for j, (a, t) in enumerate(ins):
         m = re.search(r"BRA (0x[0-9a-f]+)", t)
         if m and int(m.group(1), 16) < a:
             first = next(i for i, (aa, _) in enumerate(ins) if aa >= int(m.group(1), 16))
-            if hg & {aa for aa, _ in ins[first:j + 1]}:
-                return first, j
-    raise ValueError("no loop with an HGMMA in this SASS")
+            body = [tt for _, tt in ins[first:j + 1] if "HGMMA" in tt]
+            if body:
+                loops.append((any(a_registers(tt) for tt in body), first, j))
+    if not loops:
+        raise ValueError("no loop with an HGMMA in this SASS")
+    _, first, last = next((lp for lp in loops if lp[0]), loops[0])
+    return first, last
 
 
 def hgmma_loop(sass: str) -> list[str]:

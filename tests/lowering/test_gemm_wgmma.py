@@ -189,7 +189,7 @@ def _ec_case(N, K, R, device):
     return tuple(t.to(device, torch.bfloat16) for t in (A, B, W1, b1, W2, b2)) + (torch.tensor(1.25, device=device),)
 
 
-@pytest.mark.parametrize("structure", ["in_gemm", "in_gemm_sk"])
+@pytest.mark.parametrize("structure", ["in_gemm", "in_gemm_sk", "in_gemm_self"])
 def test_in_gemm_structure_gives_the_reference_wherever_it_runs(structure):
     """On CPU (Triton's interpreter) "in_gemm" cannot run its kernel and takes a structure that runs there;
     on a GPU it runs the wgmma kernel (sm_90+) or the side-stream structure: the reference's numbers
@@ -282,7 +282,9 @@ def test_register_operand_expansion_takes_each_lanes_byte():
 
 @pytest.mark.parametrize("config,kw", [((128, 256, 4, 8), {}), ((128, 256, 4, 8), dict(per_channel=True, has_z=False,
                                                                                       has_bias=False)),
-                                       ((128, 128, 5, 8), {}), ((64, 256, 3, 4), dict(r_p=64))])
+                                       ((128, 128, 5, 8), {}), ((64, 256, 3, 4), dict(r_p=64)),
+                                       ((128, 256, 4, 8), dict(r_p=64, ec_self=True)),
+                                       ((64, 256, 4, 4), dict(r_p=32, ec_self=True))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -293,8 +295,10 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
 
     asm = _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma_ra", fn="compile_ra_sm90")
     # per step, 4 k16 MMAs and 2 rows x 8 words per thread; steps in pairs plus a tail for an odd count
-    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16 + kw.get("r_p", 0) // 16  # (+ the EC step)
-    assert asm["ptx"].count("griddepcontrol.wait") == (1 if kw.get("r_p") else 0)
+    # (+ the EC step; + with ec_self the shrink role's loop: one [64, BMX, BK] MMA per step)
+    shrink = wg.BK // 16 if kw.get("ec_self") else 0
+    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16 + kw.get("r_p", 0) // 16 + shrink
+    assert asm["ptx"].count("griddepcontrol.wait") == (1 if kw.get("r_p") and not kw.get("ec_self") else 0)
     assert asm["ptx"].count("prmt.b32") == 3 * 2 * 8
     log, sass = compile_sass(asm["ptx"])
     assert re.search(r" 0 bytes spill stores", log) and "C7515" not in log, log
@@ -347,3 +351,107 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
         y = run()
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())
+
+
+def test_in_launch_ec_says_which_ecs_it_cannot_take():
+    """``ec_gemm_self.self_takes``: bf16 A [R <= 64, K] contiguous, bf16 B, a gate at most 16 wide - or the
+    reason, naming the operand (the dispatch then runs "in_gemm")."""
+    from spear_compile.lowering.ec_gemm_self import self_takes
+
+    A, B, W1 = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(16, 64)
+    assert self_takes(A, B, W1, 128) is None
+    assert "A torch.float32" in self_takes(A.float(), B, W1, 128)
+    assert "R <= 64" in self_takes(torch.zeros(96, 128, dtype=torch.bfloat16), B, W1, 128)
+    assert "K = 256" in self_takes(A, B, W1, 256)
+    assert "contiguous" in self_takes(torch.zeros(128, 64, dtype=torch.bfloat16).t(), B, W1, 128)
+    assert "hidden units" in self_takes(A, B, torch.zeros(32, 64), 128)
+
+
+def _self_run(monkeypatch, config):
+    """Route "in_gemm_self" to the register-operand GEMM with ``config`` and record the in-launch calls."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+    from spear_compile.lowering import w4a16_triton as T
+
+    calls = []
+    real = ra.w4a16_gemm_wgmma_ra_ec_self
+    monkeypatch.setattr(ra, "w4a16_gemm_wgmma_ra_ec_self", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + config)
+    return calls
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("R", [64, 20, 16])
+@pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4)])
+@pytest.mark.parametrize("M,act", [(300, "silu"), (1000, "gelu"), (37, "relu")])
+def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatch):
+    """"in_gemm_self": the output tiles plus one shrink role per x block in one launch. The output within bf16
+    rounding of the reference, the EC's own part (y minus the W4 GEMM) within 2 % of ``ec_delta_ref``, bit
+    for bit the same over repeated launches on changing inputs (tags: a stale block is never read)."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+    from spear_compile.lowering.dispatch import ec_overlapped
+    from spear_compile.lowering.ec_linear import ec_delta_ref, ec_linear_ref
+
+    calls = _self_run(monkeypatch, config)
+    N, K = 264, 640
+    x, qw, s, z, b = _case(N, K, 128, M=M, device="cuda")
+    x1 = _case(N, K, 128, M=M, seed=5, device="cuda")[0]
+    z = z.round()
+    ec = _ec_case(N, K, R, "cuda")
+    ys = [ec_overlapped(xx, qw, s, z, 128, b, *ec, act, structure="in_gemm_self") for xx in (x, x1, x, x1)]
+    assert len(calls) == 4
+    for xx, y in ((x, ys[0]), (x1, ys[1])):
+        ref = ec_linear_ref(xx, qw, s, z, 128, b, *ec, act).double()
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
+        d = y.double() - ra.w4a16_gemm_wgmma_ra(xx, qw, s, z, 128, b, config=config).double()
+        dref = ec_delta_ref(xx, *ec, act).double()
+        assert (d - dref).abs().max() <= 0.02 * dref.abs().max() + 0.02, (d - dref).abs().max()
+    assert torch.equal(ys[0], ys[2]) and torch.equal(ys[1], ys[3])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+def test_in_launch_ec_over_several_waves_and_in_a_cuda_graph_on_gpu(monkeypatch):
+    """A grid of several waves (8 x 44 tiles + 8 shrink roles on 132 SMs): no deadlock (shrink roles are the
+    first CTAs to start), the reference's numbers; captured in a CUDA graph and replayed on new inputs, the
+    eager launch's bits."""
+    from spear_compile.lowering.dispatch import ec_overlapped
+    from spear_compile.lowering.ec_linear import ec_linear_ref
+
+    calls = _self_run(monkeypatch, (128, 256, 4, 8))
+    N, K, M = 5632, 1024, 2048
+    x, qw, s, z, b = _case(N, K, 128, M=M, device="cuda")
+    z = z.round()
+    ec = _ec_case(N, K, 64, "cuda")
+    ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
+    y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure="in_gemm_self")
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
+    xs = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = ec_overlapped(xs, qw, s, z, 128, b, *ec, "silu", structure="in_gemm_self")
+    x2 = _case(N, K, 128, M=M, seed=9, device="cuda")[0]
+    for xx in (x2, x, x2):
+        xs.copy_(xx)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, ec_overlapped(xx, qw, s, z, 128, b, *ec, "silu", structure="in_gemm_self"))
+    assert len(calls) >= 5
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+def test_in_launch_ec_leaves_ecs_it_cannot_take_to_in_gemm_on_gpu(monkeypatch):
+    """Rank 96 (> 64, the shrink MMA's rows): "in_gemm_self" runs "in_gemm" instead - the reference's numbers,
+    no in-launch call."""
+    from spear_compile.lowering.dispatch import ec_overlapped
+    from spear_compile.lowering.ec_linear import ec_linear_ref
+
+    calls = _self_run(monkeypatch, (128, 256, 3, 8))
+    x, qw, s, z, b = _case(264, 640, 128, M=300, device="cuda")
+    z = z.round()
+    ec = _ec_case(264, 640, 96, "cuda")
+    ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
+    y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure="in_gemm_self")
+    assert calls == []
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()

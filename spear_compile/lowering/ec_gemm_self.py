@@ -1,0 +1,189 @@
+"""The prefill EC inside the register-operand GEMM's own launch: shrink roles ("in_gemm_self").
+
+Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+
+Why: the "in_gemm" structure (``dispatch._ec_in_gemm``) adds ``alpha g h`` B^T to the register-operand GEMM
+(``w4a16_gemm_wgmma_ra.py``) as one more K step, but its shrink ``h = x A^T`` (cuBLAS: [M, K] x [K, r] has
+few output tiles) and gate run before the GEMM, serially: 10-15 us of 43-240 (benchmarks/NOTES.md, session
+18, call 1). Nothing overlapped them - neither a PDL-launched GEMM behind a split-K shrink nor the side
+stream. Here the GEMM's launch has ``num_m`` more CTAs, one per block of BMX rows of x, whose *role* is the
+shrink and gate of that block; the GEMM tiles wait for their block's ``alpha g h`` only before their last
+(EC) K step. The shrink role's K loop is one [64, BMX, 64] wgmma per step from the same TMA-fed x tiles,
+with no weight expansion, so it ends before the tiles of its block do (they run [BNW, BMX, 64] steps and
+expand the weight in registers): the wait costs nothing where the grid is one wave and the shrink CTAs
+start first.
+
+* **Roles by ticket** (as ``ec_self.py``): every CTA takes one relaxed atomic on the site's ticket;
+  ticket ``t`` gives the launch's tag ``t // grid + 1`` and the role ``t % grid``. Roles below ``num_m`` are
+  shrink roles; the others are GEMM tiles (``role - num_m``, in the kernel's usual order). A shrink role
+  is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the GPU has
+  not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
+  deadlock whatever the residency.
+* **Publish**: the shrink role stores ``alpha g h`` [BMX, R_P] (bf16, rows < M) with generic stores,
+  then - after a CTA barrier - one release store of the tag into its block's flag. A tile spins on an
+  acquire read of the flag (backing off with ``nanosleep``) and reads the rows with generic loads into
+  the shared tile its EC step multiplies. No reset: a flag only ever holds an older launch's tag or this
+  one's.
+* **The gate** runs one token per thread: h (fp32, the MMA's accumulator) goes through the idle ring's
+  shared memory into a layout where each thread holds all R_P values of its token, so both gate layers are
+  per-thread FMAs (no cross-thread reduction); fp32 as the reference.
+
+Assumption (as ``ec_self.py``): launches of one site never overlap (one stream), or their tickets would
+interleave. The workspace (ticket, flags) is per site and geometry, made on first use outside graph capture.
+Gluon kernels do not run in Triton's interpreter: the CPU tests compile this for sm_90 offline; the GPU
+tests (``tests/lowering/test_gemm_wgmma.py``) check it against the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .w4a16_gemm_wgmma import HAS_WGMMA
+
+R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take this structure
+D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
+
+if HAS_WGMMA:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from .w4a16_gemm_wgmma import _BK
+
+    _D_MAX = gl.constexpr(D_MAX)
+
+    @gluon.jit
+    def ec_ticket(TICK):
+        """(tag, role) of this CTA in this launch (``ec_self.ec_ticket``)."""
+        t = gl.atomic_add(TICK, 1, sem="relaxed")
+        grid = gl.num_programs(0)
+        return ((t // grid + 1) & 0x7FFFFFFF).to(gl.int32), (t % grid).to(gl.int32)
+
+    @gluon.jit
+    def _shrink_request(x_desc, a_desc, bar, xs_slot, as_slot, off_m, k, pred):
+        mbarrier.expect(bar, x_desc.block_type.nbytes + a_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k * _BK], bar, xs_slot, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [0, k * _BK], bar, as_slot, pred=pred)
+
+    @gluon.jit
+    def ec_shrink_role(x_desc, a_desc, xs, as_, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
+                       RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr):
+        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A's rows >= R are TMA's zero fill),
+        the gate per token, ``alpha g h`` stored into HG [M, RP_HG] (bf16), then the block's flag := tag."""
+        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        RS: gl.constexpr = a_desc.block_type.shape[0]
+        WN: gl.constexpr = WARPS // 4
+        off_m = m_blk * BMX
+        KT = K // _BK
+        for i in gl.static_range(STAGES):
+            _shrink_request(x_desc, a_desc, bars.index(i), xs.index(i), as_.index(i), off_m, i, i < KT)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
+                                                      instr_shape=[16, BMX // WN, 16])
+        acc = gl.zeros([RS, BMX], gl.float32, layout=mma)
+        for i in range(KT):
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            acc = warpgroup_mma(as_.index(slot), xs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's MMA is done ...
+            gl.thread_barrier()  # ... in both warpgroups: its slot can be refilled
+            prev = gl.maximum(i - 1, 0)
+            nt = prev + STAGES
+            ps = prev % STAGES
+            _shrink_request(x_desc, a_desc, bars.index(ps), xs.index(ps), as_.index(ps), off_m, nt,
+                            (i > 0) & (nt < KT))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # every MMA has read its ring slots: the ring's memory holds h^T now
+        hs = xs._reinterpret(gl.float32, [RS, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        hs.store(acc)
+        gl.thread_barrier()
+        tok: gl.constexpr = gl.BlockedLayout([RS, 1], [1, 32], [1, WARPS], [0, 1])  # a token per thread
+        lr: gl.constexpr = gl.SliceLayout(1, tok)
+        lt: gl.constexpr = gl.SliceLayout(0, tok)
+        offs_r = gl.arange(0, RS, layout=lr)
+        mask_r = offs_r < R
+        # first layer: u_d = act(W1[d] . h + b1[d]) per token, kept in the idle A ring ([D_MAX, BMX] fp32), so
+        # h and z are never live together with a weight row (the per-thread rows are 64 registers each)
+        us = as_._reinterpret(gl.float32, [_D_MAX, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        h = hs.load(tok)
+        for d in gl.static_range(_D_MAX):  # (unrolled: a shared-memory row's slice needs a constant start)
+            if d < D:
+                w1d = gl.load(W1 + d * R + offs_r, mask=mask_r, other=0.0).to(gl.float32)
+                u = gl.sum(h * gl.expand_dims(w1d, 1), axis=0) + gl.load(B1 + d).to(gl.float32)
+                if ACT == 0:
+                    u = u / (1.0 + gl.exp(-u))
+                elif ACT == 1:
+                    u = gl.maximum(u, 0.0)
+                else:
+                    u = 0.5 * u * (1.0 + gl.erf(u * 0.7071067811865476))
+                us.slice(d, 1).store(gl.expand_dims(u, 0))
+        gl.thread_barrier()
+        # second layer: z = W2 u + b2, then alpha g h with h read back
+        z2 = gl.zeros([RS, BMX], gl.float32, layout=tok)
+        for d in gl.static_range(_D_MAX):
+            if d < D:
+                w2d = gl.load(W2 + offs_r * D + d, mask=mask_r, other=0.0).to(gl.float32)
+                z2 += gl.expand_dims(w2d, 1) * us.slice(d, 1).load(tok)
+        z2 += gl.expand_dims(gl.load(B2 + offs_r, mask=mask_r, other=0.0).to(gl.float32), 1)
+        hg = hs.load(tok) / (1.0 + gl.exp(-z2)) * gl.load(ALPHA).to(gl.float32)
+        offs_t = off_m + gl.arange(0, BMX, layout=lt)
+        m2 = gl.expand_dims(offs_r < RP_HG, 1) & gl.expand_dims(offs_t < M, 0)
+        gl.store(HG + gl.expand_dims(offs_t, 0) * RP_HG + gl.expand_dims(offs_r, 1), hg.to(gl.bfloat16), mask=m2)
+        gl.thread_barrier()  # every thread's rows are written before the (cumulative) release below
+        gl.atomic_xchg(FLAGS + m_blk, tag, sem="release")
+
+    @gluon.jit
+    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr):
+        """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
+        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off)."""
+        BMX: gl.constexpr = hgs.type.shape[0]
+        RP: gl.constexpr = hgs.type.shape[1]
+        f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
+        ns = 32
+        while f != tag:
+            gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+            f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
+            ns = gl.minimum(ns * 2, 1024)
+        lh: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (RP // 8), RP // 8], [WARPS, 1], [1, 0])
+        rows = m_blk * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(1, lh))
+        cols = gl.arange(0, RP, layout=gl.SliceLayout(0, lh))
+        v = gl.load(HG + gl.expand_dims(rows, 1) * RP + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(rows < M, 1), other=0.0, cache_modifier=".cg")
+        hgs.store(v)
+
+
+_WORKSPACES: dict = {}
+
+
+def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ticket int64 [1], flags int32 [num_m]) of one EC site and launch geometry, zeroed when made (tags
+    start at 1). Keyed by A's storage and the geometry (a ticket's launch index needs one grid size); made
+    outside CUDA-graph capture (the caller's first run)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key = (A.untyped_storage().data_ptr(), A.storage_offset(), str(A.device), grid, num_m)
+    hit = _WORKSPACES.get(key)
+    if hit is not None and not hit[0].expired():
+        return hit[1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the in-launch prefill EC's workspace (A {tuple(A.shape)}, {grid} CTAs) is made on first "
+                           "use, and this first use is inside a CUDA graph capture: run the model once first")
+    for k in [k for k, v in _WORKSPACES.items() if v[0].expired()]:
+        del _WORKSPACES[k]
+    ws = (torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(num_m, dtype=torch.int32, device=A.device))
+    _WORKSPACES[key] = (StorageWeakRef(A.untyped_storage()), ws)
+    return ws
+
+
+def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Optional[str]:
+    """Why the in-launch structure cannot take this EC (None if it can): A must be a bf16 [R <= 64, K]
+    contiguous tensor (TMA-read in [64, 64] boxes), B bf16, the gate at most D_MAX wide."""
+    if A.dtype != torch.bfloat16 or B.dtype != torch.bfloat16:
+        return f"A {A.dtype} / B {B.dtype} (needs bf16)"
+    if W1.dim() != 2 or W1.shape[0] > D_MAX:
+        return f"gate W1 {tuple(W1.shape)} (needs at most {D_MAX} hidden units)"
+    if A.dim() != 2 or A.shape[0] > R_SHRINK or A.shape[1] != K or not A.is_contiguous():
+        return f"A {tuple(A.shape)} (needs a contiguous [R <= {R_SHRINK}, K = {K}])"
+    return None
