@@ -69,14 +69,18 @@ if HAS_WGMMA:
 
     @gluon.jit
     def ec_shrink_role(x_desc, a_desc, xs, as_, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
-                       RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr):
+                       RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
+                       SELF_DIAG: gl.constexpr = 0):
         """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A's rows >= R are TMA's zero fill),
-        the gate per token, ``alpha g h`` stored into HG [M, RP_HG] (bf16), then the block's flag := tag."""
+        the gate per token, ``alpha g h`` stored into HG [M, RP_HG] (bf16), then the block's flag := tag.
+        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0), bit 2 no gate (alpha h stored)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         RS: gl.constexpr = a_desc.block_type.shape[0]
         WN: gl.constexpr = WARPS // 4
         off_m = m_blk * BMX
         KT = K // _BK
+        if (SELF_DIAG & 1) != 0:
+            KT = 0
         for i in gl.static_range(STAGES):
             _shrink_request(x_desc, a_desc, bars.index(i), xs.index(i), as_.index(i), off_m, i, i < KT)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
@@ -107,8 +111,11 @@ if HAS_WGMMA:
         # h and z are never live together with a weight row (the per-thread rows are 64 registers each)
         us = as_._reinterpret(gl.float32, [_D_MAX, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         h = hs.load(tok)
+        DG = D
+        if (SELF_DIAG & 2) != 0:
+            DG = 0
         for d in gl.static_range(_D_MAX):  # (unrolled: a shared-memory row's slice needs a constant start)
-            if d < D:
+            if d < DG:
                 w1d = gl.load(W1 + d * R + offs_r, mask=mask_r, other=0.0).to(gl.float32)
                 u = gl.sum(h * gl.expand_dims(w1d, 1), axis=0) + gl.load(B1 + d).to(gl.float32)
                 if ACT == 0:
@@ -122,7 +129,7 @@ if HAS_WGMMA:
         # second layer: z = W2 u + b2, then alpha g h with h read back
         z2 = gl.zeros([RS, BMX], gl.float32, layout=tok)
         for d in gl.static_range(_D_MAX):
-            if d < D:
+            if d < DG:
                 w2d = gl.load(W2 + offs_r * D + d, mask=mask_r, other=0.0).to(gl.float32)
                 z2 += gl.expand_dims(w2d, 1) * us.slice(d, 1).load(tok)
         z2 += gl.expand_dims(gl.load(B2 + offs_r, mask=mask_r, other=0.0).to(gl.float32), 1)
@@ -134,12 +141,15 @@ if HAS_WGMMA:
         gl.atomic_xchg(FLAGS + m_blk, tag, sem="release")
 
     @gluon.jit
-    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr):
+    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SELF_DIAG: gl.constexpr = 0):
         """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
-        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off)."""
+        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off). ``SELF_DIAG`` bit 4
+        (timing only): no wait."""
         BMX: gl.constexpr = hgs.type.shape[0]
         RP: gl.constexpr = hgs.type.shape[1]
         f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
+        if (SELF_DIAG & 4) != 0:
+            f = tag
         ns = 32
         while f != tag:
             gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=gl.int32,

@@ -155,7 +155,7 @@ if HAS_WGMMA:
                  HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
-                 DIAG: gl.constexpr):
+                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr):
         """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
@@ -204,7 +204,7 @@ if HAS_WGMMA:
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
-                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS)
+                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SELF_DIAG)
                 fence_async_shared()
                 gl.thread_barrier()
             else:
@@ -232,7 +232,8 @@ if HAS_WGMMA:
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
-                                    EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0):
+                                    EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
+                                    SELF_DIAG: gl.constexpr = 0):
         """One CTA: an output tile, or with ``EC_SELF`` the shrink role of an x block (``ec_gemm_self.py``;
         a_desc, HG ... D are its operands, stand-ins otherwise)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
@@ -258,15 +259,15 @@ if HAS_WGMMA:
             num_m = gl.cdiv(M, BMX)
             if role < num_m:
                 ec_shrink_role(x_desc, a_desc, xs, as_, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
-                               R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT)
+                               R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SELF_DIAG)
             else:
                 _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
                          ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
-                         EC_WAIT, EC_SELF, DIAG)
+                         EC_WAIT, EC_SELF, DIAG, SELF_DIAG)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
                      ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
-                     EC_WAIT, EC_SELF, DIAG)
+                     EC_WAIT, EC_SELF, DIAG, 0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if HAS_EC:
@@ -329,7 +330,7 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
-            self_ops):
+            self_ops, self_diag=0):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, hg, W1, b1, W2, b2, alpha, flags,
     ticket, R, D, act code) also one shrink role per x block), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
@@ -347,7 +348,7 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         M, N, K, scales.shape[1], ad, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
-        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, num_warps=warps,
+        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag, num_warps=warps,
         **({"launch_pdl": True} if ec_wait else {}))
     return y
 
@@ -358,11 +359,14 @@ _PADDED_A: dict = {}
 def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                 zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor], A, B, W1, b1,
                                 W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
-                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                out: Optional[torch.Tensor] = None, hg: Optional[torch.Tensor] = None,
+                                self_diag: int = 0) -> torch.Tensor:
     """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus one shrink role
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
     R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
-    self_takes``); the rest as ``w4a16_gemm_wgmma_ra``."""
+    self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
+    ``alpha g h`` into (tests read it; default a fresh one). ``self_diag`` (timing only, wrong results):
+    ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
     from ._triton import ACT_CODES, next_pow2
     from .ec_gemm_self import R_SHRINK, self_takes, self_workspace
     from .w4a16_gemm_wgmma import _descriptor
@@ -387,7 +391,12 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
         return a
 
     a64 = A if R == R_SHRINK else derived_cached(_PADDED_A, [A], padded)
-    hg = torch.empty(M, max(16, next_pow2(R)), dtype=torch.bfloat16, device=x2.device)
+    r_p = max(16, next_pow2(R))
+    if hg is None:
+        hg = torch.empty(M, r_p, dtype=torch.bfloat16, device=x2.device)
+    elif hg.shape != (M, r_p) or hg.dtype != torch.bfloat16 or not hg.is_contiguous():
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: hg {hg.dtype} {tuple(hg.shape)}; needs a contiguous bf16 "
+                         f"[{M}, {r_p}]")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, out, (hg, B), M, N, bmx,
                                              bnw)
     num_m = -(-M // bmx)
@@ -395,7 +404,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
     ops = (ad, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act])
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
-                   (bnw, bmx, stages, warps, pf), True, False, 0, ops)
+                   (bnw, bmx, stages, warps, pf), True, False, 0, ops, self_diag)
 
 
 def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
