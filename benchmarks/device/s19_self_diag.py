@@ -6,7 +6,6 @@ Usage (GPU): python benchmarks/device/s19_self_diag.py"""
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, "benchmarks")
 from kernels import make_ec, make_weights  # noqa: E402
@@ -44,7 +43,7 @@ for R in (16, 20, 64):
               f"{hg.float()[:, R:].abs().max().item() if r_p > R else 0:.4f}; y err {(y.double() - ref).abs().max().item():.4f} "
               f"(ref max {ref.abs().max().item():.2f}); EC part err {((y.double() - w4) - dref).abs().max().item():.4f} "
               f"(max {dref.abs().max().item():.3f})", flush=True)
-        for key, (tick, flags) in _WORKSPACES.items():
+        for key, (_, (tick, flags)) in _WORKSPACES.items():
             if key[3] == -(-M // config[1]) * (-(-N // config[0]) + 1):
                 print("   ticket", tick.item(), "flags", flags.tolist())
 
