@@ -4,6 +4,6 @@
 set -uo pipefail
 out=$1
 mkdir -p "$out/diag"
-timeout 240 python benchmarks/device/s19_self_diag.py > "$out/diag/self_diag.txt" 2>&1
+timeout 240 python benchmarks/device/s19_self_diag.py --timing-only > "$out/diag/self_diag.txt" 2>&1
 cat "$out/diag/self_diag.txt" | grep -v Warning | tail -40
 bash benchmarks/device/pack.sh "$out/diag"

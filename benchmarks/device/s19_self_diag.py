@@ -1,6 +1,6 @@
 """Session 19 diagnostic: the in-launch prefill EC ("in_gemm_self") - (1) correctness per rank: the shrink roles'
 alpha g h buffer against the reference, the output and its EC part, the flags and ticket after the launch;
-(2) where its time goes: SELF_DIAG variants (1 no shrink K loop, 2 no gate, 4 tiles do not wait) against ra and
+(2) where its time goes: SELF_DIAG variants (1 no shrink K loop, 4 tiles do not wait; 2, no gate, fails to compile) against ra and
 ra with the EC step on a ready alpha g h.
 Usage (GPU): python benchmarks/device/s19_self_diag.py"""
 import sys
@@ -19,7 +19,7 @@ from spear_compile.lowering.tuning import bench_graph  # noqa: E402
 from tests.lowering.test_gemm_wgmma import _case, _ec_case  # noqa: E402
 
 torch.manual_seed(0)
-for R in (16, 20, 64):
+for R in ((16, 20, 64) if '--timing-only' not in sys.argv else ()):
     for config in ((128, 256, 3, 8), (64, 256, 4, 4)):
         N, K, M = 264, 640, 300
         x, qw, s, z, b = _case(N, K, 128, M=M, device="cuda")
@@ -65,7 +65,7 @@ for N, K, M in ((4096, 4096, 1024), (11008, 4096, 256), (8192, 8192, 1024)):
     row = {"ra": bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg_ra), 2),
            "ra_ec": bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg_ra,
                                                                  ec=(hgp, B.contiguous())), 2)}
-    for sd in (0, 1, 2, 3, 4, 7):
+    for sd in (0, 1, 4, 5):  # (2, no gate, fails to compile on Triton 3.6: MLIR pass pipeline)
         row[f"self_{sd}"] = bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
             xs[i], *q(i), G, None, A, B.contiguous(), W1, b1, W2, b2, alpha, "silu", config=cfg_ra, self_diag=sd), 2)
     print(N, K, M, cfg_ra, {k: round(v, 1) for k, v in row.items()}, flush=True)

@@ -417,7 +417,7 @@ def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
-                    ec_self: bool = False) -> dict:
+                    ec_self: bool = False, self_diag: int = 0) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
     (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off."""
     from .w4a16_gemm_wgmma import _layout, desc_types
@@ -433,5 +433,6 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
                  FLAGS="*i32", TICK="*i64", R="i32", D="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
-                  EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0)
+                  EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
+                  SELF_DIAG=self_diag)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
