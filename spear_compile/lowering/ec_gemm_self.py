@@ -68,11 +68,12 @@ if HAS_WGMMA:
         tma.async_copy_global_to_shared(a_desc, [0, k * _BK], bar, as_slot, pred=pred)
 
     @gluon.jit
-    def ec_shrink_role(x_desc, a_desc, xs, as_, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
+    def ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
                        SELF_DIAG: gl.constexpr = 0):
         """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A's rows >= R are TMA's zero fill),
-        the gate per token, ``alpha g h`` stored into HG [M, RP_HG] (bf16), then the block's flag := tag.
+        the gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into
+        HG [M, RP_HG] (bf16), then the block's flag := tag.
         ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0), bit 2 no gate (alpha h stored)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         RS: gl.constexpr = a_desc.block_type.shape[0]
@@ -107,17 +108,27 @@ if HAS_WGMMA:
         lt: gl.constexpr = gl.SliceLayout(0, tok)
         offs_r = gl.arange(0, RS, layout=lr)
         mask_r = offs_r < R
+        # The gate's weights go to shared memory once, [r, d] with r contiguous: each row of a layer is then a
+        # few vector loads that every thread reads at the same address. (Loaded from global memory per row,
+        # 2-byte scalars at an unknown alignment, the gate took ~60 us: session 19, call 3.)
+        lw: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
+        wr = gl.arange(0, RS, layout=gl.SliceLayout(1, lw))
+        wd = gl.arange(0, _D_MAX, layout=gl.SliceLayout(0, lw))
+        wm = gl.expand_dims(wr < R, 1) & gl.expand_dims(wd < D, 0)
+        w1s.store(gl.load(W1 + gl.expand_dims(wd, 0) * R + gl.expand_dims(wr, 1), mask=wm, other=0.0).to(gl.float32))
+        w2s.store(gl.load(W2 + gl.expand_dims(wr, 1) * D + gl.expand_dims(wd, 0), mask=wm, other=0.0).to(gl.float32))
         # first layer: u_d = act(W1[d] . h + b1[d]) per token, kept in the idle A ring ([D_MAX, BMX] fp32), so
-        # h and z are never live together with a weight row (the per-thread rows are 64 registers each)
+        # h and z are never live together (the per-thread rows are 64 registers each)
         us = as_._reinterpret(gl.float32, [_D_MAX, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        gl.thread_barrier()
         h = hs.load(tok)
         DG = D
         if (SELF_DIAG & 2) != 0:
             DG = 0
         for d in gl.static_range(_D_MAX):  # (unrolled: a shared-memory row's slice needs a constant start)
             if d < DG:
-                w1d = gl.load(W1 + d * R + offs_r, mask=mask_r, other=0.0).to(gl.float32)
-                u = gl.sum(h * gl.expand_dims(w1d, 1), axis=0) + gl.load(B1 + d).to(gl.float32)
+                w1d = w1s.slice(d, 1, dim=1).load(tok)  # [RS, 1]
+                u = gl.sum(h * w1d, axis=0) + gl.load(B1 + d).to(gl.float32)
                 if ACT == 0:
                     u = u / (1.0 + gl.exp(-u))
                 elif ACT == 1:
@@ -130,8 +141,7 @@ if HAS_WGMMA:
         z2 = gl.zeros([RS, BMX], gl.float32, layout=tok)
         for d in gl.static_range(_D_MAX):
             if d < DG:
-                w2d = gl.load(W2 + offs_r * D + d, mask=mask_r, other=0.0).to(gl.float32)
-                z2 += gl.expand_dims(w2d, 1) * us.slice(d, 1).load(tok)
+                z2 += w2s.slice(d, 1, dim=1).load(tok) * us.slice(d, 1).load(tok)
         z2 += gl.expand_dims(gl.load(B2 + offs_r, mask=mask_r, other=0.0).to(gl.float32), 1)
         hg = hs.load(tok) / (1.0 + gl.exp(-z2)) * gl.load(ALPHA).to(gl.float32)
         offs_t = off_m + gl.arange(0, BMX, layout=lt)

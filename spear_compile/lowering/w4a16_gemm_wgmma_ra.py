@@ -51,7 +51,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .ec_gemm_self import ec_shrink_role, ec_ticket, ec_wait_hg
+    from .ec_gemm_self import _D_MAX, ec_shrink_role, ec_ticket, ec_wait_hg
     from .w4a16_gemm_wgmma import _BK, _request_step
 
     # One asm instance per (row, word, lane t): the bf16 pair of byte t. $0 out; $1-$2 the word, $3-$4 the
@@ -255,10 +255,13 @@ if HAS_WGMMA:
             mbarrier.init(ecbars.index(1), count=1)
         if EC_SELF:
             as_ = gl.allocate_shared_memory(gl.bfloat16, [STAGES, a_desc.block_type.shape[0], _BK], a_desc.layout)
+            gw: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])  # [r, d], r contiguous
+            w1s = gl.allocate_shared_memory(gl.float32, [a_desc.block_type.shape[0], _D_MAX], gw)
+            w2s = gl.allocate_shared_memory(gl.float32, [a_desc.block_type.shape[0], _D_MAX], gw)
             tag, role = ec_ticket(TICK)
             num_m = gl.cdiv(M, BMX)
             if role < num_m:
-                ec_shrink_role(x_desc, a_desc, xs, as_, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
+                ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
                                R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SELF_DIAG)
             else:
                 _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
@@ -409,10 +412,10 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
 def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
     """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
-    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK]."""
+    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] and its gate weights."""
     bnw, bmx, stages, _, _ = check_ra_config(config)
     return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
-            + (stages * 64 * BK * 2 + 128 if ec_self else 0))
+            + (stages * 64 * BK * 2 + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
 
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,

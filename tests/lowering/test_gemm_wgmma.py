@@ -385,7 +385,8 @@ def _self_run(monkeypatch, config):
 @pytest.mark.parametrize("M,act", [(300, "silu"), (1000, "gelu"), (37, "relu")])
 def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatch):
     """"in_gemm_self": the output tiles plus one shrink role per x block in one launch. The output within bf16
-    rounding of the reference, the EC's own part (y minus the W4 GEMM) within 2 % of ``ec_delta_ref``, bit
+    rounding of the reference, the EC's own part (y minus the W4 GEMM) within 2 % of ``ec_delta_ref`` (plus
+    the two bf16 roundings; session 19 call 2 measured 0.015 on alpha g h values up to 4, one bf16 ulp), bit
     for bit the same over repeated launches on changing inputs (tags: a stale block is never read)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.lowering.dispatch import ec_overlapped
@@ -403,9 +404,11 @@ def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatc
         ref = ec_linear_ref(xx, qw, s, z, 128, b, *ec, act).double()
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
-        d = y.double() - ra.w4a16_gemm_wgmma_ra(xx, qw, s, z, 128, b, config=config).double()
-        dref = ec_delta_ref(xx, *ec, act).double()
-        assert (d - dref).abs().max() <= 0.02 * dref.abs().max() + 0.02, (d - dref).abs().max()
+        w4 = ra.w4a16_gemm_wgmma_ra(xx, qw, s, z, 128, b, config=config).double()
+        d, dref = y.double() - w4, ec_delta_ref(xx, *ec, act).double()
+        # (y and w4 are each rounded to bf16: up to half an ulp of each, 2^-9 relative, on top of the EC's error)
+        tol = (y.double().abs() + w4.abs()) * 2 ** -8 + 0.02 * dref.abs().max()
+        assert ((d - dref).abs() <= tol).all(), ((d - dref).abs() - tol).max()
     assert torch.equal(ys[0], ys[2]) and torch.equal(ys[1], ys[3])
 
 
