@@ -28,8 +28,15 @@ start first.
   shared memory into a layout where each thread holds all R_P values of its token, so both gate layers are
   per-thread FMAs (no cross-thread reduction); fp32 as the reference.
 
+Measured (H200, session 19, benchmarks/NOTES.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
+51-52 alone and "in_gemm"'s 61; 1.06-1.10x W4 on the cells where the table runs that GEMM at M = 1024, and at
+28672x8192 M = 256. It loses where one shrink role per block has a long K loop on a 4-warp tile (8192^2 M = 256:
+1.5x): there the shrink, not the tiles, is the critical path. The first version loaded the gate's weights from
+global memory row by row (2-byte scalars, ~60 us per gate); they are staged in shared memory now.
+
 Assumption (as ``ec_self.py``): launches of one site never overlap (one stream), or their tickets would
-interleave. The workspace (ticket, flags) is per site and geometry, made on first use outside graph capture.
+interleave. The workspace (ticket, flags) is per site and geometry, made on first use outside graph capture (a
+prefill of a new length makes one more: 8 + 4 num_m bytes).
 Gluon kernels do not run in Triton's interpreter: the CPU tests compile this for sm_90 offline; the GPU
 tests (``tests/lowering/test_gemm_wgmma.py``) check it against the reference.
 """
