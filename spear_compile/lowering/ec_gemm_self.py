@@ -18,15 +18,22 @@ start first.
   shrink roles; the others are GEMM tiles (``role - num_m``, in the kernel's usual order). A shrink role
   is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the GPU has
   not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
-  deadlock whatever the residency.
+  deadlock whatever the residency - given one stream per site (below). Should that assumption break (two
+  streams on one site, tickets out of step), a tile would wait for a tag that never comes: it gives up
+  after SPIN_MAX polls (seconds) with ``trap``, so the launch fails with a CUDA error instead of hanging.
 * **Publish**: the shrink role stores ``alpha g h`` [BMX, R_P] (bf16, rows < M) with generic stores,
   then - after a CTA barrier - one release store of the tag into its block's flag. A tile spins on an
   acquire read of the flag (backing off with ``nanosleep``) and reads the rows with generic loads into
   the shared tile its EC step multiplies. No reset: a flag only ever holds an older launch's tag or this
   one's.
 * **The gate** runs one token per thread: h (fp32, the MMA's accumulator) goes through the idle ring's
-  shared memory into a layout where each thread holds all R_P values of its token, so both gate layers are
-  per-thread FMAs (no cross-thread reduction); fp32 as the reference.
+  shared memory into a layout where each thread holds all 64 values of its token (rows >= R are zero), so
+  both gate layers are per-thread FMAs on weights staged in shared memory (no cross-thread reduction);
+  fp32 as the reference.
+* **Tested gate widths.** The kernel takes gates up to D_MAX = 16 wide; the GPU tests have run it with
+  16 (``SELF_GATE_WIDTHS``), and the dispatch (``self_takes``) routes only those widths here until the
+  tests of others (5, 8: ``tests/lowering/test_gemm_wgmma.py``) have passed on a GPU - SPEAR's default
+  gate is 8 wide, so its ECs take "in_gemm" for now.
 
 Measured (H200, session 19, benchmarks/NOTES.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
 51-52 alone and "in_gemm"'s 61; 1.06-1.10x W4 on the cells where the table runs that GEMM at M = 1024, and at
@@ -50,6 +57,8 @@ from .w4a16_gemm_wgmma import HAS_WGMMA
 
 R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take this structure
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
+SELF_GATE_WIDTHS = (16,)  # gate widths the GPU tests have run; the dispatch routes only these here
+SPIN_MAX = 1 << 22  # polls of a block's flag (each <= ~1 us) before a tile traps
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -60,6 +69,7 @@ if HAS_WGMMA:
     from .w4a16_gemm_wgmma import _BK
 
     _D_MAX = gl.constexpr(D_MAX)
+    _SPIN_MAX = gl.constexpr(SPIN_MAX)
 
     @gluon.jit
     def ec_ticket(TICK):
@@ -78,10 +88,11 @@ if HAS_WGMMA:
     def ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
                        SELF_DIAG: gl.constexpr = 0):
-        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A's rows >= R are TMA's zero fill),
+        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A padded to 64 rows with zeros on the host),
         the gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into
         HG [M, RP_HG] (bf16), then the block's flag := tag.
-        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0), bit 2 no gate (alpha h stored)."""
+        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0), bit 2 no gate layers (alpha
+        sigmoid(b2) h stored; fails to compile on Triton 3.6)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         RS: gl.constexpr = a_desc.block_type.shape[0]
         WN: gl.constexpr = WARPS // 4
@@ -160,19 +171,23 @@ if HAS_WGMMA:
     @gluon.jit
     def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SELF_DIAG: gl.constexpr = 0):
         """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
-        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off). ``SELF_DIAG`` bit 4
-        (timing only): no wait."""
+        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off; after SPIN_MAX polls,
+        ``trap``: the one-stream assumption broke). ``SELF_DIAG`` bit 4 (timing only): no wait."""
         BMX: gl.constexpr = hgs.type.shape[0]
         RP: gl.constexpr = hgs.type.shape[1]
         f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
         if (SELF_DIAG & 4) != 0:
             f = tag
         ns = 32
+        polls = 0
         while f != tag:
             gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=gl.int32,
                                       is_pure=False, pack=1)
             f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
             ns = gl.minimum(ns * 2, 1024)
+            polls += 1
+            if polls > _SPIN_MAX:
+                gl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         lh: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (RP // 8), RP // 8], [WARPS, 1], [1, 0])
         rows = m_blk * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(1, lh))
         cols = gl.arange(0, RP, layout=gl.SliceLayout(0, lh))
@@ -204,13 +219,16 @@ def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor
     return ws
 
 
-def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Optional[str]:
+def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int, tested_only: bool = True) -> Optional[str]:
     """Why the in-launch structure cannot take this EC (None if it can): A must be a bf16 [R <= 64, K]
-    contiguous tensor (TMA-read in [64, 64] boxes), B bf16, the gate at most D_MAX wide."""
+    contiguous tensor (TMA-read in [64, 64] boxes), B bf16, the gate at most D_MAX wide - and, with
+    ``tested_only`` (the dispatch), one of the widths the GPU tests have run (``SELF_GATE_WIDTHS``)."""
     if A.dtype != torch.bfloat16 or B.dtype != torch.bfloat16:
         return f"A {A.dtype} / B {B.dtype} (needs bf16)"
     if W1.dim() != 2 or W1.shape[0] > D_MAX:
         return f"gate W1 {tuple(W1.shape)} (needs at most {D_MAX} hidden units)"
+    if tested_only and W1.shape[0] not in SELF_GATE_WIDTHS:
+        return f"gate W1 {tuple(W1.shape)} (widths run on a GPU so far: {SELF_GATE_WIDTHS})"
     if A.dim() != 2 or A.shape[0] > R_SHRINK or A.shape[1] != K or not A.is_contiguous():
         return f"A {tuple(A.shape)} (needs a contiguous [R <= {R_SHRINK}, K = {K}])"
     return None

@@ -28,8 +28,8 @@ reset:
   gate MLP (operands loaded before the loop) and adds ``alpha B (g h)`` to its rows.
 * **No deadlock, whatever happens.** A program waits for others only after its own pieces are out, only
   for pieces of programs already running, and only ``SPIN`` re-reads (backing off); then it computes
-  the missing pieces itself with the same code (same shape, so the same bits) and publishes them too -
-  an idempotent write. Triton's interpreter (programs run one after another, ``SPIN = 0``) exercises
+  every piece itself (reading all of A: the rare path) with the same code (same shape, so the same bits)
+  and publishes them too - an idempotent write. Triton's interpreter (programs run one after another, ``SPIN = 0``) exercises
   this path on the CPU.
 
 Measured (H200, session 17, benchmarks/NOTES.md): the dependent launch is gone, but the one launch's own
@@ -54,7 +54,7 @@ import torch
 from . import _triton
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 
-SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes missing pieces itself
+SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes the pieces itself
 MAX_SLOTS = 1024  # R * NC: what every program reads after its loop (8 KB at most)
 PIECE_WIDTHS = (256, 512, 1024, 2048, 4096)
 
@@ -99,10 +99,13 @@ def _plan(R: int, K: int, grid: int, threads: int, sms: Optional[int], max_per_t
     return best
 
 
-def slot_rows(r_p: int, warps: int) -> int:
-    """Rows T of the [T, NC_P] slot read in ``ec_collect``: at least the CTA's threads (no replicated copies)
-    and at least R_P."""
-    return max(r_p, 32 * warps)
+def slot_rows(r_p: int, warps: int, nc_p: int) -> int:
+    """Rows T of the [T, NC_P] slot read in ``ec_collect``: at least R_P, and at least what a blocked layout of
+    the CTA's threads covers along the rows - 32 / (threads along a row) per warp, where a row of NC_P 8-byte
+    slots takes at most NC_P threads (or NC_P / 2 with 16-byte vectors) - so no thread holds a replicated copy.
+    (T = the CTA's threads also works, with T / R_P copies of every slot in registers: up to 732 bytes of
+    spills at NC_P = 64.)"""
+    return max(r_p, warps * max(1, 64 // nc_p))
 
 
 def sm_count(device: torch.device) -> Optional[int]:
@@ -188,9 +191,9 @@ if HAS_TRITON:
         while some are missing, then compute and publish every piece here (``ec_pieces``, the same shape as
         their owners', so the same bits), and sum each row over its chunks in a fixed order.
 
-        The slots are read as [T, NC_P], row i holding A-row i % R_P, with T = max(R_P, threads) (``T``,
-        ``slot_rows``): a tensor at least as large as the CTA's thread count along each covered dimension is
-        held without replicated copies, so every thread's loaded words are counted by ``missing``. Read as
+        The slots are read as [T, NC_P], row i holding A-row i % R_P, with T from ``slot_rows``: a tensor at
+        least as large as the CTA's threads cover along each dimension is held without replicated copies, so
+        every thread's loaded words are counted by ``missing`` (a CPU test checks the compiled layouts). Read as
         [R_P, NC_P] with fewer elements than threads, two threads would each load a copy of the same slot,
         the count would see one of them and the gate could use the other, stale one - the race session 18
         found in the Gluon form (benchmarks/NOTES.md). h is the max over the T // R_P copies of each row,
@@ -241,7 +244,7 @@ def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, 
     sig.update({p: "i32" for p in "N K KW NG R D NC OWNERS MAG7 MAG11 MAG15 MAG19 MAG23".split()})
     consts = dict(G=128, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=True, NIB=0, ASM=True, PER_CHANNEL=False,
                   HAS_Z=True, HAS_BIAS=False, HAS_EC=True, EC_PARTS=11, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
-                  SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=slot_rows(r_p, warps))
+                  SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=slot_rows(r_p, warps, nc_p))
     sig.update({c: "constexpr" for c in consts})
     src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

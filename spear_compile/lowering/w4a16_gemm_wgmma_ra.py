@@ -377,16 +377,26 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
-    why = self_takes(A, B, W1, K)
+    why = self_takes(A, B, W1, K, tested_only=False)
     if why is not None:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: {why}")
+    R, D = A.shape[0], W1.shape[0]
+    shapes = {"W1": (W1, (D, R)), "b1": (b1, (D,)), "W2": (W2, (R, D)), "b2": (b2, (R,))}
+    for name, (t, want) in shapes.items():
+        if tuple(t.shape) != want or not t.is_contiguous() or t.device != x2.device:
+            raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: EC {name} {tuple(t.shape)} on {t.device} (contiguous: "
+                             f"{t.is_contiguous()}); needs a contiguous {want} on {x2.device} (rank {R}, gate {D})")
+    if B.dim() != 2 or B.shape[0] != N or B.shape[1] < R:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: EC B {tuple(B.shape)}; needs [N = {N}, >= R = {R}]")
+    if alpha.numel() != 1 or alpha.device != x2.device:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: EC alpha {tuple(alpha.shape)} on {alpha.device}; needs one "
+                         f"value on {x2.device}")
     if zeros is not None and not integer_zeros(zeros):
         raise ValueError("w4a16_gemm_wgmma_ra_ec_self: zero points must be integers of magnitude < 128")
     if M * N >= MAX_OUT_ELEMENTS:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: output [{M}, {N}] has 2^31 elements or more")
     if act not in ACT_CODES:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: act={act!r}; expected one of {sorted(ACT_CODES)}")
-    R, D = A.shape[0], W1.shape[0]
 
     def padded():  # [64, K]: the shrink MMA's M; rows past R are zeros (h's rows there are 0, so g h is)
         a = torch.zeros(R_SHRINK, K, dtype=torch.bfloat16, device=A.device)
@@ -427,6 +437,8 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
+    if ec_self and not r_p:
+        raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
     while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
         stages -= 1
     dt = desc_types(bmx, bnw, r_p)

@@ -157,7 +157,8 @@ def test_slot_read_holds_no_replicated_copies_on_sm90():
 
     code = ("import re\n"
             "from spear_compile.lowering.ec_self import compile_gemv1_self_sm90\n"
-            "for warps, r_p, nc_p in ((8, 16, 2), (4, 64, 2), (4, 64, 16), (8, 64, 4), (2, 8, 1)):\n"
+            "for warps, r_p, nc_p in ((8, 16, 2), (4, 64, 2), (4, 64, 16), (8, 64, 4), (2, 8, 1), (8, 16, 32),\n"
+            "                         (4, 16, 64), (1, 16, 8)):\n"
             "    ttg = compile_gemv1_self_sm90(warps, r_p, nc_p).asm['ttgir']\n"
             "    loads = re.findall(r'tt.load .*isVolatile = true.*tensor<(\\d+)x(\\d+)x!tt.ptr<i64>, #(\\w+)>', ttg)\n"
             "    assert loads, (warps, r_p, nc_p)\n"
