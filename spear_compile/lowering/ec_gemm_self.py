@@ -13,8 +13,8 @@ with no weight expansion, so it ends before the tiles of its block do (they run 
 expand the weight in registers): the wait costs nothing where the grid is one wave and the shrink CTAs
 start first.
 
-* **Roles by ticket** (as ``ec_self.py``): every CTA takes one relaxed atomic on the site's ticket;
-  ticket ``t`` gives the launch's tag ``t // grid + 1`` and the role ``t % grid``. Roles below ``num_m`` are
+* **Roles by ticket** (as ``ec_self.py``; the Gluon ticket ``w4a16_gemv_tma_ec._self_ticket``): every CTA
+  takes one relaxed atomic on the site's ticket; ticket ``t`` gives the launch's tag ``t // grid + 1`` and the role ``t % grid``. Roles below ``num_m`` are
   shrink roles; the others are GEMM tiles (``role - num_m``, in the kernel's usual order). A shrink role
   is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the GPU has
   not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
@@ -72,20 +72,14 @@ if HAS_WGMMA:
     _SPIN_MAX = gl.constexpr(SPIN_MAX)
 
     @gluon.jit
-    def ec_ticket(TICK):
-        """(tag, role) of this CTA in this launch (``ec_self.ec_ticket``)."""
-        t = gl.atomic_add(TICK, 1, sem="relaxed")
-        grid = gl.num_programs(0)
-        return ((t // grid + 1) & 0x7FFFFFFF).to(gl.int32), (t % grid).to(gl.int32)
-
-    @gluon.jit
     def _shrink_request(x_desc, a_desc, bar, xs_slot, as_slot, off_m, k, pred):
         mbarrier.expect(bar, x_desc.block_type.nbytes + a_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(x_desc, [off_m, k * _BK], bar, xs_slot, pred=pred)
         tma.async_copy_global_to_shared(a_desc, [0, k * _BK], bar, as_slot, pred=pred)
 
     @gluon.jit
-    def ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag, R, D,
+    def ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
+                       R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
                        SELF_DIAG: gl.constexpr = 0):
         """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A padded to 64 rows with zeros on the host),
@@ -201,22 +195,12 @@ _WORKSPACES: dict = {}
 
 def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ticket int64 [1], flags int32 [num_m]) of one EC site and launch geometry, zeroed when made (tags
-    start at 1). Keyed by A's storage and the geometry (a ticket's launch index needs one grid size); made
-    outside CUDA-graph capture (the caller's first run)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    start at 1): ``ec_self.site_workspace``, keyed by the grid and the number of x blocks."""
+    from .ec_self import site_workspace
 
-    key = (A.untyped_storage().data_ptr(), A.storage_offset(), str(A.device), grid, num_m)
-    hit = _WORKSPACES.get(key)
-    if hit is not None and not hit[0].expired():
-        return hit[1]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the in-launch prefill EC's workspace (A {tuple(A.shape)}, {grid} CTAs) is made on first "
-                           "use, and this first use is inside a CUDA graph capture: run the model once first")
-    for k in [k for k, v in _WORKSPACES.items() if v[0].expired()]:
-        del _WORKSPACES[k]
-    ws = (torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(num_m, dtype=torch.int32, device=A.device))
-    _WORKSPACES[key] = (StorageWeakRef(A.untyped_storage()), ws)
-    return ws
+    return site_workspace(_WORKSPACES, A, (grid, num_m), lambda: (
+        torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(num_m, dtype=torch.int32, device=A.device)),
+        "the in-launch prefill EC")
 
 
 def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int, tested_only: bool = True) -> Optional[str]:

@@ -29,8 +29,8 @@ reset:
 * **No deadlock, whatever happens.** A program waits for others only after its own pieces are out, only
   for pieces of programs already running, and only ``SPIN`` re-reads (backing off); then it computes
   every piece itself (reading all of A: the rare path) with the same code (same shape, so the same bits)
-  and publishes them too - an idempotent write. Triton's interpreter (programs run one after another, ``SPIN = 0``) exercises
-  this path on the CPU.
+  and publishes them too - an idempotent write. Triton's interpreter (programs run one after another,
+  ``SPIN = 0``) exercises this path on the CPU.
 
 Measured (H200, session 17, benchmarks/NOTES.md): the dependent launch is gone, but the one launch's own
 operands, pieces and tail cost 1.1-2.4 us, so it beats the pairs by 0.1-0.9 us on three of the five issue
@@ -118,23 +118,33 @@ def sm_count(device: torch.device) -> Optional[int]:
 _WORKSPACES: dict = {}
 
 
-def self_workspace(A: torch.Tensor, grid: int, plan: SelfPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ticket int64 [1], slots int64 [NP]) of one EC site, zeroed when made (tags start at 1). Keyed by
-    A's storage and the launch geometry; made outside CUDA-graph capture (the caller's first run)."""
+def site_workspace(store: dict, A: torch.Tensor, geometry: tuple, make, what: str) -> tuple:
+    """``make()`` (zeroed tensors: a ticket and its flags or slots) for one EC site, cached in ``store`` under
+    A's storage and the launch ``geometry`` while A lives (a ticket's launch index needs one grid size, and
+    sites never share one); made outside CUDA-graph capture (the caller's first run), else a RuntimeError
+    naming ``what``. Shared by the one-launch decode EC and the in-launch prefill EC (``ec_gemm_self.py``)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    key = (A.untyped_storage().data_ptr(), A.storage_offset(), str(A.device), grid, plan)
-    hit = _WORKSPACES.get(key)
+    key = (A.untyped_storage().data_ptr(), A.storage_offset(), str(A.device)) + tuple(geometry)
+    hit = store.get(key)
     if hit is not None and not hit[0].expired():
         return hit[1]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the one-launch decode EC's workspace (A {tuple(A.shape)}, {grid} programs) is made on "
-                           "first use, and this first use is inside a CUDA graph capture: run the model once first")
-    for k in [k for k, v in _WORKSPACES.items() if v[0].expired()]:
-        del _WORKSPACES[k]
-    ws = (torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(plan.np, dtype=torch.int64, device=A.device))
-    _WORKSPACES[key] = (StorageWeakRef(A.untyped_storage()), ws)
+        raise RuntimeError(f"{what}'s workspace (A {tuple(A.shape)}, geometry {tuple(geometry)}) is made on first use, "
+                           "and this first use is inside a CUDA graph capture: run the model once first")
+    for k in [k for k, v in store.items() if v[0].expired()]:
+        del store[k]
+    ws = make()
+    store[key] = (StorageWeakRef(A.untyped_storage()), ws)
     return ws
+
+
+def self_workspace(A: torch.Tensor, grid: int, plan: SelfPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ticket int64 [1], slots int64 [NP]) of one EC site, zeroed when made (tags start at 1)
+    (``site_workspace``, keyed by the grid and the plan)."""
+    return site_workspace(_WORKSPACES, A, (grid, plan), lambda: (
+        torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(plan.np, dtype=torch.int64, device=A.device)),
+        "the one-launch decode EC")
 
 
 def check_self_operands(A: torch.Tensor, K: int, x2: torch.Tensor) -> None:

@@ -51,7 +51,8 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .ec_gemm_self import _D_MAX, ec_shrink_role, ec_ticket, ec_wait_hg
+    from .ec_gemm_self import _D_MAX, ec_shrink_role, ec_wait_hg
+    from .w4a16_gemv_tma_ec import _self_ticket as ec_ticket
     from .w4a16_gemm_wgmma import _BK, _request_step
 
     # One asm instance per (row, word, lane t): the bf16 pair of byte t. $0 out; $1-$2 the word, $3-$4 the
