@@ -65,7 +65,7 @@ for N, K, M in ((4096, 4096, 1024), (11008, 4096, 256), (8192, 8192, 1024)):
     row = {"ra": bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg_ra), 2),
            "ra_ec": bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg_ra,
                                                                  ec=(hgp, B.contiguous())), 2)}
-    for sd in (0, 1, 4, 5):  # (2, no gate, fails to compile on Triton 3.6: MLIR pass pipeline)
+    for sd in (0, 1, 4, 5):  # (a bit 2, no gate layers, failed to compile on Triton 3.6 and was removed)
         row[f"self_{sd}"] = bench_graph(lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
             xs[i], *q(i), G, None, A, B.contiguous(), W1, b1, W2, b2, alpha, "silu", config=cfg_ra, self_diag=sd), 2)
     print(N, K, M, cfg_ra, {k: round(v, 1) for k, v in row.items()}, flush=True)

@@ -14,13 +14,14 @@ expand the weight in registers): the wait costs nothing where the grid is one wa
 start first.
 
 * **Roles by ticket** (as ``ec_self.py``; the Gluon ticket ``w4a16_gemv_tma_ec._self_ticket``): every CTA
-  takes one relaxed atomic on the site's ticket; ticket ``t`` gives the launch's tag ``t // grid + 1`` and the role ``t % grid``. Roles below ``num_m`` are
-  shrink roles; the others are GEMM tiles (``role - num_m``, in the kernel's usual order). A shrink role
-  is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the GPU has
-  not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
-  deadlock whatever the residency - given one stream per site (below). Should that assumption break (two
-  streams on one site, tickets out of step), a tile would wait for a tag that never comes: it gives up
-  after SPIN_MAX polls (seconds) with ``trap``, so the launch fails with a CUDA error instead of hanging.
+  takes one relaxed atomic on the site's ticket; ticket ``t`` gives the launch's tag ``t // grid + 1`` and
+  the role ``t % grid``. Roles below ``num_m`` are shrink roles; the others are GEMM tiles (``role -
+  num_m``, in the kernel's usual order). A shrink role is held by a CTA that started before every GEMM
+  tile CTA, so a tile never waits for a CTA the GPU has not scheduled (the H200 does not dispatch a grid
+  in program-id order: session 17) and there is no deadlock whatever the residency - given one stream per
+  site (below). Should that assumption break (two streams on one site, tickets out of step), a tile would
+  wait for a tag that never comes: it gives up after SPIN_MAX polls (seconds) with ``trap``, so the launch
+  fails with a CUDA error instead of hanging.
 * **Publish**: the shrink role stores ``alpha g h`` [BMX, R_P] (bf16, rows < M) with generic stores,
   then - after a CTA barrier - one release store of the tag into its block's flag. A tile spins on an
   acquire read of the flag (backing off with ``nanosleep``) and reads the rows with generic loads into
@@ -67,6 +68,7 @@ if HAS_WGMMA:
                                                                   warpgroup_mma_wait)
 
     from .w4a16_gemm_wgmma import _BK
+    from .w4a16_gemv_tma_ec import gate_act_gl
 
     _D_MAX = gl.constexpr(D_MAX)
     _SPIN_MAX = gl.constexpr(SPIN_MAX)
@@ -82,11 +84,11 @@ if HAS_WGMMA:
                        R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
                        SELF_DIAG: gl.constexpr = 0):
-        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A padded to 64 rows with zeros on the host),
-        the gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into
-        HG [M, RP_HG] (bf16), then the block's flag := tag.
-        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0), bit 2 no gate layers (alpha
-        sigmoid(b2) h stored; fails to compile on Triton 3.6)."""
+        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A padded to 64 rows with zeros on the
+        host), the gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h``
+        stored into HG [M, RP_HG] (bf16), then the block's flag := tag.
+        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0). (A bit 2 without the gate layers
+        failed to compile on Triton 3.6 and was removed.)"""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         RS: gl.constexpr = a_desc.block_type.shape[0]
         WN: gl.constexpr = WARPS // 4
@@ -134,25 +136,16 @@ if HAS_WGMMA:
         us = as_._reinterpret(gl.float32, [_D_MAX, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         gl.thread_barrier()
         h = hs.load(tok)
-        DG = D
-        if (SELF_DIAG & 2) != 0:
-            DG = 0
         for d in gl.static_range(_D_MAX):  # (unrolled: a shared-memory row's slice needs a constant start)
-            if d < DG:
+            if d < D:
                 w1d = w1s.slice(d, 1, dim=1).load(tok)  # [RS, 1]
-                u = gl.sum(h * w1d, axis=0) + gl.load(B1 + d).to(gl.float32)
-                if ACT == 0:
-                    u = u / (1.0 + gl.exp(-u))
-                elif ACT == 1:
-                    u = gl.maximum(u, 0.0)
-                else:
-                    u = 0.5 * u * (1.0 + gl.erf(u * 0.7071067811865476))
+                u = gate_act_gl(gl.sum(h * w1d, axis=0) + gl.load(B1 + d).to(gl.float32), ACT)
                 us.slice(d, 1).store(gl.expand_dims(u, 0))
         gl.thread_barrier()
         # second layer: z = W2 u + b2, then alpha g h with h read back
         z2 = gl.zeros([RS, BMX], gl.float32, layout=tok)
         for d in gl.static_range(_D_MAX):
-            if d < DG:
+            if d < D:
                 z2 += w2s.slice(d, 1, dim=1).load(tok) * us.slice(d, 1).load(tok)
         z2 += gl.expand_dims(gl.load(B2 + offs_r, mask=mask_r, other=0.0).to(gl.float32), 1)
         hg = hs.load(tok) / (1.0 + gl.exp(-z2)) * gl.load(ALPHA).to(gl.float32)

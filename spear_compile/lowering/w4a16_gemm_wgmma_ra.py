@@ -262,15 +262,15 @@ if HAS_WGMMA:
             tag, role = ec_ticket(TICK)
             num_m = gl.cdiv(M, BMX)
             if role < num_m:
-                ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
-                               R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SELF_DIAG)
+                ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
+                               FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SELF_DIAG)
             else:
-                _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
-                         ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
-                         EC_WAIT, EC_SELF, DIAG, SELF_DIAG)
+                _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
+                         bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF,
+                         HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG)
         else:
-            _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
-                     ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
+            _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
+                     bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
                      EC_WAIT, EC_SELF, DIAG, 0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -329,8 +329,8 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
-    return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, (bnw, bmx, stages, warps, pf),
-                   ec is not None, ec is not None and ec_wait, diag, None)
+    return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
+                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, diag, None)
 
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,

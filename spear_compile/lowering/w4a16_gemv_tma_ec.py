@@ -172,16 +172,22 @@ if HAS_GLUON:
         return w1, b1, w2, b2
 
     @gluon.jit
-    def _self_rows(h, w1, b1, w2, b2, b, alpha, out_layout: gl.constexpr, ACT: gl.constexpr):
-        """``alpha sum_j b[n, j] (g h)[j]`` of the CTA's rows, g = sigmoid(W2 act(W1 h + b1) + b2)."""
-        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout))
-        z = gl.sum(w1 * gl.expand_dims(hz, 0), axis=1) + b1
+    def gate_act_gl(z, ACT: gl.constexpr):
+        """The gate's activation in Gluon (``_triton.gate_act``'s codes: 0 silu, 1 relu, 2 exact GELU), shared by
+        the Gluon EC kernels."""
         if ACT == 0:
             z = z / (1.0 + gl.exp(-z))
         elif ACT == 1:
             z = gl.maximum(z, 0.0)
         else:
             z = 0.5 * z * (1.0 + gl.erf(z * 0.7071067811865476))
+        return z
+
+    @gluon.jit
+    def _self_rows(h, w1, b1, w2, b2, b, alpha, out_layout: gl.constexpr, ACT: gl.constexpr):
+        """``alpha sum_j b[n, j] (g h)[j]`` of the CTA's rows, g = sigmoid(W2 act(W1 h + b1) + b2)."""
+        hz = gl.convert_layout(h, gl.SliceLayout(0, w1.type.layout))
+        z = gate_act_gl(gl.sum(w1 * gl.expand_dims(hz, 0), axis=1) + b1, ACT)
         zz = gl.convert_layout(z, gl.SliceLayout(0, w2.type.layout))
         u = gl.sum(w2 * gl.expand_dims(zz, 0), axis=1) + b2
         gh = gl.convert_layout(h, u.type.layout) / (1.0 + gl.exp(-u))

@@ -785,7 +785,8 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
         EC_PARTS=parts, SELF=plan is not None, PW=plan.pw if plan else 1, PPC_P=plan.ppc_p if plan else 1,
         NC_P=plan.nc_p if plan else 1, SPIN=SPIN, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
-        SLOT_T=slot_rows(r_p, warps, plan.nc_p if plan else 1), num_warps=warps, num_stages=1, **({"launch_pdl": True} if launch_pdl else {}),
+        SLOT_T=slot_rows(r_p, warps, plan.nc_p if plan else 1), num_warps=warps, num_stages=1,
+        **({"launch_pdl": True} if launch_pdl else {}),
     )
     return y
 
