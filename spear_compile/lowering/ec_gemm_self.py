@@ -31,10 +31,9 @@ start first.
   shared memory into a layout where each thread holds all 64 values of its token (rows >= R are zero), so
   both gate layers are per-thread FMAs on weights staged in shared memory (no cross-thread reduction);
   fp32 as the reference.
-* **Tested gate widths.** The kernel takes gates up to D_MAX = 16 wide; the GPU tests have run it with
-  16 (``SELF_GATE_WIDTHS``), and the dispatch (``self_takes``) routes only those widths here until the
-  tests of others (5, 8: ``tests/lowering/test_gemm_wgmma.py``) have passed on a GPU - SPEAR's default
-  gate is 8 wide, so its ECs take "in_gemm" for now.
+* **Gate widths.** The kernel takes gates up to D_MAX = 16 wide (one loop over ``d < D`` for every width);
+  the GPU tests have run widths 5, 8 (SPEAR's default) and 16 (session 20, call 1), so the dispatch routes
+  every width up to 16 here.
 
 Measured (H200, session 19, benchmarks/NOTES.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
 51-52 alone and "in_gemm"'s 61; 1.06-1.10x W4 on the cells where the table runs that GEMM at M = 1024, and at
@@ -58,7 +57,6 @@ from .w4a16_gemm_wgmma import HAS_WGMMA
 
 R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take this structure
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
-SELF_GATE_WIDTHS = (16,)  # gate widths the GPU tests have run; the dispatch routes only these here
 SPIN_MAX = 1 << 22  # polls of a block's flag (each <= ~1 us) before a tile traps
 
 if HAS_WGMMA:
@@ -196,16 +194,13 @@ def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor
         "the in-launch prefill EC")
 
 
-def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int, tested_only: bool = True) -> Optional[str]:
+def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Optional[str]:
     """Why the in-launch structure cannot take this EC (None if it can): A must be a bf16 [R <= 64, K]
-    contiguous tensor (TMA-read in [64, 64] boxes), B bf16, the gate at most D_MAX wide - and, with
-    ``tested_only`` (the dispatch), one of the widths the GPU tests have run (``SELF_GATE_WIDTHS``)."""
+    contiguous tensor (TMA-read in [64, 64] boxes), B bf16, the gate at most D_MAX wide."""
     if A.dtype != torch.bfloat16 or B.dtype != torch.bfloat16:
         return f"A {A.dtype} / B {B.dtype} (needs bf16)"
     if W1.dim() != 2 or W1.shape[0] > D_MAX:
         return f"gate W1 {tuple(W1.shape)} (needs at most {D_MAX} hidden units)"
-    if tested_only and W1.shape[0] not in SELF_GATE_WIDTHS:
-        return f"gate W1 {tuple(W1.shape)} (widths run on a GPU so far: {SELF_GATE_WIDTHS})"
     if A.dim() != 2 or A.shape[0] > R_SHRINK or A.shape[1] != K or not A.is_contiguous():
         return f"A {tuple(A.shape)} (needs a contiguous [R <= {R_SHRINK}, K = {K}])"
     return None

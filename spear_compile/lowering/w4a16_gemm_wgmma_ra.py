@@ -378,7 +378,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
-    why = self_takes(A, B, W1, K, tested_only=False)
+    why = self_takes(A, B, W1, K)
     if why is not None:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: {why}")
     R, D = A.shape[0], W1.shape[0]

@@ -359,9 +359,8 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
 
 
 def test_in_launch_ec_says_which_ecs_it_cannot_take():
-    """``ec_gemm_self.self_takes``: bf16 A [R <= 64, K] contiguous, bf16 B, a gate at most 16 wide and (for the
-    dispatch) of a width the GPU tests have run - or the reason, naming the operand (the dispatch then runs
-    "in_gemm")."""
+    """``ec_gemm_self.self_takes``: bf16 A [R <= 64, K] contiguous, bf16 B, a gate at most 16 wide - or the
+    reason, naming the operand (the dispatch then runs "in_gemm")."""
     from spear_compile.lowering.ec_gemm_self import self_takes
 
     A, B, W1 = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(16, 64)
@@ -371,8 +370,7 @@ def test_in_launch_ec_says_which_ecs_it_cannot_take():
     assert "K = 256" in self_takes(A, B, W1, 256)
     assert "contiguous" in self_takes(torch.zeros(128, 64, dtype=torch.bfloat16).t(), B, W1, 128)
     assert "hidden units" in self_takes(A, B, torch.zeros(32, 64), 128)
-    assert "run on a GPU" in self_takes(A, B, torch.zeros(8, 64), 128)  # (implemented; not yet GPU-tested)
-    assert self_takes(A, B, torch.zeros(8, 64), 128, tested_only=False) is None
+    assert self_takes(A, B, torch.zeros(8, 64), 128) is None  # SPEAR's default gate (GPU-tested: session 20)
 
 
 def _self_run(monkeypatch, config):
@@ -424,8 +422,8 @@ def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatc
 @pytest.mark.parametrize("D,K", [(5, 640), (8, 640), (16, 128)])  # K = 128: two K steps, fewer than the ring's stages
 def test_in_launch_ec_kernel_with_other_gate_widths_and_short_k_on_gpu(D, K):
     """The kernel entry point with gates narrower than 16 (SPEAR's default is 8) and a K loop shorter than the
-    ring: the reference's numbers. (Written in session 19 after its GPU time was spent: not yet run; once it
-    passes, ``ec_gemm_self.SELF_GATE_WIDTHS`` can admit these widths to the dispatch.)"""
+    ring: the reference's numbers (first run in session 20, call 1: passed; the dispatch then admitted every
+    width up to 16)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.lowering.ec_linear import ec_linear_ref
 
