@@ -17,6 +17,10 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
                                                  step on a ready alpha g h (no PDL wait): with shrink_gate,
                                                  the parts of the "in_gemm" structure (session 16)
     ra_self       w4a16_gemm_wgmma_ra_ec_self    the same GEMM with the shrink roles in its launch (session 19)
+
+``--ra-sweep`` times only the register-operand parts, for every config of ``RA_CONFIGS`` and every number of
+shrink roles per x block (``ra[cfg]``, ``ra_ec[cfg]``, ``ra_self[cfg]`` with the default split,
+``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``; session 20), plus "in_gemm_self" as the dispatch runs it.
     <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
@@ -110,11 +114,51 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
     return row
 
 
+def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
+    """The register-operand GEMM alone, with the EC step on a ready alpha g h, and with the shrink roles in its
+    launch (default and every split), for each config; and "in_gemm_self" through the dispatch."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+    from spear_compile.lowering.ec_gemm_self import SPLITS
+
+    copies = copies_for(N * K // 2 + M * K * 2)
+    ws = make_weights(N, K, copies)
+    A, B, W1, b1, W2, b2, alpha = ec = make_ec(N, K, r)
+    xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
+    hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)
+    Bc = B.contiguous()
+
+    def q(i):
+        w = ws[i]["qw"]
+        return w.qweight, w.scales, w.zeros
+
+    parts = {"w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None)}
+    for cfg in RA.RA_CONFIGS:
+        c = ",".join(map(str, cfg))
+        parts[f"ra[{c}]"] = (lambda cfg: lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg))(cfg)
+        parts[f"ra_ec[{c}]"] = (lambda cfg: lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg,
+                                                                             ec=(hgp, Bc)))(cfg)
+        for sp in (None,) + SPLITS:
+            if sp is not None and cfg[1] // sp < 64:
+                continue
+            parts[f"ra_self[{c}]" + ("" if sp is None else f"/s{sp}")] = (lambda cfg, sp: lambda i: (
+                RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, Bc, W1, b1, W2, b2, alpha, "silu",
+                                               config=cfg, split=sp)))(cfg, sp)
+    parts["in_gemm_self"] = lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure="in_gemm_self")
+    row = {"N": N, "K": K, "M": M, "r": r, "gemm_choice": list(T.gemm_config(M, N, K, G)),
+           "ra_config": T.wgmma_ra_config(M, N, K, G)}
+    for name, fn in parts.items():
+        torch.cuda.synchronize()
+        row[name] = bench_graph(fn, copies=copies)
+        print(f"{N}x{K} M={M} {name:28s} {row[name]:8.1f} us", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", nargs="+", default=["4096x4096", "11008x4096", "4096x11008"])
     ap.add_argument("--ms", nargs="+", type=int, default=[256, 1024, 4096])
+    ap.add_argument("--ra-sweep", action="store_true", help="only the register-operand parts, every config and split")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ec_prefill_profile.py needs a CUDA GPU")
@@ -126,8 +170,9 @@ def main() -> None:
     for shape in args.shapes:
         N, K = map(int, shape.split("x"))
         for M in args.ms:
-            res["rows"].append(profile(N, K, M))
-            with open(os.path.join(args.out, f"ec_prefill_profile_{gpu_key()}.json"), "w") as f:
+            res["rows"].append(ra_sweep(N, K, M) if args.ra_sweep else profile(N, K, M))
+            name = "ec_prefill_ra_sweep" if args.ra_sweep else "ec_prefill_profile"
+            with open(os.path.join(args.out, f"{name}_{gpu_key()}.json"), "w") as f:
                 json.dump(res, f, indent=1)
 
 

@@ -178,14 +178,15 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
     behind the gate kernel: its K loop runs while the gate finishes, and it waits only before reading
     alpha g h. ``splitk``: shrink and gate in one split-K kernel that triggers the GEMM at once
     (``ec_shrink_splitk.py``); else cuBLAS's shrink runs first, then the gate kernel. ``self_``: shrink and gate
-    in the GEMM's own launch (``ec_gemm_self.py``) where that GEMM runs the shape and the EC fits it."""
+    in the GEMM's own launch (``ec_gemm_self.py``) where the register-operand GEMM has a measured config for the
+    shape (``wgmma_ra_config``: the table's GEMM, or that kernel's fastest) and the EC fits it."""
     from . import w4a16_gemm_wgmma as wg
     from . import w4a16_gemm_wgmma_ra as ra
     from .ec_decode_triton import pdl_launch_ok
     from .ec_gemm_self import self_takes
     from .ec_shrink_splitk import ec_shrink_gate_splitk
     from .ec_triton import ec_shrink_gate
-    from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config
+    from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config, wgmma_ra_config
 
     M, K = x2.shape
     N = qweight.shape[0]
@@ -204,9 +205,11 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
 
     Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
     shrink_gate = ec_shrink_gate_splitk if splitk and A.is_contiguous() else ec_shrink_gate
-    if use_ra and self_ and self_takes(A, Bp, W1, K) is None:
+    cfg_self = wgmma_ra_config(M, N, K, group_size) if self_ else None
+    if (cfg_self is not None and ra.takes(x2, N, group_size, scales, zeros, bias)
+            and self_takes(A, Bp, W1, K) is None):
         return ra.w4a16_gemm_wgmma_ra_ec_self(x2, qweight, scales, zeros, group_size, bias, A, Bp, W1, b1, W2, b2,
-                                              alpha, act, config=tuple(cfg[1:]))
+                                              alpha, act, config=cfg_self)
     if use_ra:
         pdl = pdl_launch_ok(x2.device)
         hg = shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)

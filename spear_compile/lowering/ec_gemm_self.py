@@ -58,6 +58,7 @@ from .w4a16_gemm_wgmma import HAS_WGMMA
 R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take this structure
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
 SPIN_MAX = 1 << 22  # polls of a block's flag (each <= ~1 us) before a tile traps
+SPLITS = (1, 2, 4)  # shrink roles per x block (each BMX / split tokens)
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -78,41 +79,46 @@ if HAS_WGMMA:
         tma.async_copy_global_to_shared(a_desc, [0, k * _BK], bar, as_slot, pred=pred)
 
     @gluon.jit
-    def ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, m_blk, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
+    def ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
                        R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
-                       SELF_DIAG: gl.constexpr = 0):
-        """Block ``m_blk`` of x: h^T = A x^T [64, BMX] by wgmma over K (A padded to 64 rows with zeros on the
-        host), the gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h``
-        stored into HG [M, RP_HG] (bf16), then the block's flag := tag.
+                       SPLIT: gl.constexpr = 1, SELF_DIAG: gl.constexpr = 0):
+        """Shrink role ``role``: part ``role % SPLIT`` (BXS = BMX / SPLIT tokens, ``xr_desc``'s box) of x block
+        ``role // SPLIT``: h^T = A x^T [64, BXS] by wgmma over K (A padded to 64 rows with zeros on the host), the
+        gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into HG
+        [M, RP_HG] (bf16), then the part's flag (``FLAGS[role]``) := tag. The x ring ``xs`` ([STAGES, BMX, BK])
+        is used as [STAGES, BXS, BK] slots (same 128-byte swizzle; its first STAGES BXS rows).
         ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0). (A bit 2 without the gate layers
         failed to compile on Triton 3.6 and was removed.)"""
-        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        BMX: gl.constexpr = xs.type.shape[1]
+        BXS: gl.constexpr = xr_desc.block_type.shape[0]
+        gl.static_assert(BXS * SPLIT == BMX, "the shrink role's x box must be the tile's x rows / SPLIT")
         RS: gl.constexpr = a_desc.block_type.shape[0]
         WN: gl.constexpr = WARPS // 4
-        off_m = m_blk * BMX
+        xq = xs._reinterpret(gl.bfloat16, [STAGES * SPLIT, BXS, _BK], xr_desc.layout)
+        off_m = (role // SPLIT) * BMX + (role % SPLIT) * BXS
         KT = K // _BK
         if (SELF_DIAG & 1) != 0:
             KT = 0
         for i in gl.static_range(STAGES):
-            _shrink_request(x_desc, a_desc, bars.index(i), xs.index(i), as_.index(i), off_m, i, i < KT)
+            _shrink_request(xr_desc, a_desc, bars.index(i), xq.index(i), as_.index(i), off_m, i, i < KT)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
-                                                      instr_shape=[16, BMX // WN, 16])
-        acc = gl.zeros([RS, BMX], gl.float32, layout=mma)
+                                                      instr_shape=[16, BXS // WN, 16])
+        acc = gl.zeros([RS, BXS], gl.float32, layout=mma)
         for i in range(KT):
             slot = i % STAGES
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            acc = warpgroup_mma(as_.index(slot), xs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(as_.index(slot), xq.index(slot).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's MMA is done ...
             gl.thread_barrier()  # ... in both warpgroups: its slot can be refilled
             prev = gl.maximum(i - 1, 0)
             nt = prev + STAGES
             ps = prev % STAGES
-            _shrink_request(x_desc, a_desc, bars.index(ps), xs.index(ps), as_.index(ps), off_m, nt,
+            _shrink_request(xr_desc, a_desc, bars.index(ps), xq.index(ps), as_.index(ps), off_m, nt,
                             (i > 0) & (nt < KT))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every MMA has read its ring slots: the ring's memory holds h^T now
-        hs = xs._reinterpret(gl.float32, [RS, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        hs = xs._reinterpret(gl.float32, [RS, BXS], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         hs.store(acc)
         gl.thread_barrier()
         tok: gl.constexpr = gl.BlockedLayout([RS, 1], [1, 32], [1, WARPS], [0, 1])  # a token per thread
@@ -131,7 +137,7 @@ if HAS_WGMMA:
         w2s.store(gl.load(W2 + gl.expand_dims(wr, 1) * D + gl.expand_dims(wd, 0), mask=wm, other=0.0).to(gl.float32))
         # first layer: u_d = act(W1[d] . h + b1[d]) per token, kept in the idle A ring ([D_MAX, BMX] fp32), so
         # h and z are never live together (the per-thread rows are 64 registers each)
-        us = as_._reinterpret(gl.float32, [_D_MAX, BMX], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        us = as_._reinterpret(gl.float32, [_D_MAX, BXS], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         gl.thread_barrier()
         h = hs.load(tok)
         for d in gl.static_range(_D_MAX):  # (unrolled: a shared-memory row's slice needs a constant start)
@@ -141,26 +147,23 @@ if HAS_WGMMA:
                 us.slice(d, 1).store(gl.expand_dims(u, 0))
         gl.thread_barrier()
         # second layer: z = W2 u + b2, then alpha g h with h read back
-        z2 = gl.zeros([RS, BMX], gl.float32, layout=tok)
+        z2 = gl.zeros([RS, BXS], gl.float32, layout=tok)
         for d in gl.static_range(_D_MAX):
             if d < D:
                 z2 += w2s.slice(d, 1, dim=1).load(tok) * us.slice(d, 1).load(tok)
         z2 += gl.expand_dims(gl.load(B2 + offs_r, mask=mask_r, other=0.0).to(gl.float32), 1)
         hg = hs.load(tok) / (1.0 + gl.exp(-z2)) * gl.load(ALPHA).to(gl.float32)
-        offs_t = off_m + gl.arange(0, BMX, layout=lt)
+        offs_t = off_m + gl.arange(0, BXS, layout=lt)
         m2 = gl.expand_dims(offs_r < RP_HG, 1) & gl.expand_dims(offs_t < M, 0)
         gl.store(HG + gl.expand_dims(offs_t, 0) * RP_HG + gl.expand_dims(offs_r, 1), hg.to(gl.bfloat16), mask=m2)
         gl.thread_barrier()  # every thread's rows are written before the (cumulative) release below
-        gl.atomic_xchg(FLAGS + m_blk, tag, sem="release")
+        gl.atomic_xchg(FLAGS + role, tag, sem="release")
 
     @gluon.jit
-    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SELF_DIAG: gl.constexpr = 0):
-        """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
-        block's shrink role has published it (acquire spin, 32 ns to 1 us back-off; after SPIN_MAX polls,
-        ``trap``: the one-stream assumption broke). ``SELF_DIAG`` bit 4 (timing only): no wait."""
-        BMX: gl.constexpr = hgs.type.shape[0]
-        RP: gl.constexpr = hgs.type.shape[1]
-        f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
+    def _wait_flag(flag, tag, SELF_DIAG: gl.constexpr):
+        """Spin until ``*flag == tag`` (acquire; 32 ns to 1 us back-off; after SPIN_MAX polls ``trap``: the
+        one-stream assumption broke). ``SELF_DIAG`` bit 4 (timing only): no wait."""
+        f = gl.atomic_add(flag, 0, sem="acquire")
         if (SELF_DIAG & 4) != 0:
             f = tag
         ns = 32
@@ -168,11 +171,21 @@ if HAS_WGMMA:
         while f != tag:
             gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=gl.int32,
                                       is_pure=False, pack=1)
-            f = gl.atomic_add(FLAGS + m_blk, 0, sem="acquire")
+            f = gl.atomic_add(flag, 0, sem="acquire")
             ns = gl.minimum(ns * 2, 1024)
             polls += 1
             if polls > _SPIN_MAX:
                 gl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SPLIT: gl.constexpr = 1,
+                   SELF_DIAG: gl.constexpr = 0):
+        """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
+        block's SPLIT shrink roles have published their parts (each its own flag, ``_wait_flag``)."""
+        BMX: gl.constexpr = hgs.type.shape[0]
+        RP: gl.constexpr = hgs.type.shape[1]
+        for p in gl.static_range(SPLIT):
+            _wait_flag(FLAGS + m_blk * SPLIT + p, tag, SELF_DIAG)
         lh: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (RP // 8), RP // 8], [WARPS, 1], [1, 0])
         rows = m_blk * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(1, lh))
         cols = gl.arange(0, RP, layout=gl.SliceLayout(0, lh))
@@ -192,6 +205,21 @@ def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor
     return site_workspace(_WORKSPACES, A, (grid, num_m), lambda: (
         torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(num_m, dtype=torch.int32, device=A.device)),
         "the in-launch prefill EC")
+
+
+def self_split(tiles: int, num_m: int, bmx: int, sms: int) -> int:
+    """Shrink roles per x block: the largest of ``SPLITS`` (each role at least 64 tokens) whose roles fit in the
+    first wave beside the ``tiles`` output tiles (one CTA per SM: these configs' shared memory allows no more),
+    else 1. Why: one role per block streams the block's x rows *and* A each K step - more bytes per step than a
+    tile, so where the grid is one wave the tiles wait for it (8192^2 M = 256, 4-warp tile: 1.5x the GEMM,
+    session 19); split over tokens, a role streams A and BMX / split rows. Where the tiles fill a wave or more,
+    the roles start first and the tiles' first wave hides them, and extra roles would push tiles into a
+    later wave."""
+    split = 1
+    for s in SPLITS:
+        if bmx // s >= 64 and tiles + num_m * s <= sms:
+            split = s
+    return split
 
 
 def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Optional[str]:

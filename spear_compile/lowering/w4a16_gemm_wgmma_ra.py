@@ -156,7 +156,7 @@ if HAS_WGMMA:
                  HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
-                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr):
+                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr, SPLIT: gl.constexpr = 1):
         """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
@@ -205,7 +205,7 @@ if HAS_WGMMA:
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
-                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SELF_DIAG)
+                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT, SELF_DIAG)
                 fence_async_shared()
                 gl.thread_barrier()
             else:
@@ -228,15 +228,15 @@ if HAS_WGMMA:
 
     @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                    a_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
+                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
                                     EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
-                                    SELF_DIAG: gl.constexpr = 0):
-        """One CTA: an output tile, or with ``EC_SELF`` the shrink role of an x block (``ec_gemm_self.py``;
-        a_desc, HG ... D are its operands, stand-ins otherwise)."""
+                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1):
+        """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
+        (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -261,13 +261,13 @@ if HAS_WGMMA:
             w2s = gl.allocate_shared_memory(gl.float32, [a_desc.block_type.shape[0], _D_MAX], gw)
             tag, role = ec_ticket(TICK)
             num_m = gl.cdiv(M, BMX)
-            if role < num_m:
-                ec_shrink_role(x_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
-                               FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SELF_DIAG)
+            if role < num_m * SPLIT:
+                ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
+                               FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT, SELF_DIAG)
             else:
-                _ra_tile(role - num_m, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
-                         bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF,
-                         HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG)
+                _ra_tile(role - num_m * SPLIT, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
+                         bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
+                         PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
                      bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
@@ -335,25 +335,26 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
             self_ops, self_diag=0):
-    """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, hg, W1, b1, W2, b2, alpha, flags,
-    ticket, R, D, act code) also one shrink role per x block), the ring shortened until it fits."""
+    """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
+    b2, alpha, flags, ticket, R, D, act code, split) also ``split`` shrink roles per x block), the ring shortened
+    until it fits."""
     bnw, bmx, stages, warps, pf = cfg
     ec_self = self_ops is not None
     if has_ec:
         while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
             stages -= 1
-    num_m = -(-M // bmx)
-    grid = (num_m * -(-N // bnw) + (num_m if ec_self else 0),)
     if self_ops is None:
-        self_ops = (xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0)
-    ad, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act = self_ops
+        self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0)
+    ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split = self_ops
+    num_m = -(-M // bmx)
+    grid = (num_m * -(-N // bnw) + num_m * split,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], ad, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
+        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
-        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag, num_warps=warps,
-        **({"launch_pdl": True} if ec_wait else {}))
+        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
+        SPLIT=max(split, 1), num_warps=warps, **({"launch_pdl": True} if ec_wait else {}))
     return y
 
 
@@ -364,15 +365,17 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                 zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor], A, B, W1, b1,
                                 W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
                                 out: Optional[torch.Tensor] = None, hg: Optional[torch.Tensor] = None,
-                                self_diag: int = 0) -> torch.Tensor:
+                                split: Optional[int] = None, self_diag: int = 0) -> torch.Tensor:
     """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus one shrink role
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
     R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
-    ``alpha g h`` into (tests read it; default a fresh one). ``self_diag`` (timing only, wrong results):
-    ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
+    ``alpha g h`` into (tests read it; default a fresh one). ``split``: shrink roles per x block, each taking
+    BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``self_diag`` (timing only,
+    wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
     from ._triton import ACT_CODES, next_pow2
-    from .ec_gemm_self import R_SHRINK, self_takes, self_workspace
+    from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace
+    from .ec_self import sm_count
     from .w4a16_gemm_wgmma import _descriptor
     from .w4a16_triton import derived_cached
 
@@ -413,10 +416,16 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                          f"[{M}, {r_p}]")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, out, (hg, B), M, N, bmx,
                                              bnw)
-    num_m = -(-M // bmx)
-    tick, flags = self_workspace(A, num_m * -(-N // bnw) + num_m, num_m)
+    num_m, tiles = -(-M // bmx), -(-M // bmx) * -(-N // bnw)
+    if split is None:
+        split = self_split(tiles, num_m, bmx, sm_count(x2.device))
+    if split not in SPLITS or bmx % split or bmx // split < 64:
+        raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: split={split}; needs one of {SPLITS} with BMX / split >= 64 "
+                         f"(config BMX = {bmx})")
+    tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
-    ops = (ad, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act])
+    xrd = xd if split == 1 else _descriptor(x2.contiguous(), [bmx // split, BK], gl.bfloat16)
+    ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
                    (bnw, bmx, stages, warps, pf), True, False, 0, ops, self_diag)
 
@@ -431,9 +440,9 @@ def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
-                    ec_self: bool = False, self_diag: int = 0) -> dict:
+                    ec_self: bool = False, self_diag: int = 0, split: int = 1) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
-    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off."""
+    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block."""
     from .w4a16_gemm_wgmma import _layout, desc_types
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
@@ -444,11 +453,12 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
         stages -= 1
     dt = desc_types(bmx, bnw, r_p)
     a_t = f"tensordesc<bf16[64, {BK}],{_layout([64, BK], gl.bfloat16)!r}>" if ec_self else dt["x_desc"]
+    xr_t = f"tensordesc<bf16[{bmx // split}, {BK}],{_layout([bmx // split, BK], gl.bfloat16)!r}>"
     types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
-                 a_desc=a_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
+                 a_desc=a_t, xr_desc=xr_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
                  FLAGS="*i32", TICK="*i64", R="i32", D="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
                   EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
-                  SELF_DIAG=self_diag)
+                  SELF_DIAG=self_diag, SPLIT=split)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

@@ -961,6 +961,23 @@ def wgmma_choices() -> list:
     return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
+def wgmma_ra_key(M: int, N: int, K: int, G: int) -> str:
+    return f"gemmra|{_m_bucket(M)}|{N}|{K}|{G}"
+
+
+def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
+    """(BNW, BMX, STAGES, WARPS[, PF]) of the register-operand GEMM for this shape, for the EC structures built on
+    it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
+    (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
+    that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024
+    flipped between runs: session 19)."""
+    cfg = gemm_config(M, N, K, G)
+    if cfg[0] == WGMMA_RA:
+        return tuple(cfg[1:])
+    got = tuned_table().get(wgmma_ra_key(M, N, K, G))
+    return tuple(got) if got is not None else None
+
+
 def wgmma_ra_choices() -> list:
     """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
     where this Triton has it (else none)."""

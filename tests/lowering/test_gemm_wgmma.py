@@ -284,7 +284,9 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                                                                       has_bias=False)),
                                        ((128, 128, 5, 8), {}), ((64, 256, 3, 4), dict(r_p=64)),
                                        ((128, 256, 4, 8), dict(r_p=64, ec_self=True)),
-                                       ((64, 256, 4, 4), dict(r_p=32, ec_self=True))])
+                                       ((64, 256, 4, 4), dict(r_p=32, ec_self=True)),
+                                       ((64, 256, 4, 4), dict(r_p=64, ec_self=True, split=4)),
+                                       ((128, 256, 3, 8), dict(r_p=64, ec_self=True, split=2))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -373,6 +375,20 @@ def test_in_launch_ec_says_which_ecs_it_cannot_take():
     assert self_takes(A, B, torch.zeros(8, 64), 128) is None  # SPEAR's default gate (GPU-tested: session 20)
 
 
+def test_in_launch_ec_splits_shrink_roles_only_where_they_fit_the_first_wave():
+    """``ec_gemm_self.self_split``: the most roles per x block (1, 2, 4; >= 64 tokens each) that fit beside the
+    tiles in one wave of one CTA per SM, else 1 (a grid of several waves hides one role per block)."""
+    from spear_compile.lowering.ec_gemm_self import self_split
+
+    assert self_split(128, 1, 256, 132) == 4  # 8192^2 M = 256 on the 4-warp tile: 128 tiles + 4 roles
+    assert self_split(86, 1, 256, 132) == 4  # 11008x4096 M = 256, 8 warps
+    assert self_split(129, 1, 256, 132) == 2 and self_split(130, 1, 256, 132) == 2
+    assert self_split(131, 1, 256, 132) == 1 and self_split(132, 1, 256, 132) == 1
+    assert self_split(128, 4, 256, 132) == 1  # 4096^2 M = 1024: 128 tiles + 4 roles is exactly a wave
+    assert self_split(224, 1, 256, 132) == 1  # 28672x8192 M = 256: two waves
+    assert self_split(10, 1, 128, 132) == 2 and self_split(10, 1, 64, 132) == 1  # >= 64 tokens per role
+
+
 def _self_run(monkeypatch, config):
     """Route "in_gemm_self" to the register-operand GEMM with ``config`` and record the in-launch calls."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
@@ -444,6 +460,34 @@ def test_in_launch_ec_kernel_with_other_gate_widths_and_short_k_on_gpu(D, K):
         y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, G, b, ec[0], Bp, *ec[2:], "silu", config=config)
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4)])
+@pytest.mark.parametrize("M", [300, 37])  # 37: three of block 0's four parts lie wholly past M
+def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M):
+    """1, 2 and 4 shrink roles per x block (each BMX / split tokens, its own flag): the reference's numbers,
+    and the same alpha g h within one bf16 ulp whatever the split (each h element is one K-ordered sum)."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+    from spear_compile.lowering.ec_linear import ec_linear_ref
+
+    N, K, R = 264, 640, 64
+    x, qw, s, z, b = _case(N, K, 128, M=M, device="cuda")
+    z = z.round()
+    ec = _ec_case(N, K, R, "cuda")
+    ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
+    hgs = []
+    for split in (1, 2, 4):
+        hg = torch.full((M, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        for _ in range(2):  # a second launch on the same workspace (tags move on)
+            y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, hg=hg, split=split)
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (split, err.max())
+        hgs.append(hg.double())
+    for h in hgs[1:]:
+        assert ((h - hgs[0]).abs() <= hgs[0].abs() * 2 ** -7 + 1e-6).all()
+    with pytest.raises(ValueError, match="split=3"):
+        ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, split=3)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")

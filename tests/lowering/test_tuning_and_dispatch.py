@@ -43,11 +43,11 @@ def test_shipped_tables_are_well_formed():
             if "configs_" in f:
                 kind = key.split("|")[0]
                 assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemv1self", "gemm", "gemmwg",
-                                "ecstruct")
-                if kind == "gemm" and val[0] == "wgmma_ra":  # the register-operand wgmma GEMM
+                                "gemmra", "ecstruct")
+                if kind == "gemmra" or (kind == "gemm" and val[0] == "wgmma_ra"):  # the register-operand GEMM
                     from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
 
-                    check_ra_config(tuple(val[1:]))
+                    check_ra_config(tuple(val if kind == "gemmra" else val[1:]))
                     continue
                 if kind == "gemmwg" or (kind == "gemm" and val[0] == "wgmma"):  # the Hopper wgmma GEMM
                     from spear_compile.lowering.w4a16_gemm_wgmma import check_config
