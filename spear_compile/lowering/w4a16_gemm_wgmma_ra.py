@@ -281,8 +281,9 @@ if HAS_WGMMA:
 
 # (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
 # MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
-# grid would be small (N = 4096 at M = 256). PF = 1 variants are the lab's (NOTES.md, session 16).
-RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4)]
+# grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
+# the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
+RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
 
 
 def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
