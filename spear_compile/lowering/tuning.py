@@ -85,6 +85,22 @@ def search(run: Callable[[tuple], Callable[[int], object]], configs: Iterable[tu
     return best, best_t
 
 
+def refine(run: Callable[[tuple], Callable[[int], object]], configs: list, copies: int,
+           rounds: int = 3) -> tuple[tuple, float]:
+    """The fastest of a few near-tied finalists (e.g. the best of each kernel family from ``search``), re-timed
+    with the full ``bench_graph`` in ``rounds`` interleaved rounds, by median. Why: ``search``'s short timings
+    flipped a table choice between runs on a 1-2 % tie, and once took a config that the same run's full timing
+    put 10 % behind (28672x8192 M = 1024, session 20: 754 us in the search, 830 after); interleaving spreads a
+    drift of the GPU's clock over every finalist alike."""
+    times: dict = {c: [] for c in configs}
+    for _ in range(rounds):
+        for c in configs:
+            times[c].append(bench_graph(run(c), copies))
+    med = {c: statistics.median(v) for c, v in times.items()}
+    best = min(med, key=med.get)
+    return best, med[best]
+
+
 def save_table(name: str, table: dict, device=None) -> str:
     os.makedirs(TUNED_DIR, exist_ok=True)
     path = os.path.join(TUNED_DIR, f"{name}_{gpu_key(device)}.json")

@@ -219,3 +219,20 @@ def test_single_ec_takes_the_pair_the_table_measured_faster(monkeypatch):
     monkeypatch.setattr(T, "_TABLE", {T.gemv1tmaec_key(64, 256, 128): 1})
     T.gemv1_ec(x, q, None, None, 128, None, ec)
     assert len(asked) == 2
+
+
+def test_refine_retimes_finalists_interleaved_and_takes_the_lowest_median(monkeypatch):
+    """``tuning.refine``: every finalist timed once per round, rounds interleaved (a, b, a, b, ...), the lowest
+    median wins - here b, although a's single best sample is lower (one outlier)."""
+    order = []
+    samples = {"a": iter([50.0, 100.0, 101.0]), "b": iter([90.0, 91.0, 92.0])}
+
+    def fake_bench(fn, copies, **kw):
+        name = fn(0)
+        order.append(name)
+        return next(samples[name])
+
+    monkeypatch.setattr(tuning, "bench_graph", fake_bench)
+    best, t = tuning.refine(lambda c: (lambda i: c), ["a", "b"], copies=1)
+    assert order == ["a", "b"] * 3
+    assert (best, t) == ("b", 91.0)
