@@ -6,27 +6,31 @@ Why: the "in_gemm" structure (``dispatch._ec_in_gemm``) adds ``alpha g h`` B^T t
 (``w4a16_gemm_wgmma_ra.py``) as one more K step, but its shrink ``h = x A^T`` (cuBLAS: [M, K] x [K, r] has
 few output tiles) and gate run before the GEMM, serially: 10-15 us of 43-240 (benchmarks/NOTES.md, session
 18, call 1). Nothing overlapped them - neither a PDL-launched GEMM behind a split-K shrink nor the side
-stream. Here the GEMM's launch has ``num_m`` more CTAs, one per block of BMX rows of x, whose *role* is the
-shrink and gate of that block; the GEMM tiles wait for their block's ``alpha g h`` only before their last
-(EC) K step. The shrink role's K loop is one [64, BMX, 64] wgmma per step from the same TMA-fed x tiles,
-with no weight expansion, so it ends before the tiles of its block do (they run [BNW, BMX, 64] steps and
-expand the weight in registers): the wait costs nothing where the grid is one wave and the shrink CTAs
-start first.
+stream. Here the GEMM's launch has ``num_m * split`` more CTAs, ``split`` per block of BMX rows of x, whose
+*role* is the shrink and gate of BMX / split of that block's tokens; the GEMM tiles wait for their block's
+``alpha g h`` only before their last (EC) K step. A shrink role's K loop is one [64, BMX / split, 64] wgmma per
+step from its own TMA-fed x box, with no weight expansion.
+* **Split** (``self_split``, session 20): with one role per block (split 1) the role streams the block's BMX x
+  rows and A's 64 rows per K step through one SM - more bytes than a tile - so where the grid is one wave the
+  tiles waited for it (8192^2 M = 256 on the 4-warp tile: 89 us against the GEMM's 58). Split 2-4 roles per
+  block, as many as fit beside the tiles in the first wave, end well before the tiles (59.7 us there); where
+  the tiles fill a wave or more, one role per block starts first and is hidden (extra roles would push tiles
+  into another wave).
 
 * **Roles by ticket** (as ``ec_self.py``; the Gluon ticket ``w4a16_gemv_tma_ec._self_ticket``): every CTA
   takes one relaxed atomic on the site's ticket; ticket ``t`` gives the launch's tag ``t // grid + 1`` and
-  the role ``t % grid``. Roles below ``num_m`` are shrink roles; the others are GEMM tiles (``role -
-  num_m``, in the kernel's usual order). A shrink role is held by a CTA that started before every GEMM
+  the role ``t % grid``. Roles below ``num_m * split`` are shrink roles (block ``role // split``, part
+  ``role % split``); the others are GEMM tiles (``role - num_m * split``, in the kernel's usual order). A shrink role is held by a CTA that started before every GEMM
   tile CTA, so a tile never waits for a CTA the GPU has not scheduled (the H200 does not dispatch a grid
   in program-id order: session 17) and there is no deadlock whatever the residency - given one stream per
   site (below). Should that assumption break (two streams on one site, tickets out of step), a tile would
   wait for a tag that never comes: it gives up after SPIN_MAX polls (seconds) with ``trap``, so the launch
   fails with a CUDA error instead of hanging.
-* **Publish**: the shrink role stores ``alpha g h`` [BMX, R_P] (bf16, rows < M) with generic stores,
-  then - after a CTA barrier - one release store of the tag into its block's flag. A tile spins on an
-  acquire read of the flag (backing off with ``nanosleep``) and reads the rows with generic loads into
-  the shared tile its EC step multiplies. No reset: a flag only ever holds an older launch's tag or this
-  one's.
+* **Publish**: the shrink role stores ``alpha g h`` [BMX / split, R_P] (bf16, rows < M) with generic stores,
+  then - after a CTA barrier - one release store of the tag into its own flag (``FLAGS[role]``). A tile spins
+  on an acquire read of each of its block's ``split`` flags (backing off with ``nanosleep``) and reads the
+  rows with generic loads into the shared tile its EC step multiplies. No reset: a flag only ever holds an
+  older launch's tag or this one's.
 * **The gate** runs one token per thread: h (fp32, the MMA's accumulator) goes through the idle ring's
   shared memory into a layout where each thread holds all 64 values of its token (rows >= R are zero), so
   both gate layers are per-thread FMAs on weights staged in shared memory (no cross-thread reduction);
@@ -35,15 +39,15 @@ start first.
   the GPU tests have run widths 5, 8 (SPEAR's default) and 16 (session 20, call 1), so the dispatch routes
   every width up to 16 here.
 
-Measured (H200, session 19, benchmarks/NOTES.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
-51-52 alone and "in_gemm"'s 61; 1.06-1.10x W4 on the cells where the table runs that GEMM at M = 1024, and at
-28672x8192 M = 256. It loses where one shrink role per block has a long K loop on a 4-warp tile (8192^2 M = 256:
-1.5x): there the shrink, not the tiles, is the critical path. The first version loaded the gate's weights from
+Measured (H200, benchmarks/NOTES.md): session 19, 4096^2 M = 1024 53-54 us against the register-operand GEMM's
+51-52 alone and "in_gemm"'s 61. Session 20, with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
+EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs (in_gemm_self chosen on most); 4096^2 M = 256 misses
+(1.18-1.27x: W4 there is 25 us and the structure 5-6 us over it). The first version loaded the gate's weights from
 global memory row by row (2-byte scalars, ~60 us per gate); they are staged in shared memory now.
 
 Assumption (as ``ec_self.py``): launches of one site never overlap (one stream), or their tickets would
 interleave. The workspace (ticket, flags) is per site and geometry, made on first use outside graph capture (a
-prefill of a new length makes one more: 8 + 4 num_m bytes).
+prefill of a new length makes one more: 8 + 4 num_m split bytes).
 Gluon kernels do not run in Triton's interpreter: the CPU tests compile this for sm_90 offline; the GPU
 tests (``tests/lowering/test_gemm_wgmma.py``) check it against the reference.
 """
