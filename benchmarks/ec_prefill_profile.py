@@ -17,10 +17,6 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
                                                  step on a ready alpha g h (no PDL wait): with shrink_gate,
                                                  the parts of the "in_gemm" structure (session 16)
     ra_self       w4a16_gemm_wgmma_ra_ec_self    the same GEMM with the shrink roles in its launch (session 19)
-
-``--ra-sweep`` times only the register-operand parts, for every config of ``RA_CONFIGS`` and every number of
-shrink roles per x block (``ra[cfg]``, ``ra_ec[cfg]``, ``ra_self[cfg]`` with the default split,
-``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``; session 20), plus "in_gemm_self" as the dispatch runs it.
     <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
@@ -28,6 +24,10 @@ design (``cublas_kcat`` after ``max(dequant, shrink_gate)``) priced before it is
 (``results/raw/session10_shrink/`` comes from commit 8918269, which also timed a split-K Triton
 shrink - slower than cuBLAS everywhere, removed: there ``shrink_gate`` is the split-K one and
 ``*_cublas`` the shrink kept here.)
+
+``--ra-sweep`` times only the register-operand parts, for every config of ``RA_CONFIGS`` and every number of
+shrink roles per x block (``ra[cfg]``, ``ra_ec[cfg]``, ``ra_self[cfg]`` with the default split,
+``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``; session 20), plus "in_gemm_self" as the dispatch runs it.
 
 Usage (GPU): python benchmarks/ec_prefill_profile.py --out DIR [--shapes 4096x4096 ...] [--ms 1024 4096]
 """
@@ -86,10 +86,9 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)  # [M, R_P], as in_gemm
         parts["ra"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None)
         parts["ra_ec"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, ec=(hgp, B.contiguous()))
-        # the in-launch shrink roles on the table's register-operand config (or the first), whatever the table
-        # says for this shape ("in_gemm_self" itself follows the table)
-        cfg = T.gemm_config(M, N, K, G)
-        cfg_ra = tuple(cfg[1:]) if cfg[0] == T.WGMMA_RA else RA.RA_CONFIGS[0]
+        # the in-launch shrink roles on the config "in_gemm_self" runs (the register-operand GEMM's tuned one),
+        # or the first where none was measured
+        cfg_ra = T.wgmma_ra_config(M, N, K, G) or RA.RA_CONFIGS[0]
         parts["ra_self"] = lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, B.contiguous(), W1, b1,
                                                                      W2, b2, alpha, "silu", config=cfg_ra)
     for st in STRUCTURES:

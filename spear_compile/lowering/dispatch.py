@@ -124,10 +124,11 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     * "in_gemm_sk": "in_gemm" with the shrink and the gate in one split-K kernel
       (``ec_shrink_splitk.py``) that triggers the PDL-launched GEMM first thing, so the shrink runs
       beside the GEMM's K loop instead of before it;
-    * "in_gemm_self": one launch of the register-operand GEMM with one more CTA per block of x rows that
-      computes that block's shrink (wgmma) and gate while the output tiles run their K loops, which wait
-      for it only before their EC step (``ec_gemm_self.py``; rank <= 64, gate <= 16 wide, bf16; where the
-      table does not run the shape on that GEMM or the EC does not fit, "in_gemm");
+    * "in_gemm_self": one launch of the register-operand GEMM with 1-4 more CTAs per block of x rows that
+      compute that block's shrink (wgmma) and gate while the output tiles run their K loops, which wait
+      for it only before their EC step (``ec_gemm_self.py``; rank <= 64, gate <= 16 wide, bf16; on that
+      GEMM's tuned config, ``w4a16_triton.wgmma_ra_config``; where it has none or the EC does not fit,
+      "in_gemm");
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
       (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
 

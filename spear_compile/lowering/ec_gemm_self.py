@@ -201,13 +201,14 @@ if HAS_WGMMA:
 _WORKSPACES: dict = {}
 
 
-def self_workspace(A: torch.Tensor, grid: int, num_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ticket int64 [1], flags int32 [num_m]) of one EC site and launch geometry, zeroed when made (tags
-    start at 1): ``ec_self.site_workspace``, keyed by the grid and the number of x blocks."""
+def self_workspace(A: torch.Tensor, grid: int, roles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ticket int64 [1], flags int32 [roles]) of one EC site and launch geometry, zeroed when made (tags
+    start at 1): ``ec_self.site_workspace``, keyed by the grid and the number of shrink roles (x blocks x
+    split), one flag per role."""
     from .ec_self import site_workspace
 
-    return site_workspace(_WORKSPACES, A, (grid, num_m), lambda: (
-        torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(num_m, dtype=torch.int32, device=A.device)),
+    return site_workspace(_WORKSPACES, A, (grid, roles), lambda: (
+        torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(roles, dtype=torch.int32, device=A.device)),
         "the in-launch prefill EC")
 
 

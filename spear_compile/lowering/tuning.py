@@ -91,7 +91,8 @@ def refine(run: Callable[[tuple], Callable[[int], object]], configs: list, copie
     with the full ``bench_graph`` in ``rounds`` interleaved rounds, by median. Why: ``search``'s short timings
     flipped a table choice between runs on a 1-2 % tie, and once took a config that the same run's full timing
     put 10 % behind (28672x8192 M = 1024, session 20: 754 us in the search, 830 after); interleaving spreads a
-    drift of the GPU's clock over every finalist alike."""
+    drift of the GPU's clock over every finalist alike. Configs are compared as tuples (lists are converted)."""
+    configs = [tuple(c) for c in configs]
     times: dict = {c: [] for c in configs}
     for _ in range(rounds):
         for c in configs:

@@ -367,7 +367,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                 W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
                                 out: Optional[torch.Tensor] = None, hg: Optional[torch.Tensor] = None,
                                 split: Optional[int] = None, self_diag: int = 0) -> torch.Tensor:
-    """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus one shrink role
+    """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus 1-4 shrink roles
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
     R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
@@ -382,6 +382,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
+    x2 = x2.contiguous()  # (once: the tiles' and the shrink roles' descriptors read the same copy)
     why = self_takes(A, B, W1, K)
     if why is not None:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: {why}")
@@ -419,13 +420,14 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                              bnw)
     num_m, tiles = -(-M // bmx), -(-M // bmx) * -(-N // bnw)
     if split is None:
-        split = self_split(tiles, num_m, bmx, sm_count(x2.device))
+        sms = sm_count(x2.device)
+        split = 1 if sms is None else self_split(tiles, num_m, bmx, sms)
     if split not in SPLITS or bmx % split or bmx // split < 64:
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: split={split}; needs one of {SPLITS} with BMX / split >= 64 "
                          f"(config BMX = {bmx})")
     tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
-    xrd = xd if split == 1 else _descriptor(x2.contiguous(), [bmx // split, BK], gl.bfloat16)
+    xrd = xd if split == 1 else _descriptor(x2, [bmx // split, BK], gl.bfloat16)
     ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
                    (bnw, bmx, stages, warps, pf), True, False, 0, ops, self_diag)
@@ -450,6 +452,10 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
+    from .ec_gemm_self import SPLITS
+
+    if split not in SPLITS or bmx // split < 64:
+        raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
     while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
         stages -= 1
     dt = desc_types(bmx, bnw, r_p)

@@ -225,7 +225,8 @@ def test_refine_retimes_finalists_interleaved_and_takes_the_lowest_median(monkey
     """``tuning.refine``: every finalist timed once per round, rounds interleaved (a, b, a, b, ...), the lowest
     median wins - here b, although a's single best sample is lower (one outlier)."""
     order = []
-    samples = {"a": iter([50.0, 100.0, 101.0]), "b": iter([90.0, 91.0, 92.0])}
+    a, b = ("a", 1), ("b", 2)
+    samples = {a: iter([50.0, 100.0, 101.0]), b: iter([90.0, 91.0, 92.0])}
 
     def fake_bench(fn, copies, **kw):
         name = fn(0)
@@ -233,6 +234,22 @@ def test_refine_retimes_finalists_interleaved_and_takes_the_lowest_median(monkey
         return next(samples[name])
 
     monkeypatch.setattr(tuning, "bench_graph", fake_bench)
-    best, t = tuning.refine(lambda c: (lambda i: c), ["a", "b"], copies=1)
-    assert order == ["a", "b"] * 3
-    assert (best, t) == ("b", 91.0)
+    best, t = tuning.refine(lambda c: (lambda i: c), [list(a), b], copies=1)  # (a list is taken as its tuple)
+    assert order == [a, b] * 3
+    assert (best, t) == (b, 91.0)
+
+
+def test_in_gemm_self_takes_the_register_operand_gemm_config_whatever_wins_the_w4_table(monkeypatch):
+    """``w4a16_triton.wgmma_ra_config``: the table's GEMM where it is the register-operand one; else that GEMM's own
+    measured config (``gemmra`` key); else None (the structure then runs "in_gemm")."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    M, N, K, G = 256, 4096, 4096, 128
+    monkeypatch.setattr(T, "_TABLE", {T.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 256, 4, 4],
+                                      T.wgmma_ra_key(M, N, K, G): [128, 256, 4, 8]})
+    assert T.wgmma_ra_config(M, N, K, G) == (64, 256, 4, 4)
+    monkeypatch.setattr(T, "_TABLE", {T.gemm_key(M, N, K, G): ["dequant_cublas"],
+                                      T.wgmma_ra_key(M, N, K, G): [64, 128, 4, 4]})
+    assert T.wgmma_ra_config(M, N, K, G) == (64, 128, 4, 4)
+    assert T.wgmma_ra_config(200, N, K, G) == (64, 128, 4, 4)  # M = 200: the 256 bucket
+    assert T.wgmma_ra_config(300, N, K, G) is None  # M = 300: the 512 bucket, nothing measured
