@@ -63,6 +63,12 @@ R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
 SPIN_MAX = 1 << 22  # polls of a block's flag (each <= ~1 us) before a tile traps
 SPLITS = (1, 2, 4)  # shrink roles per x block (each BMX / split tokens)
+# A role's ring STAGES x split deep (its x slots are 1 / split of the tile ring's, so the ring has room; its A ring
+# and barriers grow), where the shared memory allows. Why: a role's K loop is latency-bound like a tile's (a step per
+# ~(TMA latency / slots in flight), whatever its bytes), so with as many steps as a tile it ends no earlier - on the
+# 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24 (session 20, call 6). Written after
+# the session's device time was spent: compiled offline only, so off until its GPU tests and timing have run.
+ROLE_DEEP = False
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -83,15 +89,17 @@ if HAS_WGMMA:
         tma.async_copy_global_to_shared(a_desc, [0, k * _BK], bar, as_slot, pred=pred)
 
     @gluon.jit
-    def ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
+    def ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
                        R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
                        SPLIT: gl.constexpr = 1, SELF_DIAG: gl.constexpr = 0):
         """Shrink role ``role``: part ``role % SPLIT`` (BXS = BMX / SPLIT tokens, ``xr_desc``'s box) of x block
         ``role // SPLIT``: h^T = A x^T [64, BXS] by wgmma over K (A padded to 64 rows with zeros on the host), the
         gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into HG
-        [M, RP_HG] (bf16), then the part's flag (``FLAGS[role]``) := tag. The x ring ``xs`` ([STAGES, BMX, BK])
-        is used as [STAGES, BXS, BK] slots (same 128-byte swizzle; its first STAGES BXS rows).
+        [M, RP_HG] (bf16), then the part's flag (``FLAGS[role]``) := tag. The role's ring has NS slots (``as_``'s
+        first dimension, with one barrier each in ``rbars``): STAGES, or with ``ROLE_DEEP`` STAGES x SPLIT; its x
+        slots are the tile ring ``xs`` ([STAGES, BMX, BK]) taken as [STAGES SPLIT, BXS, BK] (same 128-byte
+        swizzle), of which it uses the first NS.
         ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0). (A bit 2 without the gate layers
         failed to compile on Triton 3.6 and was removed.)"""
         BMX: gl.constexpr = xs.type.shape[1]
@@ -99,26 +107,28 @@ if HAS_WGMMA:
         gl.static_assert(BXS * SPLIT == BMX, "the shrink role's x box must be the tile's x rows / SPLIT")
         RS: gl.constexpr = a_desc.block_type.shape[0]
         WN: gl.constexpr = WARPS // 4
+        NS: gl.constexpr = as_.type.shape[0]
+        gl.static_assert(NS <= STAGES * SPLIT, "the role's ring must fit in the tile's x ring")
         xq = xs._reinterpret(gl.bfloat16, [STAGES * SPLIT, BXS, _BK], xr_desc.layout)
         off_m = (role // SPLIT) * BMX + (role % SPLIT) * BXS
         KT = K // _BK
         if (SELF_DIAG & 1) != 0:
             KT = 0
-        for i in gl.static_range(STAGES):
-            _shrink_request(xr_desc, a_desc, bars.index(i), xq.index(i), as_.index(i), off_m, i, i < KT)
+        for i in gl.static_range(NS):
+            _shrink_request(xr_desc, a_desc, rbars.index(i), xq.index(i), as_.index(i), off_m, i, i < KT)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
                                                       instr_shape=[16, BXS // WN, 16])
         acc = gl.zeros([RS, BXS], gl.float32, layout=mma)
         for i in range(KT):
-            slot = i % STAGES
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            slot = i % NS
+            mbarrier.wait(rbars.index(slot), (i // NS) & 1)
             acc = warpgroup_mma(as_.index(slot), xq.index(slot).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step i - 1's MMA is done ...
             gl.thread_barrier()  # ... in both warpgroups: its slot can be refilled
             prev = gl.maximum(i - 1, 0)
-            nt = prev + STAGES
-            ps = prev % STAGES
-            _shrink_request(xr_desc, a_desc, bars.index(ps), xq.index(ps), as_.index(ps), off_m, nt,
+            nt = prev + NS
+            ps = prev % NS
+            _shrink_request(xr_desc, a_desc, rbars.index(ps), xq.index(ps), as_.index(ps), off_m, nt,
                             (i > 0) & (nt < KT))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every MMA has read its ring slots: the ring's memory holds h^T now

@@ -234,7 +234,7 @@ if HAS_WGMMA:
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
                                     EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
-                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1):
+                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
         (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
@@ -248,6 +248,7 @@ if HAS_WGMMA:
         bs = xs  # (stand-ins without an EC)
         hgs = xs
         ecbars = bars
+        rbars = bars
         if HAS_EC:
             bs = gl.allocate_shared_memory(gl.bfloat16, b_desc.block_type.shape, b_desc.layout)
             hgs = gl.allocate_shared_memory(gl.bfloat16, hg_desc.block_type.shape, hg_desc.layout)
@@ -255,14 +256,18 @@ if HAS_WGMMA:
             mbarrier.init(ecbars.index(0), count=1)
             mbarrier.init(ecbars.index(1), count=1)
         if EC_SELF:
-            as_ = gl.allocate_shared_memory(gl.bfloat16, [STAGES, a_desc.block_type.shape[0], _BK], a_desc.layout)
+            as_ = gl.allocate_shared_memory(gl.bfloat16, [STAGES * RDEEP, a_desc.block_type.shape[0], _BK],
+                                            a_desc.layout)
+            rbars = gl.allocate_shared_memory(gl.int64, [STAGES * RDEEP, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES * RDEEP):
+                mbarrier.init(rbars.index(i), count=1)
             gw: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])  # [r, d], r contiguous
             w1s = gl.allocate_shared_memory(gl.float32, [a_desc.block_type.shape[0], _D_MAX], gw)
             w2s = gl.allocate_shared_memory(gl.float32, [a_desc.block_type.shape[0], _D_MAX], gw)
             tag, role = ec_ticket(TICK)
             num_m = gl.cdiv(M, BMX)
             if role < num_m * SPLIT:
-                ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, bars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
+                ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
                                FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT, SELF_DIAG)
             else:
                 _ra_tile(role - num_m * SPLIT, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
@@ -277,6 +282,9 @@ if HAS_WGMMA:
         if HAS_EC:
             mbarrier.invalidate(ecbars.index(0))
             mbarrier.invalidate(ecbars.index(1))
+        if EC_SELF:
+            for i in gl.static_range(STAGES * RDEEP):
+                mbarrier.invalidate(rbars.index(i))
 
 
 # (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
@@ -337,16 +345,18 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
             self_ops, self_diag=0):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
-    b2, alpha, flags, ticket, R, D, act code, split) also ``split`` shrink roles per x block), the ring shortened
-    until it fits."""
+    b2, alpha, flags, ticket, R, D, act code, split, deep) also ``split`` shrink roles per x block, whose ring is
+    ``split`` times deeper with ``deep`` where the shared memory allows), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
     ec_self = self_ops is not None
     if has_ec:
         while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
             stages -= 1
     if self_ops is None:
-        self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0)
-    ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split = self_ops
+        self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0, False)
+    ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split, deep = self_ops
+    rdeep = split if deep and split > 1 and ra_smem_bytes(
+        (bnw, bmx, stages, warps), r_p, True, split) <= SMEM_LIMIT else 1
     num_m = -(-M // bmx)
     grid = (num_m * -(-N // bnw) + num_m * split,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
@@ -355,7 +365,7 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
         HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
-        SPLIT=max(split, 1), num_warps=warps, **({"launch_pdl": True} if ec_wait else {}))
+        SPLIT=max(split, 1), RDEEP=rdeep, num_warps=warps, **({"launch_pdl": True} if ec_wait else {}))
     return y
 
 
@@ -366,13 +376,15 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                 zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor], A, B, W1, b1,
                                 W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
                                 out: Optional[torch.Tensor] = None, hg: Optional[torch.Tensor] = None,
-                                split: Optional[int] = None, self_diag: int = 0) -> torch.Tensor:
+                                split: Optional[int] = None, deep: Optional[bool] = None,
+                                self_diag: int = 0) -> torch.Tensor:
     """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus 1-4 shrink roles
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
     R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
     ``alpha g h`` into (tests read it; default a fresh one). ``split``: shrink roles per x block, each taking
-    BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``self_diag`` (timing only,
+    BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``deep``: each role's ring
+    ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag`` (timing only,
     wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
     from ._triton import ACT_CODES, next_pow2
     from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace
@@ -428,22 +440,26 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
     xrd = xd if split == 1 else _descriptor(x2, [bmx // split, BK], gl.bfloat16)
-    ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split)
+    from . import ec_gemm_self
+
+    deep = ec_gemm_self.ROLE_DEEP if deep is None else bool(deep)
+    ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split, deep)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
                    (bnw, bmx, stages, warps, pf), True, False, 0, ops, self_diag)
 
 
-def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False) -> int:
+def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False, rdeep: int = 1) -> int:
     """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
-    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] and its gate weights."""
+    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x ``rdeep`` slots, a
+    barrier each) and its gate weights."""
     bnw, bmx, stages, _, _ = check_ra_config(config)
     return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
-            + (stages * 64 * BK * 2 + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
+            + (stages * rdeep * (64 * BK * 2 + 8) + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
 
 
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
-                    ec_self: bool = False, self_diag: int = 0, split: int = 1) -> dict:
+                    ec_self: bool = False, self_diag: int = 0, split: int = 1, rdeep: int = 1) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
     (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block."""
     from .w4a16_gemm_wgmma import _layout, desc_types
@@ -456,6 +472,8 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
 
     if split not in SPLITS or bmx // split < 64:
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
+    if rdeep not in (1, split):
+        raise ValueError(f"compile_ra_sm90: rdeep={rdeep}; needs 1 or split = {split}")
     while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
         stages -= 1
     dt = desc_types(bmx, bnw, r_p)
@@ -467,5 +485,5 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
                   EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
-                  SELF_DIAG=self_diag, SPLIT=split)
+                  SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

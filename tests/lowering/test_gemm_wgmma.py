@@ -286,7 +286,8 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                        ((128, 256, 4, 8), dict(r_p=64, ec_self=True)),
                                        ((64, 256, 4, 4), dict(r_p=32, ec_self=True)),
                                        ((64, 256, 4, 4), dict(r_p=64, ec_self=True, split=4)),
-                                       ((128, 256, 3, 8), dict(r_p=64, ec_self=True, split=2))])
+                                       ((128, 256, 3, 8), dict(r_p=64, ec_self=True, split=2)),
+                                       ((64, 128, 4, 4), dict(r_p=64, ec_self=True, split=2, rdeep=2))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -465,9 +466,11 @@ def test_in_launch_ec_kernel_with_other_gate_widths_and_short_k_on_gpu(D, K):
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4), (64, 128, 4, 4)])
 @pytest.mark.parametrize("M", [300, 37])  # 37: three of block 0's four parts lie wholly past M
-def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M):
-    """1, 2 and 4 shrink roles per x block (each BMX / split tokens, its own flag): the reference's numbers,
-    and the same alpha g h within one bf16 ulp whatever the split (each h element is one K-ordered sum)."""
+@pytest.mark.parametrize("deep", [False, True])
+def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M, deep):
+    """1, 2 and 4 shrink roles per x block (each BMX / split tokens, its own flag), with the roles' ring as deep as
+    the tiles' or (``deep``, where it fits) split times deeper: the reference's numbers, and the same alpha g h
+    within one bf16 ulp whatever the split (each h element is one K-ordered sum)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.lowering.ec_linear import ec_linear_ref
 
@@ -480,7 +483,8 @@ def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M):
     for split in (1, 2, 4) if config[1] == 256 else (1, 2):
         hg = torch.full((M, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
         for _ in range(2):  # a second launch on the same workspace (tags move on)
-            y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, hg=hg, split=split)
+            y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, hg=hg, split=split,
+                                               deep=deep)
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (split, err.max())
         hgs.append(hg.double())
