@@ -114,23 +114,31 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
     return row
 
 
+def ra_case(N: int, K: int, M: int, r: int = 64) -> tuple:
+    """Inputs of the register-operand timings: (copies, xs, q(i) -> (qweight, scales, zeros) of copy i, the EC
+    (A, B, W1, b1, W2, b2, alpha), a ready alpha g h [M, R_P], B contiguous)."""
+    copies = copies_for(N * K // 2 + M * K * 2)
+    ws = make_weights(N, K, copies)
+    ec = make_ec(N, K, r)
+    A, B, W1, b1, W2, b2, alpha = ec
+    xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
+    hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)
+
+    def q(i):
+        w = ws[i]["qw"]
+        return w.qweight, w.scales, w.zeros
+
+    return copies, xs, q, ec, hgp, B.contiguous()
+
+
 def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
     """The register-operand GEMM alone, with the EC step on a ready alpha g h, and with the shrink roles in its
     launch (default and every split), for each config; and "in_gemm_self" through the dispatch."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
     from spear_compile.lowering.ec_gemm_self import SPLITS
 
-    copies = copies_for(N * K // 2 + M * K * 2)
-    ws = make_weights(N, K, copies)
-    A, B, W1, b1, W2, b2, alpha = ec = make_ec(N, K, r)
-    xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
-    hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)
-    Bc = B.contiguous()
-
-    def q(i):
-        w = ws[i]["qw"]
-        return w.qweight, w.scales, w.zeros
-
+    copies, xs, q, ec, hgp, Bc = ra_case(N, K, M, r)
+    A, B, W1, b1, W2, b2, alpha = ec
     parts = {"w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None)}
     for cfg in RA.RA_CONFIGS:
         c = ",".join(map(str, cfg))

@@ -8,25 +8,15 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from kernels import DT, G, make_ec, make_weights  # noqa: E402
+from ec_prefill_profile import ra_case  # noqa: E402
+from kernels import G  # noqa: E402
 
 from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA  # noqa: E402
-from spear_compile.lowering.ec_triton import ec_shrink_gate  # noqa: E402
-from spear_compile.lowering.tuning import bench_graph, copies_for  # noqa: E402
+from spear_compile.lowering.tuning import bench_graph  # noqa: E402
 
 N, K, M = (int(v) for v in sys.argv[1:4]) if len(sys.argv) >= 4 else (4096, 4096, 256)
 torch.manual_seed(0)
-copies = copies_for(N * K // 2 + M * K * 2)
-ws = make_weights(N, K, copies)
-A, B, W1, b1, W2, b2, alpha = make_ec(N, K, 64)
-xs = [torch.randn(M, K, device="cuda", dtype=DT) for _ in range(copies)]
-hgp = ec_shrink_gate(xs[0], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT)
-Bc = B.contiguous()
-
-
-def q(i):
-    w = ws[i]["qw"]
-    return w.qweight, w.scales, w.zeros
+copies, xs, q, (A, B, W1, b1, W2, b2, alpha), hgp, Bc = ra_case(N, K, M)
 
 
 res = {"N": N, "K": K, "M": M, "us": {}}
