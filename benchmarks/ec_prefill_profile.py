@@ -135,7 +135,7 @@ def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
     """The register-operand GEMM alone, with the EC step on a ready alpha g h, and with the shrink roles in its
     launch (default and every split), for each config; and "in_gemm_self" through the dispatch."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
-    from spear_compile.lowering.ec_gemm_self import SPLITS
+    from spear_compile.lowering.ec_gemm_self import SPLITS, split_ok
 
     copies, xs, q, ec, hgp, Bc = ra_case(N, K, M, r)
     A, B, W1, b1, W2, b2, alpha = ec
@@ -146,7 +146,7 @@ def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
         parts[f"ra_ec[{c}]"] = (lambda cfg: lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg,
                                                                              ec=(hgp, Bc)))(cfg)
         for sp in (None,) + SPLITS:
-            if sp is not None and cfg[1] // sp < 64:
+            if sp is not None and not split_ok(sp, cfg[1]):
                 continue
             for deep in (False, True) if sp is not None and sp > 1 else (None,):
                 name = f"ra_self[{c}]" + ("" if sp is None else f"/s{sp}") + ("/deep" if deep else "")

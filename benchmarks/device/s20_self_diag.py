@@ -12,6 +12,7 @@ from ec_prefill_profile import ra_case  # noqa: E402
 from kernels import G  # noqa: E402
 
 from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA  # noqa: E402
+from spear_compile.lowering.ec_gemm_self import split_ok  # noqa: E402
 from spear_compile.lowering.tuning import bench_graph  # noqa: E402
 
 N, K, M = (int(v) for v in sys.argv[1:4]) if len(sys.argv) >= 4 else (4096, 4096, 256)
@@ -24,7 +25,7 @@ for cfg in ((64, 128, 4, 4), (64, 256, 4, 4)):
     runs = {"ra": lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg),
             "ra_ec": lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg, ec=(hgp, Bc))}
     for sp in (1, 2, 4):
-        if cfg[1] // sp < 64:
+        if not split_ok(sp, cfg[1]):
             continue
         for sd in (0, 1, 4, 5):
             runs[f"self/s{sp}/diag{sd}"] = (lambda sp, sd: lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(

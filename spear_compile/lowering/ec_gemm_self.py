@@ -222,6 +222,12 @@ def self_workspace(A: torch.Tensor, grid: int, roles: int) -> tuple[torch.Tensor
         "the in-launch prefill EC")
 
 
+def split_ok(split: int, bmx: int) -> bool:
+    """Whether ``split`` roles per block of ``bmx`` x rows is a valid geometry: one of ``SPLITS``, each role at least
+    64 tokens (its TMA box and MMA width)."""
+    return split in SPLITS and bmx % split == 0 and bmx // split >= 64
+
+
 def self_split(tiles: int, num_m: int, bmx: int, sms: int) -> int:
     """Shrink roles per x block: the largest of ``SPLITS`` (each role at least 64 tokens) whose roles fit in the
     first wave beside the ``tiles`` output tiles (one CTA per SM: these configs' shared memory allows no more),
@@ -232,7 +238,7 @@ def self_split(tiles: int, num_m: int, bmx: int, sms: int) -> int:
     later wave."""
     split = 1
     for s in SPLITS:
-        if bmx // s >= 64 and tiles + num_m * s <= sms:
+        if split_ok(s, bmx) and tiles + num_m * s <= sms:
             split = s
     return split
 

@@ -387,7 +387,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag`` (timing only,
     wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
     from ._triton import ACT_CODES, next_pow2
-    from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace
+    from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
     from .ec_self import sm_count
     from .w4a16_gemm_wgmma import _descriptor
     from .w4a16_triton import derived_cached
@@ -434,7 +434,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     if split is None:
         sms = sm_count(x2.device)
         split = 1 if sms is None else self_split(tiles, num_m, bmx, sms)
-    if split not in SPLITS or bmx % split or bmx // split < 64:
+    if not split_ok(split, bmx):
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: split={split}; needs one of {SPLITS} with BMX / split >= 64 "
                          f"(config BMX = {bmx})")
     tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
@@ -468,9 +468,9 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
-    from .ec_gemm_self import SPLITS
+    from .ec_gemm_self import SPLITS, split_ok
 
-    if split not in SPLITS or bmx // split < 64:
+    if not split_ok(split, bmx):
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
     if rdeep not in (1, split):
         raise ValueError(f"compile_ra_sm90: rdeep={rdeep}; needs 1 or split = {split}")

@@ -379,8 +379,9 @@ def test_in_launch_ec_says_which_ecs_it_cannot_take():
 def test_in_launch_ec_splits_shrink_roles_only_where_they_fit_the_first_wave():
     """``ec_gemm_self.self_split``: the most roles per x block (1, 2, 4; >= 64 tokens each) that fit beside the
     tiles in one wave of one CTA per SM, else 1 (a grid of several waves hides one role per block)."""
-    from spear_compile.lowering.ec_gemm_self import self_split
+    from spear_compile.lowering.ec_gemm_self import self_split, split_ok
 
+    assert split_ok(4, 256) and split_ok(2, 128) and not split_ok(4, 128) and not split_ok(3, 256)
     assert self_split(128, 1, 256, 132) == 4  # 8192^2 M = 256 on the 4-warp tile: 128 tiles + 4 roles
     assert self_split(86, 1, 256, 132) == 4  # 11008x4096 M = 256, 8 warps
     assert self_split(129, 1, 256, 132) == 2 and self_split(130, 1, 256, 132) == 2
