@@ -66,9 +66,9 @@ SPLITS = (1, 2, 4)  # shrink roles per x block (each BMX / split tokens)
 # A role's ring STAGES x split deep (its x slots are 1 / split of the tile ring's, so the ring has room; its A ring
 # and barriers grow), where the shared memory allows. Why: a role's K loop is latency-bound like a tile's (a step per
 # ~(TMA latency / slots in flight), whatever its bytes), so with as many steps as a tile it ends no earlier - on the
-# 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24 (session 20, call 6). Written after
-# the session's device time was spent: compiled offline only, so off until its GPU tests and timing have run.
-ROLE_DEEP = False
+# 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24 (session 20, call 6). Measured
+# (session 21, call 1): that cell 30.6 -> 25.8 us (its GEMM 24.5); where the roles were already hidden, unchanged.
+ROLE_DEEP = True
 
 if HAS_WGMMA:
     from triton.experimental import gluon
