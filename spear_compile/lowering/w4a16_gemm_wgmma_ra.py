@@ -51,7 +51,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .ec_gemm_self import _D_MAX, ec_shrink_role, ec_wait_hg
+    from .ec_gemm_self import _D_MAX, _wait_flag, ec_shrink_role, ec_wait_hg
     from .w4a16_gemv_tma_ec import _self_ticket as ec_ticket
     from .w4a16_gemm_wgmma import _BK, _request_step
 
@@ -113,25 +113,27 @@ if HAS_WGMMA:
         return gl.convert_layout(gl.reshape(d, [BNW, _BK]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, KT, off_m, off_n,
-                 G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
+    def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n, off_m, off_n,
+                 k0, base, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
                  BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
                  PF: gl.constexpr, DIAG: gl.constexpr = 0):
-        """K step i: expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays alive until then),
-        refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the next wait) and
-        the row parameters for step i + 1: with PF its loads are issued before this step's expansion (meant to
-        take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md session 16),
-        else this step's are loaded here, where they are used.
+        """Step i of a run of n K steps starting at K step k0 (ring position base + i: a stream-K unit runs
+        several runs through one ring): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
+        alive until then), refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the
+        next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
+        expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md
+        session 16), else this step's are loaded here, where they are used.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
-        slot = i % STAGES
+        r = base + i
+        slot = r % STAGES
         if PER_CHANNEL:
             cn, sn = c, s
         elif PF:
-            cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((i + 1) * _BK // G, NG - 1), NG, HAS_Z)
+            cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((k0 + i + 1) * _BK // G, NG - 1), NG, HAS_Z)
         else:
-            c, s = _row_params(S, Z, offs_n, mask_n, i * _BK // G, NG, HAS_Z)
+            c, s = _row_params(S, Z, offs_n, mask_n, (k0 + i) * _BK // G, NG, HAS_Z)
             cn, sn = c, s
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(bars.index(slot), (r // STAGES) & 1)
         if DIAG == 3:
             a = keep
         else:
@@ -145,11 +147,68 @@ if HAS_WGMMA:
             gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
         prev = gl.maximum(i - 1, 0)
         nt = prev + STAGES
-        ps = prev % STAGES
+        ps = (base + prev) % STAGES
         fence_async_shared()
-        _request_step(x_desc, w_desc, bars.index(ps), xs.index(ps), ws.index(ps), off_m, off_n, nt,
-                      (i > 0) & (nt < KT))
+        _request_step(x_desc, w_desc, bars.index(ps), xs.index(ps), ws.index(ps), off_m, off_n, k0 + nt,
+                      (i > 0) & (nt < n))
         return acc, a, cn, sn
+
+    @gluon.jit
+    def _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G: gl.constexpr,
+                PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr):
+        """The accumulator [BNW, BMX] (fp32, every MMA retired) of n >= 1 K steps from K step k0 of the tile at
+        (off_n, off_m), through the ring from position ``base`` (a whole tile: k0 = 0, n = K / BK, base = 0)."""
+        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        BNW: gl.constexpr = w_desc.block_type.shape[0]
+        src: gl.constexpr = SRC  # _a_source_layout(WARPS), made on the host
+        lw: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, src))  # words [BNW, 8]
+        ln: gl.constexpr = gl.SliceLayout(1, lw)  # rows [BNW]
+        lt: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, src)))  # lanes t [4]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BMX, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        for i in gl.static_range(STAGES):
+            j = (base + i) % STAGES
+            _request_step(x_desc, w_desc, bars.index(j), xs.index(j), ws.index(j), off_m, off_n, k0 + i, i < n)
+
+        tl_ = gl.arange(0, 4, layout=lt)
+        sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
+        offs_n = off_n + gl.arange(0, BNW, layout=ln)
+        mask_n = offs_n < N
+        c, s = _row_params(S, Z, offs_n, mask_n, k0 * _BK // G, NG, HAS_Z)  # step 0's: per-channel / PF read these
+        acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
+        # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
+        # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
+        # is a dependency of the wait that retires its MMA (the next step's wait(1)): the pair never shares
+        # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
+        keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
+        for j in range(n // 2):
+            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                     mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
+                                     a_layout, PF, DIAG)
+            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                       mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
+                                       lw, a_layout, PF, DIAG)
+        if n % 2 == 1:
+            acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                       mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
+                                       lw, a_layout, PF, DIAG)
+        acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
+        return acc
+
+    @gluon.jit
+    def _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS: gl.constexpr):
+        """Y[off_m + j, off_n + i] = acc[i, j] (+ bias), bf16, stored transposed from the MMA layout."""
+        mma: gl.constexpr = acc.type.layout
+        BNW: gl.constexpr = acc.type.shape[0]
+        BMX: gl.constexpr = acc.type.shape[1]
+        offs_w = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))  # Y's columns
+        offs_x = off_m + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))  # Y's rows
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(BIAS + offs_w, mask=offs_w < N, other=0.0).to(gl.float32), 1)
+        mask = gl.expand_dims(offs_w < N, 1) & gl.expand_dims(offs_x < M, 0)
+        gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
     def _ra_tile(tile, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs, ecbars,
@@ -165,44 +224,11 @@ if HAS_WGMMA:
         off_m = m_blk * BMX
         off_n = (tile // num_m) * BNW
 
-        src: gl.constexpr = SRC  # _a_source_layout(WARPS), made on the host
-        lw: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, src))  # words [BNW, 8]
-        ln: gl.constexpr = gl.SliceLayout(1, lw)  # rows [BNW]
-        lt: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, src)))  # lanes t [4]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, BMX, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-
         if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
             mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
-        KT = K // _BK
-        for i in gl.static_range(STAGES):
-            _request_step(x_desc, w_desc, bars.index(i), xs.index(i), ws.index(i), off_m, off_n, i, i < KT)
-
-        tl_ = gl.arange(0, 4, layout=lt)
-        sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
-        offs_n = off_n + gl.arange(0, BNW, layout=ln)
-        mask_n = offs_n < N
-        c, s = _row_params(S, Z, offs_n, mask_n, 0, NG, HAS_Z)  # step 0's: per-channel / PF read these
-        acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
-        # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
-        # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
-        # is a dependency of the wait that retires its MMA (the next step's wait(1)): the pair never shares
-        # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
-        keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
-        for j in range(KT // 2):
-            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
-                                     mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                     a_layout, PF, DIAG)
-            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
-                                       mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, PF, DIAG)
-        if KT % 2 == 1:
-            acc, keep, c, s = _ra_step(KT - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
-                                       mask_n, NG, KT, off_m, off_n, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                       a_layout, PF, DIAG)
-        acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
+        acc = _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G, PER_CHANNEL, HAS_Z,
+                      STAGES, WARPS, SRC, PF, DIAG)
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
                 ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT, SELF_DIAG)
@@ -219,24 +245,70 @@ if HAS_WGMMA:
             acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        offs_w = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))  # Y's columns
-        offs_x = off_m + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))  # Y's rows
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(BIAS + offs_w, mask=offs_w < N, other=0.0).to(gl.float32), 1)
-        mask = gl.expand_dims(offs_w < N, 1) & gl.expand_dims(offs_x < M, 0)
-        gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
+        _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
+
+    @gluon.jit
+    def _ra_sk_unit(u, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP, UNITS,
+                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr):
+        """Stream-K unit u of UNITS (``sk_plan``): K steps [lo, hi) of the stream-K tiles' steps laid end to end
+        (tile DP + t holds steps [t KT, (t + 1) KT)), lo = u TOT // UNITS. A run that starts inside a tile (only
+        the unit's first) is a partial: stored to WSP[u] (fp32, in the MMA layout) and published by FLAGS[u] :=
+        tag (release). A run from a tile's first step is its owner's: it adds the partials of the units that
+        start inside the tile, u + 1, u + 2, ... in that order (acquire; deterministic), then stores the tile.
+        The owner's run ends its unit's range and the partials begin theirs, so the owner waits little; and it
+        waits only on later tickets, which run once any CTA ahead of them finishes (UNITS <= SMs: no deadlock)."""
+        BMX: gl.constexpr = x_desc.block_type.shape[0]
+        BNW: gl.constexpr = w_desc.block_type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, BMX, 16])
+        KT = K // _BK
+        num_m = gl.cdiv(M, BMX)
+        TOT = (num_m * gl.cdiv(N, BNW) - DP) * KT
+        lo = u * TOT // UNITS
+        hi = (u + 1) * TOT // UNITS
+        rows = gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+        i = lo
+        base = 0
+        for seg in range((hi - 1) // KT - lo // KT + 1):
+            t = i // KT
+            k0 = i - t * KT
+            n = gl.minimum(KT - k0, hi - i)
+            tile = DP + t
+            off_m = (tile % num_m) * BMX
+            off_n = (tile // num_m) * BNW
+            gl.thread_barrier()  # every warp is done with the previous run's ring slots and partial reads
+            acc = _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G, PER_CHANNEL,
+                          HAS_Z, STAGES, WARPS, SRC, PF, 0)
+            if k0 > 0:  # the tile's later steps: a partial for its owner
+                gl.store(WSP + u * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0), acc)
+                gl.thread_barrier()  # every thread's part is written before the (cumulative) release below
+                gl.atomic_xchg(FLAGS + u, tag, sem="release")
+            else:  # the owner: the partials of units u + 1 .. (those with lo(v) < the tile's end), in order
+                vend = gl.minimum(UNITS, ((t + 1) * KT * UNITS + TOT - 1) // TOT)
+                for v in range(u + 1, vend):
+                    _wait_flag(FLAGS + v, tag, 0)
+                    acc += gl.load(WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0),
+                                   cache_modifier=".cg")
+                _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
+            base += n
+            i += n
 
     @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
+                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D, WSP, DP, UNITS,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
                                     EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
-                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1):
+                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
+                                    SK: gl.constexpr = False):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
-        (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise)."""
+        (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise), or with ``SK``
+        (no EC) by its ticket one of the DP data-parallel tiles or one of the UNITS stream-K units
+        (``_ra_sk_unit``; WSP their partials, FLAGS / TICK their flags and ticket)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -273,6 +345,16 @@ if HAS_WGMMA:
                 _ra_tile(role - num_m * SPLIT, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
                          bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
                          PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT)
+        elif SK:
+            gl.static_assert(not HAS_EC, "stream-K runs without an EC")
+            tag, role = ec_ticket(TICK)
+            if role < DP:
+                _ra_tile(role, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
+                         ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, False, False,
+                         False, DIAG, 0)
+            else:
+                _ra_sk_unit(role - DP, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP,
+                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
                      bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
@@ -292,18 +374,74 @@ if HAS_WGMMA:
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
 RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
+# The 8-warp tiles with a stream-K tail (SK = 1, ``sk_plan``): searched where the plan splits the grid.
+RA_SK_CONFIGS = [(128, 256, 3, 8, 0, 1), (128, 256, 4, 8, 0, 1)]
 
 
-def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
-    """(BNW, BMX, STAGES, WARPS, PF) of a config, or a ValueError naming the rule it breaks."""
+def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
+    """(BNW, BMX, STAGES, WARPS, PF, SK) of a config (PF and SK default 0), or a ValueError naming the rule it
+    breaks."""
     vals = tuple(int(v) for v in config)
-    if len(vals) not in (4, 5):
-        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF])")
-    bnw, bmx, stages, warps, pf = vals + (0,) * (5 - len(vals))
+    if len(vals) not in (4, 5, 6):
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF[, SK]])")
+    bnw, bmx, stages, warps, pf, sk = vals + (0,) * (6 - len(vals))
     if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
                          f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1}}")
-    return bnw, bmx, stages, warps, pf
+    if sk not in (0, 1):
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: SK (stream-K tail) must be 0 or 1")
+    return bnw, bmx, stages, warps, pf, sk
+
+
+def sk_plan(tiles: int, sms: Optional[int]) -> tuple[int, int]:
+    """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles on ``sms`` SMs (one CTA per SM:
+    the configs that take SK allow no more). Why: 11008x4096 at M = 1024 has 344 tiles of 128 x 256, 2.6 waves run
+    as 3. Where the tiles do not divide into whole waves, all but the last one-to-two waves' worth run as
+    tiles, and that rest is split by K steps evenly over ``sms`` units (each 1-2 tiles of work; a tile split
+    between units is summed by its first unit), so the last wave ends with every SM busy. Whole waves, a
+    single partial wave, or no SM count: no stream-K (0 units)."""
+    if not sms or tiles <= sms or tiles % sms == 0:
+        return tiles, 0
+    return (tiles // sms - 1) * sms, sms
+
+
+def sk_unit_runs(u: int, sk_tiles: int, kt: int, units: int) -> list[tuple[int, int, int, list[int]]]:
+    """The runs of stream-K unit ``u`` as ``_ra_sk_unit`` computes them (its Python mirror, for tests):
+    (stream-K tile, first K step, steps, units whose partials the run adds); a run with k0 > 0 is a partial
+    (it adds none), a run from k0 = 0 is its tile's owner."""
+    tot = sk_tiles * kt
+    lo, hi = u * tot // units, (u + 1) * tot // units
+    runs, i = [], lo
+    for _ in range((hi - 1) // kt - lo // kt + 1):
+        t, k0 = divmod(i, kt)
+        n = min(kt - k0, hi - i)
+        adds = [] if k0 else list(range(u + 1, min(units, ((t + 1) * kt * units + tot - 1) // tot)))
+        runs.append((t, k0, n, adds))
+        i += n
+    return runs
+
+
+_SK_WORKSPACES: dict = {}
+
+
+def sk_workspace(device: torch.device, grid: int, units: int, tile_elems: int) -> Optional[tuple]:
+    """(ticket int64 [1], flags int32 [units], partials fp32 [units, tile_elems]) for a stream-K launch, or
+    None inside a CUDA-graph capture that would have to make them (the caller then runs without stream-K;
+    the capture's warm-up run makes them). Ticket and flags are kept per (device, grid, units): launches of
+    one grid size run one after another, so each moves the ticket on by exactly its grid and its tags are new
+    (a stale flag never reads as set). The partials are shared by the stream-K launches of the device with
+    the same size, for the same reason; never freed or grown (a captured graph keeps their address). So
+    stream-K launches must not run at once on two streams of one device: the library runs its GEMMs on the
+    current stream (only EC shrink kernels go to a side stream). Not keyed by stream, because a CUDA-graph
+    capture runs on a stream of its own."""
+    key, pkey = (str(device), grid, units), (str(device), units * tile_elems)
+    if key not in _SK_WORKSPACES or pkey not in _SK_WORKSPACES:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _SK_WORKSPACES.setdefault(key, (torch.zeros(1, dtype=torch.int64, device=device),
+                                        torch.zeros(units, dtype=torch.int32, device=device)))
+        _SK_WORKSPACES.setdefault(pkey, torch.empty(units * tile_elems, dtype=torch.float32, device=device))
+    return _SK_WORKSPACES[key] + (_SK_WORKSPACES[pkey],)
 
 
 MAX_OUT_ELEMENTS = 2 ** 31  # the transposed epilogue's element offsets are 32-bit
@@ -319,14 +457,17 @@ def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
 def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
                         config: tuple = RA_CONFIGS[0], out: Optional[torch.Tensor] = None,
-                        ec: Optional[tuple] = None, ec_wait: bool = False, diag: int = 0) -> torch.Tensor:
+                        ec: Optional[tuple] = None, ec_wait: bool = False, diag: int = 0,
+                        sk_units: Optional[int] = None) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) with the weight as the MMA's register operand (CUDA sm_90+ only).
     Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
     ``ec`` = (hg, B): ``hg B^T`` added as one more K step (hg the EC's ``alpha g h`` [M, R_P], B [N, R],
     as ``w4a16_gemm_wgmma``); ``ec_wait``: launched with programmatic dependent launch behind the kernel
     that writes hg (which must trigger its dependents), waiting only before hg is read.
+    A config with SK = 1 (and no ``ec``) runs the last tiles stream-K where the grid is not whole waves
+    (``sk_plan``, ``_ra_sk_unit``); ``sk_units`` (tests) runs every tile stream-K over that many units.
     ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
-    bnw, bmx, stages, warps, pf = check_ra_config(config)
+    bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
     if zeros is not None and not integer_zeros(zeros):
         raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128 (use the plain "
@@ -338,15 +479,31 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
+    sk_ops = None
+    if sk and ec is None and not diag:
+        from .ec_self import sm_count
+
+        tiles = -(-M // bmx) * -(-N // bnw)
+        dp, units = sk_plan(tiles, sm_count(x2.device) if sk_units is None else None)
+        if sk_units is not None:  # (tests: a given number of units over all the tiles)
+            dp, units = 0, int(sk_units)
+            if not 1 <= units <= min(tiles * (K // BK), sm_count(x2.device) or 1):
+                raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units={sk_units}; needs 1 .. min(K steps of all "
+                                 f"{tiles} tiles, SMs)")
+        ws = sk_workspace(x2.device, dp + units, units, bnw * bmx) if units else None
+        if ws is not None:
+            sk_ops = ws + (dp, units)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
-                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, diag, None)
+                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, diag, None,
+                   sk_ops=sk_ops)
 
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
-            self_ops, self_diag=0):
+            self_ops, self_diag=0, sk_ops=None):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
     b2, alpha, flags, ticket, R, D, act code, split, deep) also ``split`` shrink roles per x block, whose ring is
-    ``split`` times deeper with ``deep`` where the shared memory allows), the ring shortened until it fits."""
+    ``split`` times deeper with ``deep`` where the shared memory allows; with ``sk_ops`` = (ticket, flags,
+    partials, DP, UNITS) DP tiles and UNITS stream-K units), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
     ec_self = self_ops is not None
     if has_ec:
@@ -359,13 +516,18 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         (bnw, bmx, stages, warps), r_p, True, split) <= SMEM_LIMIT else 1
     num_m = -(-M // bmx)
     grid = (num_m * -(-N // bnw) + num_m * split,)
+    wsp, dp, units = scales, 0, 0
+    if sk_ops is not None:
+        tick, flags, wsp, dp, units = sk_ops
+        grid = (dp + units,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
+        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, wsp, dp, units,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
         HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
-        SPLIT=max(split, 1), RDEEP=rdeep, num_warps=warps, **({"launch_pdl": True} if ec_wait else {}))
+        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, num_warps=warps,
+        **({"launch_pdl": True} if ec_wait else {}))
     return y
 
 
@@ -392,7 +554,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     from .w4a16_gemm_wgmma import _descriptor
     from .w4a16_triton import derived_cached
 
-    bnw, bmx, stages, warps, pf = check_ra_config(config)
+    bnw, bmx, stages, warps, pf, _ = check_ra_config(config)  # (SK: the in-launch EC's tiles are data-parallel)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
     x2 = x2.contiguous()  # (once: the tiles' and the shrink roles' descriptors read the same copy)
     why = self_takes(A, B, W1, K)
@@ -452,7 +614,7 @@ def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False, rdeep: int
     """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
     alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x ``rdeep`` slots, a
     barrier each) and its gate weights."""
-    bnw, bmx, stages, _, _ = check_ra_config(config)
+    bnw, bmx, stages = check_ra_config(config)[:3]
     return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
             + (stages * rdeep * (64 * BK * 2 + 8) + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
 
@@ -461,11 +623,14 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
                     has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
                     ec_self: bool = False, self_diag: int = 0, split: int = 1, rdeep: int = 1) -> dict:
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
-    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block."""
+    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block; a config with SK = 1 (no EC):
+    the stream-K form."""
     from .w4a16_gemm_wgmma import _layout, desc_types
     from .w4a16_gemv_gluon import compile_gluon_sm90
 
-    bnw, bmx, stages, warps, pf = check_ra_config(config)
+    bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
+    if sk and r_p:
+        raise ValueError("compile_ra_sm90: stream-K (SK = 1) runs without an EC (r_p = 0)")
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
     from .ec_gemm_self import SPLITS, split_ok
@@ -481,9 +646,9 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     xr_t = f"tensordesc<bf16[{bmx // split}, {BK}],{_layout([bmx // split, BK], gl.bfloat16)!r}>"
     types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
                  a_desc=a_t, xr_desc=xr_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
-                 FLAGS="*i32", TICK="*i64", R="i32", D="i32")
+                 FLAGS="*i32", TICK="*i64", R="i32", D="i32", WSP="*fp32", DP="i32", UNITS="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
                   EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
-                  SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep)
+                  SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep, SK=bool(sk))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

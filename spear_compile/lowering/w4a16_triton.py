@@ -936,7 +936,7 @@ DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize p
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
-WGMMA_RA = "wgmma_ra"  # ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF]): the same, weight as the MMA's register operand
+WGMMA_RA = "wgmma_ra"  # ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]]): the same, weight as the MMA's register operand
 
 
 def wgmma_key(M: int, N: int, K: int, G: int) -> str:
@@ -978,13 +978,19 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     return tuple(got) if got is not None else None
 
 
-def wgmma_ra_choices() -> list:
+def wgmma_ra_choices(M: Optional[int] = None, N: Optional[int] = None, sms: Optional[int] = None) -> list:
     """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
-    where this Triton has it (else none)."""
+    where this Triton has it (else none); with (M, N) and the SM count also its stream-K configs where
+    ``sk_plan`` splits that grid (elsewhere they run as the plain ones: not worth timing twice)."""
     from .w4a16_gemm_wgmma import HAS_WGMMA
-    from .w4a16_gemm_wgmma_ra import RA_CONFIGS
+    from .w4a16_gemm_wgmma_ra import RA_CONFIGS, RA_SK_CONFIGS, sk_plan
 
-    return [(WGMMA_RA,) + c for c in RA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
+    if not HAS_WGMMA or INTERPRET:
+        return []
+    out = [(WGMMA_RA,) + c for c in RA_CONFIGS]
+    if M is not None and N is not None:
+        out += [(WGMMA_RA,) + c for c in RA_SK_CONFIGS if sk_plan(-(-M // c[1]) * -(-N // c[0]), sms)[1]]
+    return out
 
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
