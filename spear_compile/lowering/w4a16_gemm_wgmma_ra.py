@@ -393,16 +393,21 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
     return bnw, bmx, stages, warps, pf, sk
 
 
-def sk_plan(tiles: int, sms: Optional[int]) -> tuple[int, int]:
-    """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles on ``sms`` SMs (one CTA per SM:
-    the configs that take SK allow no more). Why: 11008x4096 at M = 1024 has 344 tiles of 128 x 256, 2.6 waves run
-    as 3. Where the tiles do not divide into whole waves, all but the last one-to-two waves' worth run as
-    tiles, and that rest is split by K steps evenly over ``sms`` units (each 1-2 tiles of work; a tile split
-    between units is summed by its first unit), so the last wave ends with every SM busy. Whole waves, a
-    single partial wave, or no SM count: no stream-K (0 units)."""
+def sk_plan(tiles: int, sms: Optional[int], kt: int) -> tuple[int, int]:
+    """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles of ``kt`` K steps on ``sms``
+    SMs (one CTA per SM: the configs that take SK allow no more). Why: 11008x4096 at M = 1024 has 344 tiles of
+    128 x 256, 2.6 waves run as 3. The whole waves run as tiles; only the last partial wave's tiles are split
+    by K steps evenly over min(sms, their steps) units (a tile split between units is summed by its first
+    unit), so the last wave ends with every SM busy. Only that tail: session 21 (call 3) first streamed the
+    last 1-2 waves' worth (CUTLASS's rule), and it was 2-24 % slower - units that start at scattered K offsets
+    no longer read a weight tile in step with the other x blocks' units, so it came from HBM again (8192^2
+    M = 1024, all 256 tiles streamed: +28 us, about 3 more reads of its 32 MB); a tail's tiles (11008x4096
+    M = 1024: 80, ~13 MB of weight and x) stay in L2. Whole waves, a single partial wave, or no SM count: no
+    stream-K (0 units)."""
     if not sms or tiles <= sms or tiles % sms == 0:
         return tiles, 0
-    return (tiles // sms - 1) * sms, sms
+    dp = tiles // sms * sms
+    return dp, min(sms, (tiles - dp) * kt)
 
 
 def sk_unit_runs(u: int, sk_tiles: int, kt: int, units: int) -> list[tuple[int, int, int, list[int]]]:
@@ -484,7 +489,7 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         from .ec_self import sm_count
 
         tiles = -(-M // bmx) * -(-N // bnw)
-        dp, units = sk_plan(tiles, sm_count(x2.device) if sk_units is None else None)
+        dp, units = sk_plan(tiles, sm_count(x2.device), K // BK)
         if sk_units is not None:  # (tests: a given number of units over all the tiles)
             dp, units = 0, int(sk_units)
             if not 1 <= units <= min(tiles * (K // BK), sm_count(x2.device) or 1):

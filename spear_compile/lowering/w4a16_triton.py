@@ -989,7 +989,7 @@ def wgmma_ra_choices(M: Optional[int] = None, N: Optional[int] = None, sms: Opti
         return []
     out = [(WGMMA_RA,) + c for c in RA_CONFIGS]
     if M is not None and N is not None:
-        out += [(WGMMA_RA,) + c for c in RA_SK_CONFIGS if sk_plan(-(-M // c[1]) * -(-N // c[0]), sms)[1]]
+        out += [(WGMMA_RA,) + c for c in RA_SK_CONFIGS if sk_plan(-(-M // c[1]) * -(-N // c[0]), sms, 1)[1]]
     return out
 
 

@@ -324,15 +324,17 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
     assert inflight_writes(sass) == []
 
 
-def test_stream_k_plan_runs_whole_waves_as_tiles_and_splits_the_rest_evenly():
+def test_stream_k_plan_runs_whole_waves_as_tiles_and_splits_the_tail_evenly():
     """``sk_plan``: grids of whole waves, of one partial wave, or without an SM count run as plain tiles; else
-    all but the last 1-2 waves' worth of tiles are tiles and the rest goes to one unit per SM."""
+    the whole waves are tiles and the last partial wave's tiles go to one unit per SM (at most one per K step)."""
     from spear_compile.lowering.w4a16_gemm_wgmma_ra import sk_plan
 
-    assert sk_plan(344, 132) == (132, 132)  # 11008x4096 M = 1024 on 128 x 256: 2.6 waves
-    assert sk_plan(896, 132) == (660, 132)  # 28672x8192 M = 1024
-    assert sk_plan(200, 132) == (0, 132)
-    assert sk_plan(128, 132) == (128, 0) and sk_plan(264, 132) == (264, 0) and sk_plan(344, None) == (344, 0)
+    assert sk_plan(344, 132, 64) == (264, 132)  # 11008x4096 M = 1024 on 128 x 256: 2.6 waves
+    assert sk_plan(896, 132, 128) == (792, 132)  # 28672x8192 M = 1024
+    assert sk_plan(200, 132, 64) == (132, 132)
+    assert sk_plan(133, 132, 64) == (132, 64)  # one tile left: one unit per K step
+    assert sk_plan(128, 132, 64) == (128, 0) and sk_plan(264, 132, 64) == (264, 0)
+    assert sk_plan(344, None, 64) == (344, 0)
 
 
 @pytest.mark.parametrize("sk_tiles,kt,units", [(212, 64, 132), (200, 128, 132), (3, 5, 7), (1, 9, 9), (5, 2, 10),
@@ -419,7 +421,7 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
                                            (300, 4096, 1024, 128, 100)])
 def test_stream_k_matches_the_reference_and_repeats_bit_for_bit_on_gpu(M, N, K, G, units):
     """Stream-K (SK = 1): the tiles split by K steps over ``units`` units (None: the plan the GPU's SM count
-    gives, 11008x4096 M = 1024: 132 tiles then 132 units), partial sums added by each tile's owner. Within
+    gives, 11008x4096 M = 1024: 264 tiles then 132 units), partial sums added by each tile's owner. Within
     bf16 rounding of the reference; bit for bit the same over repeated launches and CUDA-graph replays on
     changing inputs (tags: a stale partial is never added); the plain tiles' result within one bf16 rounding
     (a different fp32 summation order)."""
@@ -438,7 +440,7 @@ def test_stream_k_matches_the_reference_and_repeats_bit_for_bit_on_gpu(M, N, K, 
         run = lambda i: ra.w4a16_gemm_wgmma_ra(*xs[i][:4], G, xs[i][4], config=cfg, sk_units=units)  # noqa: E731
         if units is None:
             tiles = -(-M // cfg[1]) * -(-N // cfg[0])
-            assert ra.sk_plan(tiles, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 0, tiles
+            assert ra.sk_plan(tiles, torch.cuda.get_device_properties(0).multi_processor_count, K // 64)[1] > 0, tiles
         firsts = []
         for i in range(3):
             y = run(i)
