@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 21, call 4: the stream-K tail with only the last partial wave streamed: its GPU test on the natural plan,
-# K loop (the plain kernel's reference test), then the lab: SK against the plain tiles (each twice for the
-# spread), cuBLAS and dequantize + cuBLAS in one process at M = 1024 / 4096.
+# then the lab: SK against the plain tiles (each twice for the spread), cuBLAS and dequantize + cuBLAS in one
+# process at M = 1024 / 4096.
 # Usage on the device: PYTHONPATH=$PWD bash benchmarks/device/s21_call4.sh OUT_DIR
 set -uo pipefail
 out=$1
