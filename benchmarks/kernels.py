@@ -425,8 +425,7 @@ def main() -> None:
 
                 # (else the search would time the fallback GEMM under the register-operand kernel's name)
                 assert RA.takes(x, N, G, qw.scales, qw.zeros, None), "register-operand GEMM cannot take these weights"
-                sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-                cfg_ra, t_ra = search(gemm_run, T.wgmma_ra_choices(M, N, sms), copies)
+                cfg_ra, t_ra = search(gemm_run, T.wgmma_ra_choices(), copies)
                 if M >= 256:  # the "in_gemm_self" structure's GEMM whatever wins the W4 table
                     T.tuned_table()[T.wgmma_ra_key(M, N, K, G)] = list(cfg_ra[1:])
                 finalists.append((tuple(cfg_ra), t_ra))

@@ -374,8 +374,9 @@ if HAS_WGMMA:
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
 RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
-# The 8-warp tiles with a stream-K tail (SK = 1, ``sk_plan``): searched where the plan splits the grid.
-RA_SK_CONFIGS = [(128, 256, 3, 8, 0, 1), (128, 256, 4, 8, 0, 1)]
+# SK = 1 (a stream-K tail, ``sk_plan``) is not searched: measured slower than the plain tiles on every cell it
+# changes (session 21, calls 3-4: 11008x4096 M = 1024 +2-8 %, 8192^2 M = 1024 +10 %); the lab times it
+# (``benchmarks/lab_gemm.py --ra 128,256,3,8,0,1``).
 
 
 def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:

@@ -978,19 +978,13 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     return tuple(got) if got is not None else None
 
 
-def wgmma_ra_choices(M: Optional[int] = None, N: Optional[int] = None, sms: Optional[int] = None) -> list:
+def wgmma_ra_choices() -> list:
     """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
-    where this Triton has it (else none); with (M, N) and the SM count also its stream-K configs where
-    ``sk_plan`` splits that grid (elsewhere they run as the plain ones: not worth timing twice)."""
+    where this Triton has it (else none)."""
     from .w4a16_gemm_wgmma import HAS_WGMMA
-    from .w4a16_gemm_wgmma_ra import RA_CONFIGS, RA_SK_CONFIGS, sk_plan
+    from .w4a16_gemm_wgmma_ra import RA_CONFIGS
 
-    if not HAS_WGMMA or INTERPRET:
-        return []
-    out = [(WGMMA_RA,) + c for c in RA_CONFIGS]
-    if M is not None and N is not None:
-        out += [(WGMMA_RA,) + c for c in RA_SK_CONFIGS if sk_plan(-(-M // c[1]) * -(-N // c[0]), sms, 1)[1]]
-    return out
+    return [(WGMMA_RA,) + c for c in RA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
