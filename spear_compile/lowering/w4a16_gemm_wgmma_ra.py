@@ -30,11 +30,13 @@ gate kernel that writes hg = alpha g h, when ``ec_wait``) executes ``griddepcont
 reads only what existed before the gate ran (x, the weight, its scales, B). Measured (session 16, call 6):
 the fastest EC structure on 6 of the 8 shapes x M where the table runs this kernel, at 1.03-1.23x W4.
 
-Config (BNW, BMX, STAGES, WARPS[, PF]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
-N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used).
+Config (BNW, BMX, STAGES, WARPS[, PF[, SK]]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
+N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used);
+SK = 1 runs the last partial wave of tiles stream-K (``sk_plan``, ``_ra_sk_unit``: measured slower, so neither
+is searched; NOTES.md session 21).
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
 The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
-``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF])`` (``w4a16_triton.w4a16_gemm``).
+``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]])`` (``w4a16_triton.w4a16_gemm``).
 """
 from __future__ import annotations
 
@@ -250,14 +252,18 @@ if HAS_WGMMA:
     @gluon.jit
     def _ra_sk_unit(u, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP, UNITS,
                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr):
+                    STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr,
+                    SK_DELAY: gl.constexpr = False):
         """Stream-K unit u of UNITS (``sk_plan``): K steps [lo, hi) of the stream-K tiles' steps laid end to end
         (tile DP + t holds steps [t KT, (t + 1) KT)), lo = u TOT // UNITS. A run that starts inside a tile (only
         the unit's first) is a partial: stored to WSP[u] (fp32, in the MMA layout) and published by FLAGS[u] :=
         tag (release). A run from a tile's first step is its owner's: it adds the partials of the units that
         start inside the tile, u + 1, u + 2, ... in that order (acquire; deterministic), then stores the tile.
         The owner's run ends its unit's range and the partials begin theirs, so the owner waits little; and it
-        waits only on later tickets, which run once any CTA ahead of them finishes (UNITS <= SMs: no deadlock)."""
+        waits only on later tickets, which run once any CTA ahead of them finishes: no deadlock as long as all
+        UNITS (<= the SM count) can be resident at once (with fewer SMs given to the kernel - MPS, green contexts -
+        an owner traps after SPIN_MAX polls). ``sk_unit_runs`` is this schedule in Python (the tests' mirror:
+        change both together)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -279,9 +285,14 @@ if HAS_WGMMA:
             off_m = (tile % num_m) * BMX
             off_n = (tile // num_m) * BNW
             gl.thread_barrier()  # every warp is done with the previous run's ring slots and partial reads
+            fence_async_shared()  # (the words' generic reads before the next run's TMA writes into their slots)
             acc = _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G, PER_CHANNEL,
                           HAS_Z, STAGES, WARPS, SRC, PF, 0)
             if k0 > 0:  # the tile's later steps: a partial for its owner
+                if SK_DELAY:  # (tests) ~20 us late, so the owner's wait and the flag's tag are exercised
+                    for _ in range(20):
+                        gl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                                  is_pure=False, pack=1)
                 gl.store(WSP + u * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0), acc)
                 gl.thread_barrier()  # every thread's part is written before the (cumulative) release below
                 gl.atomic_xchg(FLAGS + u, tag, sem="release")
@@ -304,7 +315,7 @@ if HAS_WGMMA:
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
                                     EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
                                     SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
-                                    SK: gl.constexpr = False):
+                                    SK: gl.constexpr = False, SK_DELAY: gl.constexpr = False):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
         (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise), or with ``SK``
         (no EC) by its ticket one of the DP data-parallel tiles or one of the UNITS stream-K units
@@ -354,7 +365,7 @@ if HAS_WGMMA:
                          False, DIAG, 0)
             else:
                 _ra_sk_unit(role - DP, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP,
-                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF)
+                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
                      bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
@@ -369,7 +380,7 @@ if HAS_WGMMA:
                 mbarrier.invalidate(rbars.index(i))
 
 
-# (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
+# (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
 # MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
@@ -396,7 +407,8 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
 
 def sk_plan(tiles: int, sms: Optional[int], kt: int) -> tuple[int, int]:
     """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles of ``kt`` K steps on ``sms``
-    SMs (one CTA per SM: the configs that take SK allow no more). Why: 11008x4096 at M = 1024 has 344 tiles of
+    SMs, taken as one CTA per SM (true of the 8-warp tiles; a smaller tile that fits several per SM is only
+    planned less well). Why: 11008x4096 at M = 1024 has 344 tiles of
     128 x 256, 2.6 waves run as 3. The whole waves run as tiles; only the last partial wave's tiles are split
     by K steps evenly over min(sms, their steps) units (a tile split between units is summed by its first
     unit), so the last wave ends with every SM busy. Only that tail: session 21 (call 3) first streamed the
@@ -431,22 +443,24 @@ _SK_WORKSPACES: dict = {}
 
 
 def sk_workspace(device: torch.device, grid: int, units: int, tile_elems: int) -> Optional[tuple]:
-    """(ticket int64 [1], flags int32 [units], partials fp32 [units, tile_elems]) for a stream-K launch, or
-    None inside a CUDA-graph capture that would have to make them (the caller then runs without stream-K;
-    the capture's warm-up run makes them). Ticket and flags are kept per (device, grid, units): launches of
-    one grid size run one after another, so each moves the ticket on by exactly its grid and its tags are new
-    (a stale flag never reads as set). The partials are shared by the stream-K launches of the device with
-    the same size, for the same reason; never freed or grown (a captured graph keeps their address). So
-    stream-K launches must not run at once on two streams of one device: the library runs its GEMMs on the
-    current stream (only EC shrink kernels go to a side stream). Not keyed by stream, because a CUDA-graph
-    capture runs on a stream of its own."""
+    """(ticket int64 [1], flags int32 [units], partials fp32 [units x tile_elems], flat) for a stream-K launch,
+    or None inside a CUDA-graph capture that would have to make them (the caller then runs the plain tiles,
+    which that graph keeps: run the call once before capturing, as ``tuning.capture_graph`` does). Ticket and
+    flags are kept per (device, grid, units): launches of one grid size run one after another, so each moves
+    the ticket on by exactly its grid and its tags are new (a stale flag never reads as set). The partials are
+    shared by the stream-K launches of the device with the same size, for the same reason; never freed or
+    grown (a captured graph keeps their address). So stream-K launches must not run at once on two streams of
+    one device: the library runs its GEMMs on the current stream (only EC shrink kernels go to a side stream).
+    Not keyed by stream, because a CUDA-graph capture runs on a stream of its own."""
     key, pkey = (str(device), grid, units), (str(device), units * tile_elems)
     if key not in _SK_WORKSPACES or pkey not in _SK_WORKSPACES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _SK_WORKSPACES.setdefault(key, (torch.zeros(1, dtype=torch.int64, device=device),
-                                        torch.zeros(units, dtype=torch.int32, device=device)))
-        _SK_WORKSPACES.setdefault(pkey, torch.empty(units * tile_elems, dtype=torch.float32, device=device))
+        if key not in _SK_WORKSPACES:
+            _SK_WORKSPACES[key] = (torch.zeros(1, dtype=torch.int64, device=device),
+                                   torch.zeros(units, dtype=torch.int32, device=device))
+        if pkey not in _SK_WORKSPACES:
+            _SK_WORKSPACES[pkey] = torch.empty(units * tile_elems, dtype=torch.float32, device=device)
     return _SK_WORKSPACES[key] + (_SK_WORKSPACES[pkey],)
 
 
@@ -464,14 +478,15 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
                         config: tuple = RA_CONFIGS[0], out: Optional[torch.Tensor] = None,
                         ec: Optional[tuple] = None, ec_wait: bool = False, diag: int = 0,
-                        sk_units: Optional[int] = None) -> torch.Tensor:
+                        sk_units: Optional[int] = None, sk_delay: bool = False) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) with the weight as the MMA's register operand (CUDA sm_90+ only).
     Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
     ``ec`` = (hg, B): ``hg B^T`` added as one more K step (hg the EC's ``alpha g h`` [M, R_P], B [N, R],
     as ``w4a16_gemm_wgmma``); ``ec_wait``: launched with programmatic dependent launch behind the kernel
     that writes hg (which must trigger its dependents), waiting only before hg is read.
     A config with SK = 1 (and no ``ec``) runs the last tiles stream-K where the grid is not whole waves
-    (``sk_plan``, ``_ra_sk_unit``); ``sk_units`` (tests) runs every tile stream-K over that many units.
+    (``sk_plan``, ``_ra_sk_unit``); ``sk_units`` (tests) runs every tile stream-K over that many units, and
+    ``sk_delay`` (tests) stores the partials ~20 us late, so that the owners really wait on their flags.
     ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
     bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
@@ -486,6 +501,9 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                          "kernel between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
     sk_ops = None
+    if (sk_units is not None or sk_delay) and (not sk or ec is not None or diag):
+        raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units / sk_delay need a stream-K config (SK = 1; got {config}) "
+                         f"without ec or diag")
     if sk and ec is None and not diag:
         from .ec_self import sm_count
 
@@ -496,16 +514,19 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
             if not 1 <= units <= min(tiles * (K // BK), sm_count(x2.device) or 1):
                 raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units={sk_units}; needs 1 .. min(K steps of all "
                                  f"{tiles} tiles, SMs)")
+        if units and (units + 1) * (tiles - dp) * (K // BK) >= 2 ** 31:  # the kernel's 32-bit schedule arithmetic
+            raise ValueError(f"w4a16_gemm_wgmma_ra: {units} stream-K units over {tiles - dp} tiles of {K // BK} K "
+                             f"steps overflow the kernel's 32-bit step indices")
         ws = sk_workspace(x2.device, dp + units, units, bnw * bmx) if units else None
         if ws is not None:
             sk_ops = ws + (dp, units)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
                    (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, diag, None,
-                   sk_ops=sk_ops)
+                   sk_ops=sk_ops, sk_delay=sk_delay)
 
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
-            self_ops, self_diag=0, sk_ops=None):
+            self_ops, self_diag=0, sk_ops=None, sk_delay=False):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
     b2, alpha, flags, ticket, R, D, act code, split, deep) also ``split`` shrink roles per x block, whose ring is
     ``split`` times deeper with ``deep`` where the shared memory allows; with ``sk_ops`` = (ticket, flags,
@@ -532,7 +553,7 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
         HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
-        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, num_warps=warps,
+        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, SK_DELAY=bool(sk_delay), num_warps=warps,
         **({"launch_pdl": True} if ec_wait else {}))
     return y
 

@@ -936,7 +936,8 @@ DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize p
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
-WGMMA_RA = "wgmma_ra"  # ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]]): the same, weight as the MMA's register operand
+# ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]]): the same, weight as the MMA's register operand
+WGMMA_RA = "wgmma_ra"
 
 
 def wgmma_key(M: int, N: int, K: int, G: int) -> str:
@@ -966,7 +967,7 @@ def wgmma_ra_key(M: int, N: int, K: int, G: int) -> str:
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF]) of the register-operand GEMM for this shape, for the EC structures built on
+    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures built on
     it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
     (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
     that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024

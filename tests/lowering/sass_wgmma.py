@@ -23,10 +23,8 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in map(_LINE.match, sass.splitlines()) if m]
 
 
-def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
-    """Indices (first, last) of the innermost backward-branch loop that holds a register-operand HGMMA (else,
-    one that holds any HGMMA: a kernel with a shared-memory-operand loop too, such as the in-launch EC's
-    shrink role, is checked on the register-operand one)."""
+def _hgmma_loops(ins: list[tuple[int, str]]) -> list[tuple[bool, int, int]]:
+    """(holds a register-operand HGMMA, first, last) of every backward-branch loop that holds an HGMMA."""
     loops = []
     for j, (a, t) in enumerate(ins):
         m = re.search(r"BRA (0x[0-9a-f]+)", t)
@@ -35,10 +33,27 @@ def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
             body = [tt for _, tt in ins[first:j + 1] if "HGMMA" in tt]
             if body:
                 loops.append((any(a_registers(tt) for tt in body), first, j))
+    return loops
+
+
+def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """Indices (first, last) of the innermost backward-branch loop that holds a register-operand HGMMA (else,
+    one that holds any HGMMA: a kernel with a shared-memory-operand loop too, such as the in-launch EC's
+    shrink role, is checked on the register-operand one)."""
+    loops = _hgmma_loops(ins)
     if not loops:
         raise ValueError("no loop with an HGMMA in this SASS")
     _, first, last = next((lp for lp in loops if lp[0]), loops[0])
     return first, last
+
+
+def ra_loops(sass: str) -> list[tuple[int, int]]:
+    """(first, last) of every innermost loop that holds a register-operand HGMMA (the stream-K build has two:
+    the tiles' K loop and the units' runs); a loop with another HGMMA loop's backward branch inside is left
+    out (ptxas lays the outer loops out as overlapping ranges, not nested ones)."""
+    loops = _hgmma_loops(instructions(sass))
+    ends = {la for _, _, la in loops}  # (innermost: no other HGMMA loop's backward branch inside)
+    return [(f, la) for ra, f, la in loops if ra and not any(f <= e < la for e in ends)]
 
 
 def hgmma_loop(sass: str) -> list[str]:
@@ -81,18 +96,21 @@ def _retired_window(texts: list[str], p: int, cyclic: bool) -> list[str]:
 
 def inflight_writes(sass: str) -> list[tuple[str, str]]:
     """(HGMMA, instruction) pairs where the instruction overwrites the HGMMA's A registers before it retires:
-    in the K loop taken as a cycle, and in the straight-line code before and after it (a tail step)."""
+    in every innermost register-operand K loop taken as a cycle (``ra_loops``; else the one ``_loop_bounds``
+    finds), and in the straight-line code outside them (a tail step)."""
     ins = instructions(sass)
-    first, last = _loop_bounds(ins)
+    loops = ra_loops(sass) or [_loop_bounds(ins)]
     texts = [t for _, t in ins]
-    body = texts[first:last + 1]
     bad = []
     for p, text in enumerate(texts):
         regs = a_registers(text)
         if not regs:
             continue
-        inside = first <= p <= last
-        window = _retired_window(body, p - first, True) if inside else _retired_window(texts, p, False)
+        inside = next(((f, la) for f, la in loops if f <= p <= la), None)
+        if inside:
+            window = _retired_window(texts[inside[0]:inside[1] + 1], p - inside[0], True)
+        else:
+            window = _retired_window(texts, p, False)
         bad += [(text, u) for u in window if written(u) & regs]
     return bad
 
