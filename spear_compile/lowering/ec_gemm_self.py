@@ -20,10 +20,10 @@ step from its own TMA-fed x box, with no weight expansion.
 * **Roles by ticket** (as ``ec_self.py``; the Gluon ticket ``w4a16_gemv_tma_ec._self_ticket``): every CTA
   takes one relaxed atomic on the site's ticket; ticket ``t`` gives the launch's tag ``t // grid + 1`` and
   the role ``t % grid``. Roles below ``num_m * split`` are shrink roles (block ``role // split``, part
-  ``role % split``); the others are GEMM tiles (``role - num_m * split``, in the kernel's usual order). A shrink role is held by a CTA that started before every GEMM
-  tile CTA, so a tile never waits for a CTA the GPU has not scheduled (the H200 does not dispatch a grid
-  in program-id order: session 17) and there is no deadlock whatever the residency - given one stream per
-  site (below). Should that assumption break (two streams on one site, tickets out of step), a tile would
+  ``role % split``); the others are GEMM tiles (``role - num_m * split``, in the kernel's usual order). A
+  shrink role is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the
+  GPU has not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
+  deadlock whatever the residency - given one stream per site (below). Should that assumption break (two streams on one site, tickets out of step), a tile would
   wait for a tag that never comes: it gives up after SPIN_MAX polls (seconds) with ``trap``, so the launch
   fails with a CUDA error instead of hanging.
 * **Publish**: the shrink role stores ``alpha g h`` [BMX / split, R_P] (bf16, rows < M) with generic stores,
@@ -41,9 +41,10 @@ step from its own TMA-fed x box, with no weight expansion.
 
 Measured (H200, benchmarks/NOTES.md): session 19, 4096^2 M = 1024 53-54 us against the register-operand GEMM's
 51-52 alone and "in_gemm"'s 61. Session 20, with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
-EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs (in_gemm_self chosen on most); 4096^2 M = 256 misses
-(1.18-1.27x: W4 there is 25 us and the structure 5-6 us over it). The first version loaded the gate's weights from
-global memory row by row (2-byte scalars, ~60 us per gate); they are staged in shared memory now.
+EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs; 4096^2 M = 256 missed (1.18-1.27x: the roles' K
+loop). Session 21, with the deeper role ring (``ROLE_DEEP``): that cell 1.05x, and 10 of 10 cells within 1.10x in
+both runs. The first version loaded the gate's weights from global memory row by row (2-byte scalars, ~60 us per
+gate); they are staged in shared memory now.
 
 Assumption (as ``ec_self.py``): launches of one site never overlap (one stream), or their tickets would
 interleave. The workspace (ticket, flags) is per site and geometry, made on first use outside graph capture (a

@@ -250,6 +250,14 @@ if HAS_WGMMA:
         _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
 
     @gluon.jit
+    def _partial_ptrs(WSP, v, mma: gl.constexpr, BNW: gl.constexpr, BMX: gl.constexpr):
+        """Unit v's partial tile in WSP ([BNW, BMX] fp32 in the MMA layout: each thread reads back what its
+        counterpart in the owner's CTA wrote)."""
+        rows = gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+        return WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0)
+
+    @gluon.jit
     def _ra_sk_unit(u, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP, UNITS,
                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
                     STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr,
@@ -273,8 +281,6 @@ if HAS_WGMMA:
         TOT = (num_m * gl.cdiv(N, BNW) - DP) * KT
         lo = u * TOT // UNITS
         hi = (u + 1) * TOT // UNITS
-        rows = gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
         i = lo
         base = 0
         for seg in range((hi - 1) // KT - lo // KT + 1):
@@ -293,15 +299,14 @@ if HAS_WGMMA:
                     for _ in range(20):
                         gl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
                                                   is_pure=False, pack=1)
-                gl.store(WSP + u * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0), acc)
+                gl.store(_partial_ptrs(WSP, u, mma, BNW, BMX), acc)
                 gl.thread_barrier()  # every thread's part is written before the (cumulative) release below
                 gl.atomic_xchg(FLAGS + u, tag, sem="release")
             else:  # the owner: the partials of units u + 1 .. (those with lo(v) < the tile's end), in order
                 vend = gl.minimum(UNITS, ((t + 1) * KT * UNITS + TOT - 1) // TOT)
                 for v in range(u + 1, vend):
                     _wait_flag(FLAGS + v, tag, 0)
-                    acc += gl.load(WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0),
-                                   cache_modifier=".cg")
+                    acc += gl.load(_partial_ptrs(WSP, v, mma, BNW, BMX), cache_modifier=".cg")
                 _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
             base += n
             i += n
@@ -380,8 +385,8 @@ if HAS_WGMMA:
                 mbarrier.invalidate(rbars.index(i))
 
 
-# (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the widest
-# MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
+# (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the
+# widest MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
 RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
@@ -395,7 +400,8 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
     breaks."""
     vals = tuple(int(v) for v in config)
     if len(vals) not in (4, 5, 6):
-        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF[, SK]])")
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected "
+                         f"(BNW, BMX, STAGES, WARPS[, PF[, SK]])")
     bnw, bmx, stages, warps, pf, sk = vals + (0,) * (6 - len(vals))
     if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
@@ -408,10 +414,10 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
 def sk_plan(tiles: int, sms: Optional[int], kt: int) -> tuple[int, int]:
     """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles of ``kt`` K steps on ``sms``
     SMs, taken as one CTA per SM (true of the 8-warp tiles; a smaller tile that fits several per SM is only
-    planned less well). Why: 11008x4096 at M = 1024 has 344 tiles of
-    128 x 256, 2.6 waves run as 3. The whole waves run as tiles; only the last partial wave's tiles are split
-    by K steps evenly over min(sms, their steps) units (a tile split between units is summed by its first
-    unit), so the last wave ends with every SM busy. Only that tail: session 21 (call 3) first streamed the
+    planned less well). Why: 11008x4096 at M = 1024 has 344 tiles of 128 x 256, 2.6 waves run as 3. The whole
+    waves run as tiles; only the last partial wave's tiles are split by K steps evenly over min(sms, their
+    steps) units (a tile split between units is summed by its first unit), so the last wave ends with every SM
+    busy. Only that tail: session 21 (call 3) first streamed the
     last 1-2 waves' worth (CUTLASS's rule), and it was 2-24 % slower - units that start at scattered K offsets
     no longer read a weight tile in step with the other x blocks' units, so it came from HBM again (8192^2
     M = 1024, all 256 tiles streamed: +28 us, about 3 more reads of its 32 MB); a tail's tiles (11008x4096
@@ -507,11 +513,12 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if sk and ec is None and not diag:
         from .ec_self import sm_count
 
-        tiles = -(-M // bmx) * -(-N // bnw)
-        dp, units = sk_plan(tiles, sm_count(x2.device), K // BK)
-        if sk_units is not None:  # (tests: a given number of units over all the tiles)
+        tiles, sms = -(-M // bmx) * -(-N // bnw), sm_count(x2.device)
+        if sk_units is None:
+            dp, units = sk_plan(tiles, sms, K // BK)
+        else:  # (tests: a given number of units over all the tiles)
             dp, units = 0, int(sk_units)
-            if not 1 <= units <= min(tiles * (K // BK), sm_count(x2.device) or 1):
+            if not 1 <= units <= min(tiles * (K // BK), sms or 1):
                 raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units={sk_units}; needs 1 .. min(K steps of all "
                                  f"{tiles} tiles, SMs)")
         if units and (units + 1) * (tiles - dp) * (K // BK) >= 2 ** 31:  # the kernel's 32-bit schedule arithmetic
@@ -573,8 +580,8 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
     ``alpha g h`` into (tests read it; default a fresh one). ``split``: shrink roles per x block, each taking
     BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``deep``: each role's ring
-    ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag`` (timing only,
-    wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
+    ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag``
+    (timing only, wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
     from ._triton import ACT_CODES, next_pow2
     from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
     from .ec_self import sm_count

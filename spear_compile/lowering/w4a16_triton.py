@@ -967,8 +967,8 @@ def wgmma_ra_key(M: int, N: int, K: int, G: int) -> str:
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures built on
-    it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
+    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures
+    built on it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
     (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
     that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024
     flipped between runs: session 19)."""
