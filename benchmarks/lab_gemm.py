@@ -95,7 +95,7 @@ def main() -> None:
             for name, c, fn in ok:
                 row[name] = bench_graph(lambda i: fn(xs[i], *args_w(i), G, None, config=c), copies)
                 if args.diag:  # each part of a K step (wrong results: timed only)
-                    for d in (1, 2, 3):
+                    for d in ((1, 2, 3) if fn is WG.w4a16_gemm_wgmma else (1, 2, 3, 4)):
                         row[f"{name}_diag{d}"] = bench_graph(
                             lambda i, c=c, fn=fn, d=d: fn(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
             best = min((n for n, _, _ in ok), key=lambda n: row[n], default=None)
@@ -115,7 +115,7 @@ def main() -> None:
             if args.diag:
                 for n, _, fn in ok:
                     names = (("no-expand-math", "no-expand", "no-MMA") if fn is WG.w4a16_gemm_wgmma
-                             else ("no-MMA", "no-CTA-barrier", "no-expand"))
+                             else ("no-MMA", "no-CTA-barrier", "no-expand", "no-scale-loads"))
                     print(f"   {n}: full {row[n]:.1f}  " + "  ".join(
                         f"{d} {row[f'{n}_diag{i}']:.1f}" for i, d in enumerate(names, 1)) + " us", flush=True)
             res["rows"].append(row)

@@ -125,10 +125,11 @@ if HAS_WGMMA:
         next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
         expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md
         session 16), else this step's are loaded here, where they are used.
-        ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``)."""
+        ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``), 4 no
+        row-parameter loads in the loop (step 0's scales and zero points throughout)."""
         r = base + i
         slot = r % STAGES
-        if PER_CHANNEL:
+        if PER_CHANNEL or DIAG == 4:
             cn, sn = c, s
         elif PF:
             cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((k0 + i + 1) * _BK // G, NG - 1), NG, HAS_Z)
@@ -493,7 +494,8 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     A config with SK = 1 (and no ``ec``) runs the last tiles stream-K where the grid is not whole waves
     (``sk_plan``, ``_ra_sk_unit``); ``sk_units`` (tests) runs every tile stream-K over that many units, and
     ``sk_delay`` (tests) stores the partials ~20 us late, so that the owners really wait on their flags.
-    ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion."""
+    ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion, 4
+    the row-parameter loads in the K loop."""
     bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
     if zeros is not None and not integer_zeros(zeros):
