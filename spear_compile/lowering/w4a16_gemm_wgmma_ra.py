@@ -88,6 +88,15 @@ if HAS_WGMMA:
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
                                           shape=[16 * warps, 8, 4, 2])
 
+    def _rp_layout(warps: int):
+        """[1, BNW = 16 warps]: each thread holds rows g and g + 8 of its warp's 16 (lane = 4 g + t, the 4 lanes t
+        of a row group holding the same), i.e. the rows of ``_a_source_layout`` with a leading unit dimension."""
+        return gl.DistributedLinearLayout(reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
+                                          warp_bases=[[0, 16 << j] for j in range(warps.bit_length() - 1)],
+                                          block_bases=[], shape=[1, 16 * warps])
+
+    RP_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
     @gluon.jit
     def _row_params(S, Z, offs_n, mask_n, g, NG, HAS_Z: gl.constexpr):
         """(c, s) of rows ``offs_n`` in group g as bf16: c = -(128 + z), or -128 s without zero points."""
@@ -97,6 +106,29 @@ if HAS_WGMMA:
         else:
             c = s * -128.0
         return c, s
+
+    @gluon.jit
+    def _ra_request(x_desc, w_desc, rp_desc, bar, xs_slot, ws_slot, rps_slot, off_m, off_n, k, pred,
+                    G: gl.constexpr, RP: gl.constexpr):
+        """Ask TMA for K step k's x tile and words (``_request_step``), with ``RP`` also its group's row
+        parameters (c, s) [2, BNW] from the [2 NG, N] table (``ring_row_params``), on the same mbarrier."""
+        if RP:
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + rp_desc.block_type.nbytes,
+                            pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k * _BK], bar, xs_slot, pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * (_BK // 8)], bar, ws_slot, pred=pred)
+            tma.async_copy_global_to_shared(rp_desc, [2 * (k * _BK // G), off_n], bar, rps_slot, pred=pred)
+        else:
+            _request_step(x_desc, w_desc, bar, xs_slot, ws_slot, off_m, off_n, k, pred)
+
+    @gluon.jit
+    def _ring_params(rps_slot, RPL: gl.constexpr, ln: gl.constexpr):
+        """(c, s) [BNW] of a ring slot's row parameters, in the rows' layout ``ln`` (``RPL`` = the [1, BNW] layout
+        that reshapes into it: each thread reads its own rows, g and g + 8 of its warp's 16)."""
+        BNW: gl.constexpr = rps_slot.shape[1]
+        c = gl.reshape(rps_slot.slice(0, 1).load(RPL), [BNW])
+        s = gl.reshape(rps_slot.slice(1, 1).load(RPL), [BNW])
+        return (gl.convert_layout(c, ln, assert_trivial=True), gl.convert_layout(s, ln, assert_trivial=True))
 
     @gluon.jit
     def _expand_a(words, sel, c, s, HAS_Z: gl.constexpr, BNW: gl.constexpr, a_layout: gl.constexpr):
@@ -115,21 +147,22 @@ if HAS_WGMMA:
         return gl.convert_layout(gl.reshape(d, [BNW, _BK]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _ra_step(i, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n, off_m, off_n,
+    def _ra_step(i, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n, off_m, off_n,
                  k0, base, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
                  BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
-                 PF: gl.constexpr, DIAG: gl.constexpr = 0):
+                 PF: gl.constexpr, DIAG: gl.constexpr = 0, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """Step i of a run of n K steps starting at K step k0 (ring position base + i: a stream-K unit runs
         several runs through one ring): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
         alive until then), refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the
         next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
         expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md
-        session 16), else this step's are loaded here, where they are used.
+        session 16), else this step's are loaded here, where they are used; with ``RP`` they come with the step's
+        words through the ring (``ring_row_params``) and are read from shared memory after its wait.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``), 4 no
         row-parameter loads in the loop (step 0's scales and zero points throughout)."""
         r = base + i
         slot = r % STAGES
-        if PER_CHANNEL or DIAG == 4:
+        if PER_CHANNEL or DIAG == 4 or RP:
             cn, sn = c, s
         elif PF:
             cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((k0 + i + 1) * _BK // G, NG - 1), NG, HAS_Z)
@@ -137,6 +170,9 @@ if HAS_WGMMA:
             c, s = _row_params(S, Z, offs_n, mask_n, (k0 + i) * _BK // G, NG, HAS_Z)
             cn, sn = c, s
         mbarrier.wait(bars.index(slot), (r // STAGES) & 1)
+        if RP and DIAG != 4:
+            c, s = _ring_params(rps.index(slot), RPL, gl.SliceLayout(1, lw))
+            cn, sn = c, s
         if DIAG == 3:
             a = keep
         else:
@@ -152,14 +188,15 @@ if HAS_WGMMA:
         nt = prev + STAGES
         ps = (base + prev) % STAGES
         fence_async_shared()
-        _request_step(x_desc, w_desc, bars.index(ps), xs.index(ps), ws.index(ps), off_m, off_n, k0 + nt,
-                      (i > 0) & (nt < n))
+        _ra_request(x_desc, w_desc, rp_desc, bars.index(ps), xs.index(ps), ws.index(ps), rps.index(ps), off_m, off_n,
+                    k0 + nt, (i > 0) & (nt < n), G, RP)
         return acc, a, cn, sn
 
     @gluon.jit
-    def _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G: gl.constexpr,
+    def _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G: gl.constexpr,
                 PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr):
+                SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr, RP: gl.constexpr = False,
+                RPL: gl.constexpr = None):
         """The accumulator [BNW, BMX] (fp32, every MMA retired) of n >= 1 K steps from K step k0 of the tile at
         (off_n, off_m), through the ring from position ``base`` (a whole tile: k0 = 0, n = K / BK, base = 0)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
@@ -173,7 +210,8 @@ if HAS_WGMMA:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         for i in gl.static_range(STAGES):
             j = (base + i) % STAGES
-            _request_step(x_desc, w_desc, bars.index(j), xs.index(j), ws.index(j), off_m, off_n, k0 + i, i < n)
+            _ra_request(x_desc, w_desc, rp_desc, bars.index(j), xs.index(j), ws.index(j), rps.index(j), off_m, off_n,
+                        k0 + i, i < n, G, RP)
 
         tl_ = gl.arange(0, 4, layout=lt)
         sel = tl_ * 0x11 + (tl_ + 4) * 0x1100  # prmt: byte t of the word, byte t of word >> 4
@@ -187,16 +225,16 @@ if HAS_WGMMA:
         # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
         for j in range(n // 2):
-            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
                                      mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                     a_layout, PF, DIAG)
-            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+                                     a_layout, PF, DIAG, RP, RPL)
+            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
-                                       lw, a_layout, PF, DIAG)
+                                       lw, a_layout, PF, DIAG, RP, RPL)
         if n % 2 == 1:
-            acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, xs, ws, bars, sel, c, s, S, Z, offs_n,
+            acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
                                        mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
-                                       lw, a_layout, PF, DIAG)
+                                       lw, a_layout, PF, DIAG, RP, RPL)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         return acc
 
@@ -214,11 +252,12 @@ if HAS_WGMMA:
         gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
-    def _ra_tile(tile, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs, ecbars,
+    def _ra_tile(tile, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs, hgs, ecbars,
                  HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
-                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr, SPLIT: gl.constexpr = 1):
+                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr, SPLIT: gl.constexpr = 1, RP: gl.constexpr = False,
+                 RPL: gl.constexpr = None):
         """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
@@ -230,8 +269,8 @@ if HAS_WGMMA:
         if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
             mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
-        acc = _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G, PER_CHANNEL, HAS_Z,
-                      STAGES, WARPS, SRC, PF, DIAG)
+        acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G, PER_CHANNEL, HAS_Z,
+                      STAGES, WARPS, SRC, PF, DIAG, RP, RPL)
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
                 ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT, SELF_DIAG)
@@ -259,10 +298,10 @@ if HAS_WGMMA:
         return WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0)
 
     @gluon.jit
-    def _ra_sk_unit(u, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP, UNITS,
+    def _ra_sk_unit(u, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP, UNITS,
                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
                     STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr,
-                    SK_DELAY: gl.constexpr = False):
+                    SK_DELAY: gl.constexpr = False, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """Stream-K unit u of UNITS (``sk_plan``): K steps [lo, hi) of the stream-K tiles' steps laid end to end
         (tile DP + t holds steps [t KT, (t + 1) KT)), lo = u TOT // UNITS. A run that starts inside a tile (only
         the unit's first) is a partial: stored to WSP[u] (fp32, in the MMA layout) and published by FLAGS[u] :=
@@ -293,8 +332,8 @@ if HAS_WGMMA:
             off_n = (tile // num_m) * BNW
             gl.thread_barrier()  # every warp is done with the previous run's ring slots and partial reads
             fence_async_shared()  # (the words' generic reads before the next run's TMA writes into their slots)
-            acc = _ra_run(x_desc, w_desc, xs, ws, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G, PER_CHANNEL,
-                          HAS_Z, STAGES, WARPS, SRC, PF, 0)
+            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G, PER_CHANNEL,
+                          HAS_Z, STAGES, WARPS, SRC, PF, 0, RP, RPL)
             if k0 > 0:  # the tile's later steps: a partial for its owner
                 if SK_DELAY:  # (tests) ~20 us late, so the owner's wait and the flag's tag are exercised
                     for _ in range(20):
@@ -313,7 +352,7 @@ if HAS_WGMMA:
             i += n
 
     @gluon.jit
-    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
+    def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                     a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D, WSP, DP, UNITS,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
@@ -321,11 +360,13 @@ if HAS_WGMMA:
                                     EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
                                     EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
                                     SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
-                                    SK: gl.constexpr = False, SK_DELAY: gl.constexpr = False):
+                                    SK: gl.constexpr = False, SK_DELAY: gl.constexpr = False,
+                                    RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
         (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise), or with ``SK``
         (no EC) by its ticket one of the DP data-parallel tiles or one of the UNITS stream-K units
-        (``_ra_sk_unit``; WSP their partials, FLAGS / TICK their flags and ticket)."""
+        (``_ra_sk_unit``; WSP their partials, FLAGS / TICK their flags and ticket). ``RP``: the row parameters come
+        through the ring from ``rp_desc`` (``ring_row_params``; a stand-in otherwise)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -334,6 +375,9 @@ if HAS_WGMMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
+        rps = ws
+        if RP:
+            rps = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2, BNW], rp_desc.layout)
         bs = xs  # (stand-ins without an EC)
         hgs = xs
         ecbars = bars
@@ -359,23 +403,23 @@ if HAS_WGMMA:
                 ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
                                FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT, SELF_DIAG)
             else:
-                _ra_tile(role - num_m * SPLIT, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
+                _ra_tile(role - num_m * SPLIT, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps,
                          bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
-                         PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT)
+                         PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT, RP, RPL)
         elif SK:
             gl.static_assert(not HAS_EC, "stream-K runs without an EC")
             tag, role = ec_ticket(TICK)
             if role < DP:
-                _ra_tile(role, x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, bs, hgs,
+                _ra_tile(role, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs, hgs,
                          ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, False, False,
-                         False, DIAG, 0)
+                         False, DIAG, 0, 1, RP, RPL)
             else:
-                _ra_sk_unit(role - DP, tag, x_desc, w_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars, WSP, FLAGS, DP,
-                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY)
+                _ra_sk_unit(role - DP, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP,
+                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY, RP, RPL)
         else:
-            _ra_tile(gl.program_id(0), x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, bars,
+            _ra_tile(gl.program_id(0), x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars,
                      bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
-                     EC_WAIT, EC_SELF, DIAG, 0)
+                     EC_WAIT, EC_SELF, DIAG, 0, 1, RP, RPL)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if HAS_EC:
@@ -404,9 +448,9 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"W4A16 register-operand GEMM config {config}: expected "
                          f"(BNW, BMX, STAGES, WARPS[, PF[, SK]])")
     bnw, bmx, stages, warps, pf, sk = vals + (0,) * (6 - len(vals))
-    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1):
+    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1, 2):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
-                         f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1}}")
+                         f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1, 2}}")
     if sk not in (0, 1):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: SK (stream-K tail) must be 0 or 1")
     return bnw, bmx, stages, warps, pf, sk
@@ -469,6 +513,26 @@ def sk_workspace(device: torch.device, grid: int, units: int, tile_elems: int) -
         if pkey not in _SK_WORKSPACES:
             _SK_WORKSPACES[pkey] = torch.empty(units * tile_elems, dtype=torch.float32, device=device)
     return _SK_WORKSPACES[key] + (_SK_WORKSPACES[pkey],)
+
+
+_RING_PARAMS: dict = {}
+
+
+def ring_row_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torch.Tensor:
+    """The row parameters as the expansion uses them, [2 NG, N] bf16: row 2 g holds c = -(128 + z) (-128 s
+    without zero points) and row 2 g + 1 s, of scale group g for every output row; made once per weight
+    (``derived_cached``). Why (PF = 2): loaded from [N, NG] in the K loop, each step's 2-byte loads of 128 rows'
+    parameters touch 8-16 sectors per warp and wait an L2 round trip on the expansion's path (session 16's
+    long-scoreboard stalls); from this table one TMA box [2, BNW] brings a step's parameters with its words, on
+    the same mbarrier. Exact: c is an integer below 256 (or s times a power of two), as the kernel computes it."""
+    from .w4a16_triton import derived_cached
+
+    def make():
+        c = -(zeros.float() + 128.0) if zeros is not None else scales.float() * -128.0
+        return torch.stack([c.t().to(torch.bfloat16), scales.t().to(torch.bfloat16)], 1).reshape(
+            -1, scales.shape[0]).contiguous()
+
+    return derived_cached(_RING_PARAMS, [scales, zeros], make)
 
 
 MAX_OUT_ELEMENTS = 2 ** 31  # the transposed epilogue's element offsets are 32-bit
@@ -541,15 +605,23 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
     ``split`` times deeper with ``deep`` where the shared memory allows; with ``sk_ops`` = (ticket, flags,
     partials, DP, UNITS) DP tiles and UNITS stream-K units), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
+    rp = pf == 2 and not per_channel and N % 8 == 0  # (the table's rows must be 16-byte aligned for TMA)
+    pf = pf if pf < 2 else 0
     ec_self = self_ops is not None
     if has_ec:
-        while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
+        while stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps, 2 * rp), r_p, ec_self) > SMEM_LIMIT:
             stages -= 1
+    rpd = wd
+    if rp:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        table = ring_row_params(scales, zeros)
+        rpd = TensorDescriptor(table, list(table.shape), list(table.stride()), [2, bnw], RP_SMEM)
     if self_ops is None:
         self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0, False)
     ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split, deep = self_ops
     rdeep = split if deep and split > 1 and ra_smem_bytes(
-        (bnw, bmx, stages, warps), r_p, True, split) <= SMEM_LIMIT else 1
+        (bnw, bmx, stages, warps, 2 * rp), r_p, True, split) <= SMEM_LIMIT else 1
     num_m = -(-M // bmx)
     grid = (num_m * -(-N // bnw) + num_m * split,)
     wsp, dp, units = scales, 0, 0
@@ -557,12 +629,13 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         tick, flags, wsp, dp, units = sk_ops
         grid = (dp + units,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
-        xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        xd, wd, rpd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, wsp, dp, units,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
         HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
-        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, SK_DELAY=bool(sk_delay), num_warps=warps,
+        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, SK_DELAY=bool(sk_delay), RP=rp,
+        RPL=_rp_layout(warps) if rp else None, num_warps=warps,
         **({"launch_pdl": True} if ec_wait else {}))
     return y
 
@@ -647,11 +720,11 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
 
 def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False, rdeep: int = 1) -> int:
-    """Shared memory of a config: the ring (x and word tiles), and with an EC of R_P columns its B rows and
+    """Shared memory of a config: the ring (x and word tiles; with PF = 2 the row parameters), and with an EC of R_P columns its B rows and
     alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x ``rdeep`` slots, a
     barrier each) and its gate weights."""
-    bnw, bmx, stages = check_ra_config(config)[:3]
-    return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8) + (bnw + bmx) * r_p * 2 + 16
+    bnw, bmx, stages, _, pf, _ = check_ra_config(config)
+    return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8 + (4 * bnw if pf == 2 else 0)) + (bnw + bmx) * r_p * 2 + 16
             + (stages * rdeep * (64 * BK * 2 + 8) + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
 
 
@@ -675,16 +748,19 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
     if rdeep not in (1, split):
         raise ValueError(f"compile_ra_sm90: rdeep={rdeep}; needs 1 or split = {split}")
-    while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps), r_p, ec_self) > SMEM_LIMIT:
+    rp = pf == 2 and not per_channel
+    while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps, 2 * rp), r_p, ec_self) > SMEM_LIMIT:
         stages -= 1
     dt = desc_types(bmx, bnw, r_p)
+    dt["rp_desc"] = f"tensordesc<bf16[2, {bnw}],{RP_SMEM!r}>" if rp else dt["w_desc"]
     a_t = f"tensordesc<bf16[64, {BK}],{_layout([64, BK], gl.bfloat16)!r}>" if ec_self else dt["x_desc"]
     xr_t = f"tensordesc<bf16[{bmx // split}, {BK}],{_layout([bmx // split, BK], gl.bfloat16)!r}>"
     types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
                  a_desc=a_t, xr_desc=xr_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
                  FLAGS="*i32", TICK="*i64", R="i32", D="i32", WSP="*fp32", DP="i32", UNITS="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps), PF=pf, DIAG=diag, HAS_EC=bool(r_p),
+                  SRC=_a_source_layout(warps), PF=pf if pf < 2 else 0, DIAG=diag, HAS_EC=bool(r_p), RP=rp,
+                  RPL=_rp_layout(warps) if rp else None,
                   EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
                   SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep, SK=bool(sk))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

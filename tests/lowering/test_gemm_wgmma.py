@@ -292,7 +292,10 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                        ((128, 256, 3, 8), dict(r_p=64, ec_self=True, split=2)),
                                        ((64, 128, 4, 4), dict(r_p=64, ec_self=True, split=2, rdeep=2)),
                                        ((128, 256, 3, 8, 0, 1), {}), ((128, 256, 3, 8, 1, 1), dict(has_bias=False)),
-                                       ((64, 256, 4, 4, 0, 1), dict(per_channel=True, has_z=False))])
+                                       ((64, 256, 4, 4, 0, 1), dict(per_channel=True, has_z=False)),
+                                       ((128, 256, 3, 8, 2), {}), ((64, 256, 4, 4, 2), dict(has_z=False)),
+                                       ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4)),
+                                       ((128, 256, 3, 8, 2, 1), {})])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -323,6 +326,35 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
     assert sum("HGMMA" in t for t in hgmma_loop(sass)) == 2 * wg.BK // 16
     assert len(ra_loops(sass)) == loops  # (each checked below as a cycle)
     assert inflight_writes(sass) == []
+    if len(config) > 4 and config[4] == 2:  # row parameters through the ring: no global load left in a K loop
+        from .sass_wgmma import instructions
+
+        ins = instructions(sass)
+        for first, last in ra_loops(sass):
+            assert not [t for _, t in ins[first:last + 1] if re.search(r"\bLDG\b", t)], "a global load in the K loop"
+
+
+def test_ring_row_parameters_are_what_the_expansion_computes_and_made_once():
+    """``ring_row_params``: row 2 g = c = -(128 + z) (without zero points -128 s), row 2 g + 1 = s, of group g, bf16
+    and exact (the values the K loop computes from (s, z) itself); one table per weight, remade after an
+    in-place update of the scales."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    torch.manual_seed(0)
+    N, NG = 24, 5
+    s = (torch.rand(N, NG) * 0.02 + 1e-3).to(torch.bfloat16)
+    z = torch.randint(0, 16, (N, NG)).to(torch.bfloat16)
+    t = ra.ring_row_params(s, z)
+    assert t.shape == (2 * NG, N) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    for g in range(NG):
+        assert torch.equal(t[2 * g], -(z[:, g] + 128.0)) and torch.equal(t[2 * g + 1], s[:, g])
+        assert torch.equal(t[2 * g].float(), -(z[:, g].float() + 128))  # exact
+    t0 = ra.ring_row_params(s, None)
+    assert all(torch.equal(t0[2 * g].float(), s[:, g].float() * -128) for g in range(NG))
+    assert ra.ring_row_params(s, z) is t
+    s.mul_(2)
+    t2 = ra.ring_row_params(s, z)
+    assert t2 is not t and torch.equal(t2[1], s[:, 0])
 
 
 def test_stream_k_plan_runs_whole_waves_as_tiles_and_splits_the_tail_evenly():
@@ -408,12 +440,19 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
     from spear_compile.lowering import w4a16_triton as T
 
     runs = [(c, lambda c=c: ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=c))
-            for c in ra.RA_CONFIGS + [(128, 256, 3, 8, 1), (64, 256, 4, 4, 1)]]
+            for c in ra.RA_CONFIGS + [(128, 256, 3, 8, 1), (64, 256, 4, 4, 1), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2),
+                                      (64, 128, 4, 4, 2)]]
     runs.append(("table", lambda: T.w4a16_gemm(x, qw, s, z, G, b, config=(T.WGMMA_RA,) + ra.RA_CONFIGS[0])))
+    outs = {}
     for config, run in runs:
         y = run()
+        outs[config] = y
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())
+    for config in [(128, 256, 3, 8, 2), (64, 256, 4, 4, 2)]:  # the same expansion and MMA order: the same bits
+        plain = outs.get(config[:4]) if config[:4] in outs else ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b,
+                                                                                          config=config[:4])
+        assert torch.equal(outs[config], plain), config
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
