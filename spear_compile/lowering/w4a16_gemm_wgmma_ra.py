@@ -31,7 +31,8 @@ reads only what existed before the gate ran (x, the weight, its scales, B). Meas
 the fastest EC structure on 6 of the 8 shapes x M where the table runs this kernel, at 1.03-1.23x W4.
 
 Config (BNW, BMX, STAGES, WARPS[, PF[, SK]]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
-N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used);
+N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used), PF = 2
+brings them through the TMA ring with the step's words (``ring_row_params``; faster: session 22);
 SK = 1 runs the last partial wave of tiles stream-K (``sk_plan``, ``_ra_sk_unit``: measured slower, so neither
 is searched; NOTES.md session 21).
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
@@ -434,7 +435,11 @@ if HAS_WGMMA:
 # widest MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
-RA_CONFIGS = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
+# PF = 2 (row parameters through the TMA ring) first: same bits, and in session 22's call 1 (same process, M = 1024)
+# 128 x 256 x 4 went 146.1 -> 121.9 us on 4096x11008 and 226.7 -> 200.0 on 8192^2 (11008x4096: 150.8 -> 151.0,
+# where the 3-stage ring measured slower, 149.7 -> 159.0); PF = 0 stays searched beside it.
+_TILES = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
+RA_CONFIGS = [t + (2,) for t in _TILES] + _TILES
 # SK = 1 (a stream-K tail, ``sk_plan``) is not searched: measured slower than the plain tiles on every cell it
 # changes (session 21, calls 3-4: 11008x4096 M = 1024 +2-8 %, 8192^2 M = 1024 +10 %); the lab times it
 # (``benchmarks/lab_gemm.py --ra 128,256,3,8,0,1``).
