@@ -213,6 +213,8 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
                                               alpha, act, config=cfg_self)
     if use_ra:
         pdl = pdl_launch_ok(x2.device)
+        if ra.ring_params_wanted(tuple(cfg[1:]), group_size, K, N):  # (made here, before the gate: see x2 above)
+            ra.ring_row_params(scales, zeros)
         hg = shrink_gate(x2, A, W1, b1, W2, b2, act, alpha=alpha, dtype=x2.dtype, pdl_trigger=pdl)
         return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, group_size, bias, config=tuple(cfg[1:]),
                                       ec=(hg, Bp), ec_wait=pdl)

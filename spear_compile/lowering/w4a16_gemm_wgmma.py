@@ -346,7 +346,7 @@ def wgmma_ok(M: int, N: int, K: int, G: int, dtype: torch.dtype, param_dtypes: t
     """Whether the kernel takes this problem (before any tensor is looked at; ``hopper`` for the device)."""
     per_channel = G >= K
     return (HAS_WGMMA and dtype == torch.bfloat16 and all(d == torch.bfloat16 for d in param_dtypes)
-            and K % BK == 0 and N % 8 == 0 and (per_channel or G % BK == 0) and M >= 1)
+            and K % BK == 0 and N % 8 == 0 and (per_channel or (G % BK == 0 and K % G == 0)) and M >= 1)
 
 
 def param_dtypes(scales, zeros, bias) -> tuple:
@@ -358,7 +358,8 @@ def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
     """Whether the kernel can run this call here: ``wgmma_ok`` for its shapes and dtypes, on a ``hopper``
     device (what the table dispatch and the "in_gemm" EC structure ask before choosing it)."""
     M, K = x2.shape
-    return hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, param_dtypes(scales, zeros, bias))
+    return (hopper(x2.device) and wgmma_ok(M, N, K, G, x2.dtype, param_dtypes(scales, zeros, bias))
+            and scales.is_contiguous() and (zeros is None or zeros.is_contiguous()))
 
 
 _HOPPER: dict = {}
@@ -397,12 +398,15 @@ def check_call(name: str, x2: torch.Tensor, qweight: torch.Tensor, scales: torch
     params = param_dtypes(scales, zeros, bias)
     if not wgmma_ok(M, N, K, G, x2.dtype, params):
         raise ValueError(f"{name}: M={M}, N={N}, K={K}, G={G}, x {x2.dtype}, parameters {params}; needs "
-                         f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 (or per-channel), and "
+                         f"bf16 everywhere, K % {BK} == 0, N % 8 == 0 and G % {BK} == 0 with K % G == 0 (or "
+                         f"per-channel), and "
                          f"Triton with Gluon's Hopper ops")
     if scales.shape[1] != (1 if per_channel else K // G):
         raise ValueError(f"{name}: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
     if zeros is not None and zeros.shape != scales.shape:
         raise ValueError(f"{name}: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
+    if not scales.is_contiguous() or (zeros is not None and not zeros.is_contiguous()):
+        raise ValueError(f"{name}: scales / zeros must be contiguous [N, NG] (the kernels index them as such)")
     if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, K // 2) or not qweight.is_contiguous():
         raise ValueError(f"{name}: packed weight {qweight.dtype} {tuple(qweight.shape)} must be contiguous "
                          f"uint8 of shape {(N, K // 2)} (x's K={K}, the scales' N={N})")

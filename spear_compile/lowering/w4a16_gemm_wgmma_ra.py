@@ -439,7 +439,7 @@ if HAS_WGMMA:
 # 128 x 256 x 4 went 146.1 -> 121.9 us on 4096x11008 and 226.7 -> 200.0 on 8192^2 (11008x4096: 150.8 -> 151.0,
 # where the 3-stage ring measured slower, 149.7 -> 159.0); PF = 0 stays searched beside it.
 _TILES = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
-RA_CONFIGS = [t + (2,) for t in _TILES] + _TILES
+RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64, 128, 4, 4, 2)] + _TILES
 # SK = 1 (a stream-K tail, ``sk_plan``) is not searched: measured slower than the plain tiles on every cell it
 # changes (session 21, calls 3-4: 11008x4096 M = 1024 +2-8 %, 8192^2 M = 1024 +10 %); the lab times it
 # (``benchmarks/lab_gemm.py --ra 128,256,3,8,0,1``).
@@ -529,7 +529,9 @@ def ring_row_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torc
     (``derived_cached``). Why (PF = 2): loaded from [N, NG] in the K loop, each step's 2-byte loads of 128 rows'
     parameters touch 8-16 sectors per warp and wait an L2 round trip on the expansion's path (session 16's
     long-scoreboard stalls); from this table one TMA box [2, BNW] brings a step's parameters with its words, on
-    the same mbarrier. Exact: c is an integer below 256 (or s times a power of two), as the kernel computes it."""
+    the same mbarrier. Exact: c is an integer below 256 (or s times a power of two), as the kernel computes it.
+    Like the other derived weight layouts, a CUDA graph captured with it keeps its address: update the scales in
+    place only before capturing (an in-place update remakes the table at the next eager call)."""
     from .w4a16_triton import derived_cached
 
     def make():
@@ -538,6 +540,11 @@ def ring_row_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torc
             -1, scales.shape[0]).contiguous()
 
     return derived_cached(_RING_PARAMS, [scales, zeros], make)
+
+
+def ring_params_wanted(config: tuple, G: int, K: int, N: int) -> bool:
+    """Whether a launch in ``config`` reads its row parameters through the ring (PF = 2, grouped, N % 8 == 0)."""
+    return check_ra_config(config)[4] == 2 and G < K and N % 8 == 0
 
 
 MAX_OUT_ELEMENTS = 2 ** 31  # the transposed epilogue's element offsets are 32-bit
@@ -576,6 +583,13 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if ec is not None and ec_wait and not x2.is_contiguous():
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
+    from .w4a16_triton import derived_peek
+
+    if ec is not None and ec_wait and ring_params_wanted(config, G, K, N) and derived_peek(
+            _RING_PARAMS, [scales, zeros]) is None:
+        raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait and PF = 2 the row-parameter table must exist before the "
+                         "gate kernel runs (call ring_row_params(scales, zeros) first: made here it would be kernels "
+                         "between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
     sk_ops = None
     if (sk_units is not None or sk_delay) and (not sk or ec is not None or diag):

@@ -687,6 +687,21 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _derived_key(sources: list) -> tuple:
+    key = tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                                        tuple(t.stride()), t.dtype, str(t.device)) for t in sources)
+    return key, tuple(None if t is None else _version(t) for t in sources)
+
+
+def derived_peek(cache: dict, sources: list):
+    """What ``derived_cached`` holds for ``sources`` if it is current, else None (nothing is made)."""
+    key, versions = _derived_key(sources)
+    hit = cache.get(key)
+    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
+        return hit[2]
+    return None
+
+
 def derived_cached(cache: dict, sources: list, make):
     """``make()``, cached in ``cache`` under the identity of ``sources`` (tensors or None) while every
     source's storage lives and its version is unchanged: an in-place update remakes it, and entries
@@ -695,12 +710,10 @@ def derived_cached(cache: dict, sources: list, make):
     found a benchmark timing 8192^2 at 98 us instead of 15 that way)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    key = tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                                        t.dtype, str(t.device)) for t in sources)
-    versions = tuple(None if t is None else _version(t) for t in sources)
-    hit = cache.get(key)
-    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
-        return hit[2]
+    key, versions = _derived_key(sources)
+    hit = derived_peek(cache, sources)
+    if hit is not None:
+        return hit
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         shapes = [tuple(t.shape) for t in sources if t is not None]
         raise RuntimeError(f"a W4A16 kernel's weight layout (derived from tensors of shapes {shapes}) is made on first "

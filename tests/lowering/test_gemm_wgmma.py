@@ -117,6 +117,10 @@ def test_configs_and_inputs_are_checked_with_clear_errors():
         wg.w4a16_gemm_wgmma(x[:, :600], qw[:, :300], s, z, 128, b)
     with pytest.raises(ValueError, match="scales"):
         wg.w4a16_gemm_wgmma(x, qw, s[:, :2], z, 128, b)
+    with pytest.raises(ValueError, match="K % G == 0"):  # K = 640 is not whole groups of 256
+        wg.w4a16_gemm_wgmma(x, qw, s[:, :2], z[:, :2], 256, b)
+    with pytest.raises(ValueError, match="contiguous"):  # the kernels index [N, NG] storage
+        wg.w4a16_gemm_wgmma(x, qw, s.t().contiguous().t(), z, 128, b)
     with pytest.raises(ValueError, match="packed weight"):
         wg.w4a16_gemm_wgmma(x, qw[:32], s, z, 128, b)
     with pytest.raises(ValueError, match="bf16"):
@@ -260,6 +264,11 @@ def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, con
     z = z.round()
     ec = _ec_case(264, 640, R, "cuda")
     ref = ec_linear_ref(x, qw, s, z, 128, b, *ec, "silu").double()
+    if len(config) > 4 and config[4] == 2:  # its table is made before the gate, never between it and the GEMM
+        hg = torch.zeros(300, 64, dtype=torch.bfloat16, device="cuda")
+        Bp = torch.zeros(264, 64, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="row-parameter table"):
+            real(x, qw, s.clone(), z, 128, b, config=config, ec=(hg, Bp), ec_wait=True)
     for no_pdl in ("0", "1"):
         monkeypatch.setenv("SPEAR_NO_PDL", no_pdl)
         y = ec_overlapped(x, qw, s, z, 128, b, *ec, "silu", structure=structure)
@@ -430,8 +439,12 @@ def test_inflight_register_check_flags_an_overwritten_a_operand():
 @pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, "int", True), (1024, 1024, 1024, 1024, None, False),
                                                (333, 520, 4096, 128, "int", True),
                                                (77, 136, 576, 64, "int", False)])  # 9 K steps: the odd tail
-def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros, bias):
+def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros, bias, monkeypatch):
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    tables = []  # PF = 2 launches must really take the ring's row parameters (not fall back to PF = 0)
+    real_table = ra.ring_row_params
+    monkeypatch.setattr(ra, "ring_row_params", lambda s_, z_: tables.append(1) or real_table(s_, z_))
 
     x, qw, s, z, b = _case(N, K, G, M=M, device="cuda")
     z = z.round() if zeros else None
@@ -445,7 +458,11 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
     runs.append(("table", lambda: T.w4a16_gemm(x, qw, s, z, G, b, config=(T.WGMMA_RA,) + ra.RA_CONFIGS[0])))
     outs = {}
     for config, run in runs:
+        n_tables = len(tables)
         y = run()
+        c = config if isinstance(config, tuple) else ra.RA_CONFIGS[0]  # ("table": the table value's config)
+        grouped = len(c) > 4 and c[4] == 2 and G < K
+        assert len(tables) == n_tables + grouped, config
         outs[config] = y
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (config, err.max())
@@ -470,7 +487,7 @@ def test_stream_k_matches_the_reference_and_repeats_bit_for_bit_on_gpu(M, N, K, 
     without zero points."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
 
-    cfgs = [(128, 256, 3, 8, 0, 1), (64, 256, 4, 4, 0, 1)]
+    cfgs = [(128, 256, 3, 8, 0, 1), (64, 256, 4, 4, 0, 1), (128, 256, 3, 8, 2, 1)]
     for cfg in cfgs:
         xs, refs = [], []
         for seed in range(3):
