@@ -438,6 +438,13 @@ def main() -> None:
             else:
                 cfg, t_gemm = min(finalists, key=lambda ft: ft[1])
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
+            if M >= 256 and T.wgmma_ra_choices():  # the in-launch EC's own launch config (``T.ec_self_config``)
+                from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+
+                e64 = ecs[64]
+                cfg_self, _ = search(lambda c: (lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
+                    xs[i], *args_w(i), G, None, *e64, "silu", config=c[1:])), T.wgmma_ra_choices(), copies)
+                T.tuned_table()[T.ec_self_key(M, N, K, G)] = list(cfg_self[1:])
             chk["w4_gemm_chosen_rel_err"] = rel_err(T.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
             if M >= 256:  # every prefill EC structure, checked on the GEMMs the table now gives this shape
                 for st in STRUCTURES:

@@ -127,7 +127,7 @@ def ec_overlapped(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2
     * "in_gemm_self": one launch of the register-operand GEMM with 1-4 more CTAs per block of x rows that
       compute that block's shrink (wgmma) and gate while the output tiles run their K loops, which wait
       for it only before their EC step (``ec_gemm_self.py``; rank <= 64, gate <= 16 wide, bf16; on that
-      GEMM's tuned config, ``w4a16_triton.wgmma_ra_config``; where it has none or the EC does not fit,
+      launch's own tuned config, ``w4a16_triton.ec_self_config``; where it has none or the EC does not fit,
       "in_gemm");
     * "auto": the structure measured fastest for this (M, N, K, G) on this GPU
       (``w4a16_triton.ec_structure``, written by ``benchmarks/kernels.py``), else "side".
@@ -187,7 +187,7 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
     from .ec_gemm_self import self_takes
     from .ec_shrink_splitk import ec_shrink_gate_splitk
     from .ec_triton import ec_shrink_gate
-    from .w4a16_triton import WGMMA_RA, derived_cached, gemm_config, wgmma_config, wgmma_ra_config
+    from .w4a16_triton import WGMMA_RA, derived_cached, ec_self_config, gemm_config, wgmma_config
 
     M, K = x2.shape
     N = qweight.shape[0]
@@ -206,7 +206,7 @@ def _ec_in_gemm(x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, 
 
     Bp = B if B.dtype == torch.bfloat16 and R % 8 == 0 and B.is_contiguous() else derived_cached(_PADDED_B, [B], padded)
     shrink_gate = ec_shrink_gate_splitk if splitk and A.is_contiguous() else ec_shrink_gate
-    cfg_self = wgmma_ra_config(M, N, K, group_size) if self_ else None
+    cfg_self = ec_self_config(M, N, K, group_size) if self_ else None
     if (cfg_self is not None and ra.takes(x2, N, group_size, scales, zeros, bias)
             and self_takes(A, Bp, W1, K) is None):
         return ra.w4a16_gemm_wgmma_ra_ec_self(x2, qweight, scales, zeros, group_size, bias, A, Bp, W1, b1, W2, b2,

@@ -992,6 +992,20 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     return tuple(got) if got is not None else None
 
 
+def ec_self_key(M: int, N: int, K: int, G: int) -> str:
+    return f"ecself|{_m_bucket(M)}|{N}|{K}|{G}"
+
+
+def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
+    """(BNW, BMX, STAGES, WARPS[, PF]) of the "in_gemm_self" EC structure's launch: its own fastest measured config
+    (``ecself`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else ``wgmma_ra_config``. Why its own:
+    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (session
+    22): W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
+    128 x 256 tile of the run before."""
+    got = tuned_table().get(ec_self_key(M, N, K, G))
+    return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
+
+
 def wgmma_ra_choices() -> list:
     """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
     where this Triton has it (else none)."""

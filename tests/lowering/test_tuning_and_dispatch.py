@@ -253,3 +253,19 @@ def test_in_gemm_self_takes_the_register_operand_gemm_config_whatever_wins_the_w
     assert T.wgmma_ra_config(M, N, K, G) == (64, 128, 4, 4)
     assert T.wgmma_ra_config(200, N, K, G) == (64, 128, 4, 4)  # M = 200: the 256 bucket
     assert T.wgmma_ra_config(300, N, K, G) is None  # M = 300: the 512 bucket, nothing measured
+
+
+def test_in_gemm_self_prefers_its_own_measured_launch_config(monkeypatch):
+    """``w4a16_triton.ec_self_config``: the in-launch EC's own measured config (``ecself`` key) over the W4 table's
+    register-operand GEMM (whose tile can be a poor host for the shrink roles), else ``wgmma_ra_config``; and
+    the dispatch hands that config to the in-launch kernel."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    M, N, K, G = 256, 11008, 4096, 128
+    table = {T.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 128, 4, 4, 2], T.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]}
+    monkeypatch.setattr(T, "_TABLE", table)
+    assert T.ec_self_config(M, N, K, G) == (128, 256, 4, 8, 2)
+    assert T.wgmma_ra_config(M, N, K, G) == (64, 128, 4, 4, 2)  # (the W4 GEMM keeps its own)
+    del table[T.ec_self_key(M, N, K, G)]
+    assert T.ec_self_config(M, N, K, G) == (64, 128, 4, 4, 2)
+    assert T.ec_self_config(1024, N, K, G) is None
