@@ -148,9 +148,9 @@ if HAS_WGMMA:
         return gl.convert_layout(gl.reshape(d, [BNW, _BK]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _ra_step(i, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n, off_m, off_n,
-                 k0, base, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr,
-                 BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
+    def _ra_step(i, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n,
+                 off_m, off_n, k0, base, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+                 STAGES: gl.constexpr, BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
                  PF: gl.constexpr, DIAG: gl.constexpr = 0, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """Step i of a run of n K steps starting at K step k0 (ring position base + i: a stream-K unit runs
         several runs through one ring): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
@@ -226,16 +226,16 @@ if HAS_WGMMA:
         # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
         for j in range(n // 2):
-            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
-                                     mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW, lw,
-                                     a_layout, PF, DIAG, RP, RPL)
-            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
-                                       mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
-                                       lw, a_layout, PF, DIAG, RP, RPL)
+            acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z,
+                                     offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES,
+                                     BNW, lw, a_layout, PF, DIAG, RP, RPL)
+            acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S,
+                                       Z, offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z,
+                                       STAGES, BNW, lw, a_layout, PF, DIAG, RP, RPL)
         if n % 2 == 1:
-            acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n,
-                                       mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES, BNW,
-                                       lw, a_layout, PF, DIAG, RP, RPL)
+            acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z,
+                                       offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES,
+                                       BNW, lw, a_layout, PF, DIAG, RP, RPL)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         return acc
 
@@ -253,8 +253,8 @@ if HAS_WGMMA:
         gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
-    def _ra_tile(tile, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs, hgs, ecbars,
-                 HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
+    def _ra_tile(tile, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs,
+                 hgs, ecbars, HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
                  DIAG: gl.constexpr, SELF_DIAG: gl.constexpr, SPLIT: gl.constexpr = 1, RP: gl.constexpr = False,
@@ -270,8 +270,8 @@ if HAS_WGMMA:
         if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
             mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
-        acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G, PER_CHANNEL, HAS_Z,
-                      STAGES, WARPS, SRC, PF, DIAG, RP, RPL)
+        acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G,
+                      PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, DIAG, RP, RPL)
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
                 ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT, SELF_DIAG)
@@ -299,8 +299,8 @@ if HAS_WGMMA:
         return WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0)
 
     @gluon.jit
-    def _ra_sk_unit(u, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP, UNITS,
-                    G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _ra_sk_unit(u, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP,
+                    UNITS, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
                     STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr,
                     SK_DELAY: gl.constexpr = False, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """Stream-K unit u of UNITS (``sk_plan``): K steps [lo, hi) of the stream-K tiles' steps laid end to end
@@ -333,8 +333,8 @@ if HAS_WGMMA:
             off_n = (tile // num_m) * BNW
             gl.thread_barrier()  # every warp is done with the previous run's ring slots and partial reads
             fence_async_shared()  # (the words' generic reads before the next run's TMA writes into their slots)
-            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G, PER_CHANNEL,
-                          HAS_Z, STAGES, WARPS, SRC, PF, 0, RP, RPL)
+            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G,
+                          PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, 0, RP, RPL)
             if k0 > 0:  # the tile's later steps: a partial for its owner
                 if SK_DELAY:  # (tests) ~20 us late, so the owner's wait and the flag's tag are exercised
                     for _ in range(20):
@@ -404,23 +404,24 @@ if HAS_WGMMA:
                 ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
                                FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT, SELF_DIAG)
             else:
-                _ra_tile(role - num_m * SPLIT, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps,
-                         bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
-                         PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT, RP, RPL)
+                _ra_tile(role - num_m * SPLIT, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
+                         xs, ws, rps, bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES,
+                         WARPS, SRC, PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT, RP, RPL)
         elif SK:
             gl.static_assert(not HAS_EC, "stream-K runs without an EC")
             tag, role = ec_ticket(TICK)
             if role < DP:
-                _ra_tile(role, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs, hgs,
-                         ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, False, False,
-                         False, DIAG, 0, 1, RP, RPL)
+                _ra_tile(role, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps,
+                         bars, bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF,
+                         False, False, False, DIAG, 0, 1, RP, RPL)
             else:
-                _ra_sk_unit(role - DP, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP,
-                            UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY, RP, RPL)
+                _ra_sk_unit(role - DP, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars,
+                            WSP, FLAGS, DP, UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY,
+                            RP, RPL)
         else:
-            _ra_tile(gl.program_id(0), x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars,
-                     bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, HAS_EC,
-                     EC_WAIT, EC_SELF, DIAG, 0, 1, RP, RPL)
+            _ra_tile(gl.program_id(0), x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
+                     rps, bars, bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
+                     PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, 0, 1, RP, RPL)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if HAS_EC:
@@ -543,7 +544,8 @@ def ring_row_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torc
 
 
 def ring_params_wanted(config: tuple, G: int, K: int, N: int) -> bool:
-    """Whether a launch in ``config`` reads its row parameters through the ring (PF = 2, grouped, N % 8 == 0)."""
+    """Whether a launch in ``config`` reads its row parameters through the ring: PF = 2, grouped (not per-channel:
+    G < K, as ``check_call`` decides), and N % 8 == 0 (the table's rows 16-byte aligned for TMA)."""
     return check_ra_config(config)[4] == 2 and G < K and N % 8 == 0
 
 
@@ -624,7 +626,7 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
     ``split`` times deeper with ``deep`` where the shared memory allows; with ``sk_ops`` = (ticket, flags,
     partials, DP, UNITS) DP tiles and UNITS stream-K units), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
-    rp = pf == 2 and not per_channel and N % 8 == 0  # (the table's rows must be 16-byte aligned for TMA)
+    rp = ring_params_wanted(cfg, G, K, N)
     pf = pf if pf < 2 else 0
     ec_self = self_ops is not None
     if has_ec:
@@ -739,9 +741,9 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
 
 
 def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False, rdeep: int = 1) -> int:
-    """Shared memory of a config: the ring (x and word tiles; with PF = 2 the row parameters), and with an EC of R_P columns its B rows and
-    alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x ``rdeep`` slots, a
-    barrier each) and its gate weights."""
+    """Shared memory of a config: the ring (x and word tiles; with PF = 2 the row parameters), and with an EC of R_P
+    columns its B rows and alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x
+    ``rdeep`` slots, a barrier each) and its gate weights."""
     bnw, bmx, stages, _, pf, _ = check_ra_config(config)
     return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8 + (4 * bnw if pf == 2 else 0)) + (bnw + bmx) * r_p * 2 + 16
             + (stages * rdeep * (64 * BK * 2 + 8) + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
@@ -779,7 +781,6 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
                  FLAGS="*i32", TICK="*i64", R="i32", D="i32", WSP="*fp32", DP="i32", UNITS="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf if pf < 2 else 0, DIAG=diag, HAS_EC=bool(r_p), RP=rp,
-                  RPL=_rp_layout(warps) if rp else None,
-                  EC_WAIT=bool(r_p) and ec_wait and not ec_self, EC_SELF=ec_self, ACT=0,
-                  SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep, SK=bool(sk))
+                  RPL=_rp_layout(warps) if rp else None, EC_WAIT=bool(r_p) and ec_wait and not ec_self,
+                  EC_SELF=ec_self, ACT=0, SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep, SK=bool(sk))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)

@@ -693,13 +693,16 @@ def _derived_key(sources: list) -> tuple:
     return key, tuple(None if t is None else _version(t) for t in sources)
 
 
-def derived_peek(cache: dict, sources: list):
-    """What ``derived_cached`` holds for ``sources`` if it is current, else None (nothing is made)."""
-    key, versions = _derived_key(sources)
+def _derived_hit(cache: dict, key: tuple, versions: tuple):
     hit = cache.get(key)
     if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
         return hit[2]
     return None
+
+
+def derived_peek(cache: dict, sources: list):
+    """What ``derived_cached`` holds for ``sources`` if it is current, else None (nothing is made)."""
+    return _derived_hit(cache, *_derived_key(sources))
 
 
 def derived_cached(cache: dict, sources: list, make):
@@ -711,7 +714,7 @@ def derived_cached(cache: dict, sources: list, make):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     key, versions = _derived_key(sources)
-    hit = derived_peek(cache, sources)
+    hit = _derived_hit(cache, key, versions)
     if hit is not None:
         return hit
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
