@@ -43,7 +43,13 @@ def test_shipped_tables_are_well_formed():
             if "configs_" in f:
                 kind = key.split("|")[0]
                 assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemv1self", "gemm", "gemmwg",
-                                "gemmra", "ecstruct")
+                                "gemmra", "ecself", "ecstruct")
+                if kind == "ecself":  # the in-launch EC's own register-operand launch config (no stream-K element)
+                    from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
+
+                    assert len(val) in (4, 5) and len(key.split("|")) == 5
+                    check_ra_config(tuple(val))
+                    continue
                 if kind == "gemmra" or (kind == "gemm" and val[0] == "wgmma_ra"):  # the register-operand GEMM
                     from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
 
