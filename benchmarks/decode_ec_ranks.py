@@ -8,7 +8,11 @@ each route it chooses between: the one launch on the TMA kernel (the table's con
 checked against ``ec_linear_ref`` first (relative L2 error). Microseconds under CUDA graphs, inputs rotating
 through more than 3x the L2.
 
-    python benchmarks/decode_ec_ranks.py --out DIR [--shapes 11008x4096 ...] [--ranks 16 32 64]
+``--write-table``: for each shape and rank, the dispatch's per-rank choice (``gemv1self_rank_key``) - the one
+launch where it timed fastest of the three EC routes, else ``["pair"]`` - goes into this GPU's tuned table
+(``lowering/tuned/``), which is also copied to ``--out``.
+
+    python benchmarks/decode_ec_ranks.py --out DIR [--shapes 11008x4096 ...] [--ranks 16 32 64] [--write-table]
 """
 from __future__ import annotations
 
@@ -22,9 +26,22 @@ import torch
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_linear import ec_linear_ref
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key
+from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save_table
 
-from kernels import DT, G, make_ec, make_weights, rel_err
+from kernels import DT, G, MAX_LAB_ERR, make_ec, make_weights, rel_err
+
+EC_ROUTES = ("one_launch_tma", "one_launch_cc", "tma_pair", "pdl_pair")
+
+
+def rank_choice(row: dict, generic: list) -> list | None:
+    """The per-rank table value from one measured row: ``generic`` (the rank-free one-launch entry) where a
+    one-launch route is the fastest correct EC route, ``["pair"]`` where a pair is, None where nothing
+    correct was timed."""
+    ok = {k: v for k, v in row["us"].items() if k in EC_ROUTES and isinstance(row["err"].get(k), float)
+          and row["err"][k] < MAX_LAB_ERR}
+    if not ok:
+        return None
+    return list(generic) if min(ok, key=ok.get).startswith("one_launch") else ["pair"]
 
 
 def routes(N: int, K: int, ec: tuple, params: tuple):
@@ -56,6 +73,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="+", default=["11008x4096", "8192x8192", "4096x11008", "4096x4096"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--write-table", action="store_true", help="store the per-rank route choice in the tuned table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_ec_ranks.py needs a CUDA GPU")
@@ -82,6 +100,12 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (reported, not fatal)
                     row["err"][name] = f"{type(e).__name__}: {str(e)[:200]}"
             res["rows"].append(row)
+            generic = T.tuned_table().get(T.gemv1self_key(N, K, G))
+            if args.write_table and generic:
+                choice = rank_choice(row, generic)
+                if choice is not None:
+                    T.tuned_table()[T.gemv1self_rank_key(N, K, G, r)] = choice
+                    row["table"] = choice
             print(f"{N}x{K} r={r}: " + "  ".join(f"{k} {v:.1f}" for k, v in row["us"].items())
                   + "  max err " + f"{max((v for v in row['err'].values() if isinstance(v, float)), default=0):.1e}",
                   flush=True)
@@ -90,6 +114,10 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         del ws
         torch.cuda.empty_cache()
+    if args.write_table:
+        import shutil
+
+        shutil.copy(save_table("configs", T.tuned_table()), args.out)
 
 
 if __name__ == "__main__":

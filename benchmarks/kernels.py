@@ -320,9 +320,13 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
         best = min(ok, key=ok.get)
         kind, cfg = best.split("_")[0], [int(v) for v in best.split("_")[1:]]
         T.tuned_table()[key] = ["cc" if kind == "self" else "tma"] + cfg
+        for k in [k for k in T.tuned_table() if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
+            T.tuned_table().pop(k)  # other ranks' choices were made against the previous entry
+        T.tuned_table()[T.gemv1self_rank_key(N, K, G, R)] = T.tuned_table()[key]  # measured at this rank
         print(f"   one-launch EC {best} {ok[best]:.1f} us vs the pairs' best {min(pairs):.1f} us", flush=True)
     else:
         T.tuned_table().pop(key, None)
+        T.tuned_table()[T.gemv1self_rank_key(N, K, G, R)] = ["pair"]
         if ok:
             print(f"   one-launch EC best {min(ok.values()):.1f} us, not faster than the pairs "
                   f"({min(pairs) if pairs else float('nan'):.1f} us)", flush=True)

@@ -815,6 +815,23 @@ def gemv1self_key(N: int, K: int, G: int) -> str:
     return f"gemv1self|{N}|{K}|{G}"
 
 
+def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> str:
+    """Tuned-table key of the one-launch decode EC's choice for one rank bucket (``next_pow2(R)``): the
+    ``gemv1self`` value to use at that rank, or ``["pair"]`` where a two-launch pair measured faster there.
+    Why per rank: ``gemv1self`` is measured at r = 64; at 11008x4096 the one launch took 15.2 / 15.8 us at
+    r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (session 23,
+    ``benchmarks/decode_ec_ranks.py``). Absent: the rank-free ``gemv1self`` entry decides."""
+    return f"gemv1selfr|{N}|{K}|{G}|{next_pow2(R)}"
+
+
+def gemv1self_choice(N: int, K: int, G: int, R: int) -> Optional[list]:
+    """The one-launch decode EC's table value for this shape and rank (``gemv1self_rank_key`` first, then
+    ``gemv1self_key``), or None where the table says a pair (or has nothing)."""
+    table = tuned_table()
+    choice = table.get(gemv1self_rank_key(N, K, G, R), table.get(gemv1self_key(N, K, G)))
+    return None if not choice or choice[0] == "pair" else choice
+
+
 # The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) was switched off in session 18 when its
 # first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, benchmarks/NOTES.md): its
 # slots were read in a replicated layout, the CTA-wide missing count looked at one copy and the gate took
@@ -826,7 +843,7 @@ TMA_SELF_ENABLED = True
 def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K) -> Optional[torch.Tensor]:
     """The one-launch decode EC where the tuned table measured it fastest (``gemv1self_key``) and it can
     run here, else None."""
-    choice = tuned_table().get(gemv1self_key(N, K, G))
+    choice = gemv1self_choice(N, K, G, ec[0].shape[0])
     if not choice or not ec[0].is_contiguous():
         return None
     cfg = tuple(int(v) for v in choice[1:])

@@ -112,6 +112,15 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
     monkeypatch.setattr(T, "_TABLE", {})
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    # a per-rank entry overrides the rank-free one for its rank bucket only (ec has rank 8)
+    monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
+    generic = ["tma", 4, 2, 2, 2, 2]
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 8): ["pair"]})
+    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 16): ["pair"]})
+    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma"
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
+    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
 
 
 def _setup(N, K, G, R=16, D=8, seed=0):

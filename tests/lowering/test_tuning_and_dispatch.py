@@ -43,7 +43,13 @@ def test_shipped_tables_are_well_formed():
             if "configs_" in f:
                 kind = key.split("|")[0]
                 assert kind in ("gemv", "gemv1", "gemv1tma", "gemv1pdl", "gemv1tmaec", "gemv1self", "gemm", "gemmwg",
-                                "gemmra", "ecself", "ecstruct")
+                                "gemmra", "ecself", "ecstruct", "gemv1selfr")
+                if kind == "gemv1selfr":  # the one-launch decode EC's per-rank choice: a pair, or a gemv1self value
+                    parts = key.split("|")
+                    assert len(parts) == 5 and int(parts[4]) & (int(parts[4]) - 1) == 0
+                    generic = table.get("|".join(["gemv1self"] + parts[1:4]))
+                    assert val == ["pair"] or val == generic, (key, val, generic)
+                    continue
                 if kind == "ecself":  # the in-launch EC's own register-operand launch config (no stream-K element)
                     from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
 
