@@ -5,14 +5,17 @@ rank, and session 23's kernels.py run found the fused EC at 11008x4096 slower at
 at r = 64 (12.8). This times, for each shape and rank, what the dispatch does (``w4a16_gemv`` with ``ec``) against
 each route it chooses between: the one launch on the TMA kernel (the table's config), the TMA pair (producer grid
 + PDL-launched TMA GEMV with the EC epilogue), the CUDA-core PDL pair, and the plain W4 GEMV. Every route is
-checked against ``ec_linear_ref`` first (relative L2 error). Microseconds under CUDA graphs, inputs rotating
-through more than 3x the L2.
+checked against ``ec_linear_ref`` first (relative L2 error). Microseconds under CUDA graphs; x and the weights
+rotate through up to 12 copies (at least 3x the L2 from 8192x8192 up, ~1.7x at 4096x4096), the EC's A and B are
+one copy per rank, so every EC route is timed with them warm in L2 (as in ``kernels.py``; end to end they are not).
 
-``--write-table``: for each shape and rank, the dispatch's per-rank choice (``gemv1self_rank_key``) - the one
-launch where it timed fastest of the three EC routes, else ``["pair"]`` - goes into this GPU's tuned table
-(``lowering/tuned/``), which is also copied to ``--out``.
+``--write-table``: for each shape measured, its old per-rank entries are dropped, then for each rank the
+dispatch's choice for that rank's bucket (``gemv1self_rank_key``) is written where the one launch and the pair
+the dispatch would take (``tma_ec_measured_ok``: the TMA pair, else the CUDA-core PDL pair) differ by more than
+``--margin`` us: the rank-free one-launch value where it is faster, ``["pair"]`` where the pair is. Within the
+margin nothing is written (the rank-free entry decides). The table (``lowering/tuned/``) is copied to ``--out``.
 
-    python benchmarks/decode_ec_ranks.py --out DIR [--shapes 11008x4096 ...] [--ranks 16 32 64] [--write-table]
+    python benchmarks/decode_ec_ranks.py --out DIR [--shapes 11008x4096 ...] [--ranks 4 8 ...] [--write-table]
 """
 from __future__ import annotations
 
@@ -30,18 +33,20 @@ from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save
 
 from kernels import DT, G, MAX_LAB_ERR, make_ec, make_weights, rel_err
 
-EC_ROUTES = ("one_launch_tma", "one_launch_cc", "tma_pair", "pdl_pair")
+def rank_choice(row: dict, generic: list, tma_pair_ok: bool, margin: float) -> list | None:
+    """The per-rank table value from one measured row: ``generic`` (the rank-free one-launch entry) where the
+    one launch is more than ``margin`` us faster than the pair the dispatch would take (the TMA pair where
+    ``tma_pair_ok`` and it ran, else the CUDA-core PDL pair), ``["pair"]`` where that pair is more than
+    ``margin`` faster, None otherwise (a near tie, or a route not timed correctly)."""
+    def t(name):
+        err = row["err"].get(name)
+        return row["us"].get(name) if isinstance(err, float) and err < MAX_LAB_ERR else None
 
-
-def rank_choice(row: dict, generic: list) -> list | None:
-    """The per-rank table value from one measured row: ``generic`` (the rank-free one-launch entry) where a
-    one-launch route is the fastest correct EC route, ``["pair"]`` where a pair is, None where nothing
-    correct was timed."""
-    ok = {k: v for k, v in row["us"].items() if k in EC_ROUTES and isinstance(row["err"].get(k), float)
-          and row["err"][k] < MAX_LAB_ERR}
-    if not ok:
+    one = t("one_launch_tma") or t("one_launch_cc")
+    pair = (t("tma_pair") if tma_pair_ok and "tma_pair" in row["us"] else None) or t("pdl_pair")
+    if one is None or pair is None or abs(one - pair) <= margin:
         return None
-    return list(generic) if min(ok, key=ok.get).startswith("one_launch") else ["pair"]
+    return list(generic) if one < pair else ["pair"]
 
 
 def routes(N: int, K: int, ec: tuple, params: tuple):
@@ -72,8 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", nargs="+", default=["11008x4096", "8192x8192", "4096x11008", "4096x4096"])
-    ap.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--ranks", nargs="+", type=int, default=[4, 8, 16, 32, 64, 128])
     ap.add_argument("--write-table", action="store_true", help="store the per-rank route choice in the tuned table")
+    ap.add_argument("--margin", type=float, default=0.3, help="us a route must win by to be written (--write-table)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_ec_ranks.py needs a CUDA GPU")
@@ -88,6 +94,9 @@ def main() -> None:
         ws = make_weights(N, K, copies)
         xs = [torch.randn(1, K, device="cuda", dtype=DT) for _ in range(copies)]
         w = lambda i: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
+        if args.write_table:  # this run remakes the shape's per-rank choices
+            for k in [k for k in T.tuned_table() if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
+                T.tuned_table().pop(k)
         for r in args.ranks:
             ec = make_ec(N, K, r)
             ref = ec_linear_ref(xs[0], *w(0), G, None, *ec, "silu")
@@ -102,7 +111,7 @@ def main() -> None:
             res["rows"].append(row)
             generic = T.tuned_table().get(T.gemv1self_key(N, K, G))
             if args.write_table and generic:
-                choice = rank_choice(row, generic)
+                choice = rank_choice(row, generic, T.tma_ec_measured_ok(N, K, G), args.margin)
                 if choice is not None:
                     T.tuned_table()[T.gemv1self_rank_key(N, K, G, r)] = choice
                     row["table"] = choice

@@ -280,7 +280,9 @@ def lab_gemv(args) -> None:
 def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, timeit) -> None:
     """--lab gemv --ec-pdl R: the one-launch decode EC (``ec_self.py``) on the CUDA-core kernel in each
     GEMV tile and on the TMA kernel in each of ``tma_configs`` it takes (``self_*`` / ``tmaself_*``); its fastest
-    goes into the table (``gemv1self``) where it beats both two-launch pairs (``pdl_*``, ``tma_ec``)."""
+    goes into the table (``gemv1self``) where it beats both two-launch pairs (``pdl_*``, ``tma_ec``), and the same
+    decision for this rank's bucket (``gemv1selfr``); other ranks' entries for the shape are dropped when the rank-free
+    entry changes (they were measured against the previous one: ``benchmarks/decode_ec_ranks.py`` remakes them)."""
     from spear_compile.lowering.ec_self import self_plan, sm_count
     from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
 
@@ -315,18 +317,22 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
             timeit(f"tmaself_parts{parts}",
                    lambda i, p=parts: tma_self_gemv(xs[i], *args_w(i), G, None, ec, "silu", cfg, parts=p))
     pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
-    key = T.gemv1self_key(N, K, G)
+    key, table = T.gemv1self_key(N, K, G), T.tuned_table()
+    old = table.get(key)
     if ok and pairs and min(ok.values()) < min(pairs):
         best = min(ok, key=ok.get)
         kind, cfg = best.split("_")[0], [int(v) for v in best.split("_")[1:]]
-        T.tuned_table()[key] = ["cc" if kind == "self" else "tma"] + cfg
-        for k in [k for k in T.tuned_table() if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
-            T.tuned_table().pop(k)  # other ranks' choices were made against the previous entry
-        T.tuned_table()[T.gemv1self_rank_key(N, K, G, R)] = T.tuned_table()[key]  # measured at this rank
+        table[key] = ["cc" if kind == "self" else "tma"] + cfg
+    else:
+        table.pop(key, None)
+    if table.get(key) != old:  # other ranks' choices were made against the previous entry
+        for k in [k for k in table if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
+            table.pop(k)
+    if ok and pairs:  # this rank's bucket: what was just measured at it
+        table[T.gemv1self_rank_key(N, K, G, R)] = table.get(key, ["pair"])
+    if key in table:
         print(f"   one-launch EC {best} {ok[best]:.1f} us vs the pairs' best {min(pairs):.1f} us", flush=True)
     else:
-        T.tuned_table().pop(key, None)
-        T.tuned_table()[T.gemv1self_rank_key(N, K, G, R)] = ["pair"]
         if ok:
             print(f"   one-launch EC best {min(ok.values()):.1f} us, not faster than the pairs "
                   f"({min(pairs) if pairs else float('nan'):.1f} us)", flush=True)

@@ -841,8 +841,8 @@ TMA_SELF_ENABLED = True
 
 
 def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K) -> Optional[torch.Tensor]:
-    """The one-launch decode EC where the tuned table measured it fastest (``gemv1self_key``) and it can
-    run here, else None."""
+    """The one-launch decode EC where the tuned table measured it fastest for this shape and rank
+    (``gemv1self_choice``: the rank bucket's entry, else the rank-free one) and it can run here, else None."""
     choice = gemv1self_choice(N, K, G, ec[0].shape[0])
     if not choice or not ec[0].is_contiguous():
         return None

@@ -121,6 +121,12 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma"
     monkeypatch.setattr(T, "_TABLE", {T.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
     assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
+    # the key format, pinned independently of the helper: an EC of rank 5 reads bucket 8
+    ec5 = tuple(_ec(N, K, 5, 4, 0))
+    monkeypatch.setattr(T, "_TABLE", {"gemv1selfr|256|1024|128|8": ["cc", 8, 512, 4, 0]})
+    assert T.gemv1_ec(x, q, s, z, G, None, ec5) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
+    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0], "gemv1selfr|256|1024|128|8": ["pair"]})
+    assert T.gemv1_ec(x, q, s, z, G, None, ec5) == "pair"
 
 
 def _setup(N, K, G, R=16, D=8, seed=0):

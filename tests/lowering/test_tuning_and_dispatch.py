@@ -46,9 +46,17 @@ def test_shipped_tables_are_well_formed():
                                 "gemmra", "ecself", "ecstruct", "gemv1selfr")
                 if kind == "gemv1selfr":  # the one-launch decode EC's per-rank choice: a pair, or a gemv1self value
                     parts = key.split("|")
-                    assert len(parts) == 5 and int(parts[4]) & (int(parts[4]) - 1) == 0
+                    R = int(parts[4])
+                    assert len(parts) == 5 and R >= 1 and R & (R - 1) == 0
                     generic = table.get("|".join(["gemv1self"] + parts[1:4]))
-                    assert val == ["pair"] or val == generic, (key, val, generic)
+                    assert val == ["pair"] or (generic is not None and val == generic), (key, val, generic)
+                    if val[0] == "tma":  # its pieces fit the grid at the bucket's rank (132 SMs: the H200)
+                        from spear_compile.lowering.ec_self import self_plan
+                        from spear_compile.lowering.w4a16_gemv_tma import tile_geometry
+
+                        N_, K_ = int(parts[1]), int(parts[2])
+                        cfg = tuple(val[1:])
+                        assert self_plan(R, K_, -(-N_ // tile_geometry(cfg)[0]), 32 * cfg[0], 132) is not None, key
                     continue
                 if kind == "ecself":  # the in-launch EC's own register-operand launch config (no stream-K element)
                     from spear_compile.lowering.w4a16_gemm_wgmma_ra import check_ra_config
