@@ -95,8 +95,7 @@ def main() -> None:
         xs = [torch.randn(1, K, device="cuda", dtype=DT) for _ in range(copies)]
         w = lambda i: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
         if args.write_table:  # this run remakes the shape's per-rank choices
-            for k in [k for k in T.tuned_table() if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
-                T.tuned_table().pop(k)
+            T.drop_gemv1self_ranks(N, K, G)
         for r in args.ranks:
             ec = make_ec(N, K, r)
             ref = ec_linear_ref(xs[0], *w(0), G, None, *ec, "silu")

@@ -319,18 +319,18 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
     pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
     key, table = T.gemv1self_key(N, K, G), T.tuned_table()
     old = table.get(key)
-    if ok and pairs and min(ok.values()) < min(pairs):
+    won = bool(ok and pairs and min(ok.values()) < min(pairs))
+    if won:
         best = min(ok, key=ok.get)
         kind, cfg = best.split("_")[0], [int(v) for v in best.split("_")[1:]]
         table[key] = ["cc" if kind == "self" else "tma"] + cfg
     else:
         table.pop(key, None)
     if table.get(key) != old:  # other ranks' choices were made against the previous entry
-        for k in [k for k in table if k.startswith(f"gemv1selfr|{N}|{K}|{G}|")]:
-            table.pop(k)
+        T.drop_gemv1self_ranks(N, K, G)
     if ok and pairs:  # this rank's bucket: what was just measured at it
         table[T.gemv1self_rank_key(N, K, G, R)] = table.get(key, ["pair"])
-    if key in table:
+    if won:
         print(f"   one-launch EC {best} {ok[best]:.1f} us vs the pairs' best {min(pairs):.1f} us", flush=True)
     else:
         if ok:

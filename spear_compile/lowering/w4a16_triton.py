@@ -824,6 +824,15 @@ def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> str:
     return f"gemv1selfr|{N}|{K}|{G}|{next_pow2(R)}"
 
 
+def drop_gemv1self_ranks(N: int, K: int, G: int) -> None:
+    """Remove every per-rank entry (``gemv1self_rank_key``) of this shape from the tuned table: what the labs
+    do before they remake them, or when the rank-free entry they were measured against changes."""
+    prefix = gemv1self_rank_key(N, K, G, 1)[:-1]  # "gemv1selfr|N|K|G|"
+    table = tuned_table()
+    for k in [k for k in table if k.startswith(prefix)]:
+        table.pop(k)
+
+
 def gemv1self_choice(N: int, K: int, G: int, R: int) -> Optional[list]:
     """The one-launch decode EC's table value for this shape and rank (``gemv1self_rank_key`` first, then
     ``gemv1self_key``), or None where the table says a pair (or has nothing)."""

@@ -289,3 +289,17 @@ def test_in_gemm_self_prefers_its_own_measured_launch_config(monkeypatch):
     del table[T.ec_self_key(M, N, K, G)]
     assert T.ec_self_config(M, N, K, G) == (64, 128, 4, 4, 2)
     assert T.ec_self_config(1024, N, K, G) is None
+
+
+def test_drop_gemv1self_ranks_removes_only_that_shapes_per_rank_entries(monkeypatch):
+    """``drop_gemv1self_ranks``: the labs' reset of one shape's per-rank decode-EC choices; the rank-free entry and
+    other shapes (also one whose N starts with the same digits) stay."""
+    from spear_compile.lowering import w4a16_triton as T
+
+    keep = {T.gemv1self_key(4096, 4096, 128): ["tma", 4, 2, 2, 2, 2], T.gemv1self_rank_key(40960, 4096, 128, 16): ["pair"],
+            T.gemv1self_rank_key(4096, 4096, 64, 16): ["pair"]}
+    table = dict(keep)
+    table.update({T.gemv1self_rank_key(4096, 4096, 128, r): ["pair"] for r in (4, 16, 64)})
+    monkeypatch.setattr(T, "_TABLE", table)
+    T.drop_gemv1self_ranks(4096, 4096, 128)
+    assert T.tuned_table() == keep
