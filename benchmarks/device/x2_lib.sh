@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Shared by the session sweeps on nvidia-h200-x2 (tokens_x2.sh, scales_x2.sh, randfirst_x2.sh,
-# gate_x2.sh); sourced, not run. Needs `out` set. Provides:
+# Shared by the two-GPU quality scripts on nvidia-h200-x2 (quality_sweep_x2.sh); sourced, not run.
+# Needs `out` set. Provides:
 #   GPU_BASE          GPU_PRESET's settings as spear_sweep.py overrides (192 x 1024 self-sampled tokens)
-#   gguf_setup        the GGUF / sdist set-up of quality_h200.sh (after the two GGUF-half calls); exits on failure
+#   gguf_setup        the GGUF / sdist set-up of quality.sh (after the two GGUF-half transfers); exits on failure
 #   sweep GPU T ARGS  spear_sweep.py on the development plays on one GPU, two workers, T seconds at most,
 #                     into $out/sweepGPU (log: $out/sweepGPU.log)
 GPU_BASE='select=all,steps=480,lr_ab=0.001,schedule=cosine,sample_batch=64,cuda_graph=true,seq_len=1024,sampler=static,teacher_cache_bytes=48000000000,n_seqs=192'
 
 gguf_setup() {
-  bash benchmarks/device/quality_h200.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
+  bash benchmarks/device/quality.sh --help > /dev/null 2>&1 || { echo "GGUF / sdist set-up failed"; exit 1; }
 }
 
 sweep() {
   local gpu=$1 limit=$2
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" bash benchmarks/device/quality_h200.sh benchmarks/spear_sweep.py \
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" bash benchmarks/device/quality.sh benchmarks/spear_sweep.py \
     --out "$out/sweep$gpu" --jobs 2 --deadline-s $((limit - 15)) "${@:3}" > "$out/sweep$gpu.log" 2>&1
 }
 

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The one runner for GPU measurements: records the machine and the code, then runs one topic's
+# benchmark or tests, every output under OUT_DIR (JSON from the benchmark scripts, a log beside it).
+#
+# Usage on the GPU machine, from the repository root:
+#   bash benchmarks/device/run.sh TOPIC OUT_DIR [extra args passed to the topic's script]
+#
+# Topics (the defaults are what the README and docs/gpu.md report; extra args replace or add flags):
+#   kernels        benchmarks/kernels.py: every provider side by side, checked against its PyTorch
+#                  reference first, the tuned table copied out (default --ms 1; e.g. --ms 256 1024,
+#                  --ms 1 16 256 1024 4096 --shapes ..., --lab gemv --tma --ec-pdl 64)
+#   e2e            benchmarks/e2e_decode.py: Llama-2-7B-shaped decode step, one CUDA graph per step
+#                  (default --batch 1 16, every variant)
+#   ec-ranks       benchmarks/decode_ec_ranks.py: the decode EC per rank, every route
+#                  (add --write-table to write the per-rank choice into the tuned table, copied out)
+#   gpu-tests      pytest of the lowering, the backend and the GPU calibration / sampling paths
+#                  (default paths below; extra args replace them)
+#   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs, --diag for part-by-part timing
+#   ec-prefill     benchmarks/ec_prefill_profile.py: the prefill EC structures part by part
+#   ec-tma-parts   benchmarks/ec_tma_parts.py: the decode EC on the TMA GEMV part by part
+#   determinism    benchmarks/determinism.py, then benchmarks/determinism_e2e.py
+#   e2e-profile    benchmarks/e2e_profile.py: torch.profiler over graph replays of the decode step
+#   read-floor     benchmarks/read_floor.py: a kernel that only reads the weight bytes
+#   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
+#   quality        benchmarks/quality.py through quality.sh (needs the SmolLM2 GGUF carried in two
+#                  halves, see quality.sh); sweep: benchmarks/spear_sweep.py the same way
+#
+# OUT_DIR/meta.json: GPU name, torch / triton versions, date (UTC), commit, topic and the command.
+# With PACK=1 in the environment the folder ends packed as OUT_DIR.tgz (pack.sh), for a transfer
+# that returns a limited number of files. TIMEOUT_S (default 540) bounds the topic's main command.
+set -uo pipefail
+if [ $# -lt 2 ]; then sed -n '2,30p' "$0"; exit 2; fi
+topic=$1; out=$2; shift 2
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+limit=${TIMEOUT_S:-540}
+here=$(dirname "$0")
+
+commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+dirty=$(git status --porcelain 2>/dev/null | grep -qv '^??' && echo true || echo false)
+python - "$out/meta.json" "$topic" "$commit" "$dirty" "$*" <<'PY'
+import datetime, json, platform, sys
+path, topic, commit, dirty, args = sys.argv[1:]
+meta = {"topic": topic, "args": args, "commit": commit, "uncommitted_changes": dirty == "true",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": platform.node(), "python": platform.python_version()}
+try:
+    import torch
+    meta["torch"] = torch.__version__
+    meta["cuda"] = torch.version.cuda
+    meta["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    meta["gpu_count"] = torch.cuda.device_count()
+except Exception as e:  # the record says why rather than inventing a value
+    meta["torch"] = f"unknown ({type(e).__name__})"
+try:
+    import triton
+    meta["triton"] = triton.__version__
+except Exception:
+    meta["triton"] = "unknown"
+json.dump(meta, open(path, "w"), indent=1)
+print(json.dumps(meta))
+PY
+
+log="$out/$topic.log"
+bench() {  # bench SCRIPT ARGS...: run one benchmark script into $out, log beside it
+  timeout "$limit" python "$@" > "$log" 2>&1
+  local rc=$?
+  echo "rc $rc"; grep -v Warning "$log" | tail -n 30
+  return $rc
+}
+table() { cp spear_compile/lowering/tuned/configs_*.json "$out/" 2>/dev/null || true; }
+
+rc=0
+case "$topic" in
+  kernels)      bench benchmarks/kernels.py --out "$out" ${@:---ms 1}; rc=$?; table ;;
+  e2e)          bench benchmarks/e2e_decode.py --out "$out" ${@:---batch 1 16 --variants bf16 int4_tinygemm \
+                  ours_w4 spear_ec10 spear_ec25 spear_ec100 unfused_ec25}; rc=$? ;;
+  ec-ranks)     bench benchmarks/decode_ec_ranks.py --out "$out" "$@"; rc=$?; table ;;
+  gpu-tests)    timeout "$limit" python -m pytest -q -p no:cacheprovider -rf ${@:-tests/lowering \
+                  tests/passes/test_backend.py tests/compensators/test_sampling.py tests/compensators/test_calibrate.py} \
+                  > "$log" 2>&1; rc=$?; echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
+  lab-gemm)     bench benchmarks/lab_gemm.py --out "$out" "$@"; rc=$? ;;
+  ec-prefill)   bench benchmarks/ec_prefill_profile.py --out "$out" "$@"; rc=$? ;;
+  ec-tma-parts) bench benchmarks/ec_tma_parts.py --out "$out" "$@"; rc=$? ;;
+  determinism)  bench benchmarks/determinism.py --out "$out" "$@"; rc=$?
+                log="$out/determinism_e2e.log"; bench benchmarks/determinism_e2e.py --out "$out" || rc=$? ;;
+  e2e-profile)  bench benchmarks/e2e_profile.py --out "$out" "$@"; rc=$? ;;
+  read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
+  ncu-gemv1|ncu-gemm)
+                script=benchmarks/${topic/-/_}.py
+                timeout "$limit" ncu --clock-control none -o "$out/rep" python "$script" "$@" > "$log" 2>&1; rc=$?
+                ncu -i "$out/rep.ncu-rep" --page details > "$out/details.txt" 2>&1
+                echo "rc $rc"; tail -n 20 "$out/details.txt" ;;
+  quality)      timeout "$limit" bash "$here/quality.sh" --out "$out" "$@" > "$log" 2>&1; rc=$?
+                echo "rc $rc"; tail -n 20 "$log" ;;
+  sweep)        timeout "$limit" bash "$here/quality.sh" benchmarks/spear_sweep.py --out "$out" "$@" > "$log" 2>&1; rc=$?
+                echo "rc $rc"; tail -n 20 "$log" ;;
+  *)            echo "unknown topic '$topic'"; sed -n '8,25p' "$0"; exit 2 ;;
+esac
+if [ "${PACK:-0}" = 1 ]; then bash "$here/pack.sh" "$out"; fi
+exit $rc
