@@ -50,6 +50,8 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         QuantLinear.check_args(m.in_features, cfg.group_size, m.weight.dtype, fqn)
         if not bool(torch.isfinite(m.weight).all()):
             raise ValueError(f"quantize_: {fqn}: the weight holds NaN or inf (its scales would be NaN, and so its outputs)")
+        if m.bias is not None and not bool(torch.isfinite(m.bias).all()):
+            raise ValueError(f"quantize_: {fqn}: the bias holds NaN or inf (every output of the layer would be non-finite)")
     if not targets:
         already = sum(isinstance(m, QuantLinear) for m in model.modules())
         if already:

@@ -14,7 +14,8 @@ import math
 import numbers
 from typing import Any, Optional
 
-_GROUP_SIZES = (None, 32, 64, 128, 256)
+GROUP_SIZES = (32, 64, 128, 256)  # input channels per scale the kernels and the packed format support
+_GROUP_SIZES = (None, *GROUP_SIZES)
 _QUANT_METHODS = ("rtn", "gptq", "awq")  # all three produce the same packed "spear" format
 _GATE_ACTS = ("silu", "relu", "gelu")
 
@@ -50,6 +51,24 @@ def check_types(obj: Any) -> None:
         if not ok:
             raise ValueError(f"{type(obj).__name__}.{f.name}={v!r}: expected {what}"
                              + (" or None" if optional else ""))
+
+
+def check_group_size(group_size: Any, owner: str, in_features: Optional[int] = None) -> None:
+    """The one group-size rule, shared by ``QuantConfig`` and ``QuantLinear``: ``None`` (one scale per
+    output channel) or one of ``GROUP_SIZES``; a layer (``in_features`` given) also accepts
+    ``group_size == in_features``, the per-channel case spelled out, and needs K divisible by it.
+    Raises ``ValueError`` (``QuantFormatError`` for layers, a subclass) naming ``owner``."""
+    if group_size is None:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise ValueError(f"{owner}: group_size={group_size!r} must be an integer or None (per-channel)")
+    if group_size in GROUP_SIZES or (in_features is not None and group_size == in_features and group_size > 0):
+        if in_features is not None and in_features % group_size:
+            raise ValueError(f"{owner}: in_features K={in_features} is not divisible by group_size={group_size}")
+        return
+    also = f" or in_features={in_features} (per-channel)" if in_features is not None else ""
+    raise ValueError(f"{owner}: group_size={group_size!r} is not supported; expected None (per-channel), "
+                     f"one of {GROUP_SIZES}{also}")
 
 
 def check_gate_bias(owner: str, v: float) -> None:
@@ -122,10 +141,7 @@ class QuantConfig(_Serialisable):
         check_types(self)
         if self.bits != 4:
             raise ValueError(f"QuantConfig.bits={self.bits}: only 4-bit weights are supported")
-        if self.group_size not in _GROUP_SIZES:
-            raise ValueError(
-                f"QuantConfig.group_size={self.group_size}: expected None/0 (per-channel) or one of {_GROUP_SIZES[1:]}"
-            )
+        check_group_size(self.group_size, "QuantConfig")
         if self.method not in _QUANT_METHODS:
             raise ValueError(f"QuantConfig.method={self.method!r}: expected one of {_QUANT_METHODS}")
         if not 0.0 <= self.damp < 1.0:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..config import QuantConfig
+from ..config import QuantConfig, check_group_size
 from .format import ACT_DTYPES, QuantFormatError, QuantizedWeight, check_spear_weight
 from .rtn import quantize_rtn
 
@@ -31,7 +31,11 @@ class QuantLinear(nn.Module):
         name: str = "QuantLinear",
     ) -> None:
         super().__init__()
+        if type(group_size) is int and group_size == 0:  # 0 = per-channel, as in QuantConfig
+            group_size = None
         self.check_args(in_features, group_size, dtype, name)
+        if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
+            raise QuantFormatError(f"{name}: out_features={out_features!r} must be a positive integer")
         G = group_size or in_features
         self.in_features, self.out_features, self.group_size, self.name = in_features, out_features, G, name
         ng = in_features // G
@@ -43,10 +47,15 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def check_args(in_features: int, group_size: Optional[int], dtype: torch.dtype, name: str) -> None:
-        """Raise ``QuantFormatError`` naming ``name`` unless a layer with these can be stored."""
-        G = group_size or in_features
-        if in_features % G:
-            raise QuantFormatError(f"{name}: in_features K={in_features} is not divisible by group_size={G}")
+        """Raise ``QuantFormatError`` naming ``name`` unless a layer with these can be stored and run:
+        ``in_features`` a positive even integer, ``group_size`` as ``config.check_group_size`` (the
+        rule ``QuantConfig`` applies, plus ``group_size == in_features``), a floating ``dtype``."""
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 2:
+            raise QuantFormatError(f"{name}: in_features={in_features!r} must be a positive even integer")
+        try:
+            check_group_size(group_size, name, in_features)
+        except ValueError as e:
+            raise QuantFormatError(str(e)) from None
         if in_features % 2:
             raise QuantFormatError(f"{name}: in_features K={in_features} must be even to pack int4 pairs")
         if dtype not in ACT_DTYPES:
@@ -79,9 +88,12 @@ class QuantLinear(nn.Module):
         return self.quantized_weight().dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if not isinstance(x, torch.Tensor):
+            raise QuantFormatError(f"{self.name}: input is a {type(x).__name__}, expected a tensor [..., {self.in_features}]")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise QuantFormatError(
-                f"{self.name}: input has shape {tuple(x.shape)}, last dim must be in_features={self.in_features}"
+                f"{self.name}: input has shape {tuple(x.shape)}, expected [..., in_features={self.in_features}] "
+                f"(at least 1-d, last dim {self.in_features})"
             )
         if x.dtype not in ACT_DTYPES:
             raise QuantFormatError(f"{self.name}: input dtype {x.dtype} is not supported; expected one of {ACT_DTYPES}")

@@ -43,8 +43,10 @@ def test_quantize_bad_group_names_module():
 
 def test_forward_bad_input_names_module():
     q = QuantLinear.from_linear(nn.Linear(64, 8), QuantConfig(), name="blk.up")
-    with pytest.raises(QuantFormatError, match=r"blk.up: input has shape \(2, 32\), last dim must be in_features=64"):
+    with pytest.raises(QuantFormatError, match=r"blk.up: input has shape \(2, 32\), expected \[..., in_features=64\]"):
         q(torch.randn(2, 32))
+    with pytest.raises(QuantFormatError, match=r"blk.up: input has shape \(\), expected \[..., in_features=64\]"):
+        q(torch.tensor(1.0))  # 0-d: was an IndexError from torch
     with pytest.raises(QuantFormatError, match="blk.up: input dtype torch.float64 is not supported"):
         q(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(QuantFormatError, match="blk.up: dtype torch.int8 is not supported"):
@@ -148,3 +150,26 @@ def test_autograd_matches_reference_autograd():
     (gx,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(gx, q.dequantize().sum(0).expand_as(gx))
     torch.testing.assert_close(y, w4a16_linear_ref(x, q.qweight, q.scales, q.zeros, 32, q.bias))
+
+
+@pytest.mark.parametrize("K,group_size,msg", [
+    (96, 48, r"blk.up: group_size=48 is not supported; expected None \(per-channel\), one of \(32, 64, 128, 256\)"),
+    (64, -32, r"blk.up: group_size=-32 is not supported"),
+    (64, 2.5, r"blk.up: group_size=2.5 must be an integer or None"),
+    (96, 64, r"blk.up: in_features K=96 is not divisible by group_size=64"),
+    (0, None, r"blk.up: in_features=0 must be a positive even integer"),
+])
+def test_quantlinear_shares_quantconfig_group_rule(K, group_size, msg):
+    """QuantLinear refuses what QuantConfig refuses (it was routed to a kernel that failed deep inside)."""
+    with pytest.raises(QuantFormatError, match=msg):
+        QuantLinear(K, 8, group_size=group_size, name="blk.up")
+    if group_size == 48:
+        with pytest.raises(ValueError, match="QuantConfig: group_size=48 is not supported"):
+            QuantConfig(group_size=48)
+
+
+def test_quantlinear_per_channel_spellings():
+    for g in (None, 0, 96):
+        assert QuantLinear(96, 8, group_size=g).group_size == 96
+    with pytest.raises(QuantFormatError, match="out_features=0 must be a positive integer"):
+        QuantLinear(64, 0)

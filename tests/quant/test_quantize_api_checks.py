@@ -23,6 +23,12 @@ def test_a_bad_target_leaves_the_whole_model_unquantized():
     with pytest.raises(ValueError, match="1: the weight holds NaN or inf"):
         spear.quantize_(bad, spear.QuantConfig(), progress=False)
     assert isinstance(bad[0], nn.Linear)
+    nan_bias = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        nan_bias[1].bias[3] = float("nan")
+    with pytest.raises(ValueError, match="1: the bias holds NaN or inf"):  # was accepted: NaN outputs
+        spear.quantize_(nan_bias, spear.QuantConfig(), progress=False)
+    assert isinstance(nan_bias[0], nn.Linear)
     with pytest.raises(QuantFormatError, match="0: dtype torch.float64 is not supported"):
         spear.quantize_(nn.Sequential(nn.Linear(64, 8).double()), spear.QuantConfig(), progress=False)
 
