@@ -80,7 +80,8 @@ def test_gpu_preset_is_the_sweep_winner_and_presets_follow_the_device():
 
     from spear_compile.compensators.spear import CPU_PRESET, GPU_PRESET, SpearConfig, parse_overrides, preset
 
-    best = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "session8_tokens", "best.json")
+    best = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "quality",
+                        "2026-11-30_h200_sweep_calib_tokens", "best.json")
     with open(best) as f:
         assert GPU_PRESET == SpearConfig().replace(**json.load(f))
     assert preset("cpu") is CPU_PRESET and preset("cuda:0") is GPU_PRESET
