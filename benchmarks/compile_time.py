@@ -4,7 +4,7 @@ Both compile the same W4 model (per-channel RTN) with Inductor's caches disabled
 same input (1 x 64 tokens). Compile time = first call - median of 3 warm calls. After one
 discarded warm-up compile, runs alternate (inductor, spear, ...) so drift hits both equally.
 
-    python benchmarks/compile_time.py --json benchmarks/results/compile_time_cpu.json
+    python benchmarks/compile_time.py --json benchmarks/results/compile_time/2026-11-29_cpu.json
 """
 from __future__ import annotations
 

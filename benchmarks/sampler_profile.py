@@ -2,7 +2,7 @@
 
 The graphed sampler drew 96 x 1024 tokens in 36.8 s on the H200 (18 ms per step at batch 64) against
 a prediction of ~1-2 ms per step. The first run of this script (the model's own attention,
-``results/sampler_profile_h200_model_attention.json``) found why: the graphed step is 21.5 ms at
+``results/calibration/2026-11-30_h200_sampler_profile_model_attention.json``) found why: the graphed step is 21.5 ms at
 every position, 17 ms of it attention over the static cache's 1024 slots (repeated K/V heads and the
 fp32 memory-efficient kernel). This times, for the model's attention and sampling.py's grouped one,
 the graphed and the eager step (CUDA events), a profiler table of one eager step, the sampling ops

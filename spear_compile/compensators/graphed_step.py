@@ -1,7 +1,7 @@
 """The KL calibration step as one CUDA graph (``CalibConfig.cuda_graph``).
 
 On an H200 an eager step of SmolLM2-135M with ~200 ECs is launch-bound: ~2,000 small
-kernels, 49 ms of GPU work in 0.43 s of wall time (``benchmarks/results/calib_profile_h200.txt``).
+kernels, 49 ms of GPU work in 0.43 s of wall time (``benchmarks/results/calibration/2026-11-29_h200_calib_profile.txt``).
 Captured once, a step is one graph replay: forward, KL, backward and the Adam update.
 
 How it keeps the eager path's meaning:

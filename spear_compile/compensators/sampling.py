@@ -20,11 +20,11 @@ and falls back to the eager step.
 
 Attention (``attention="gqa"``, the default): a static cache makes every step attend over all
 ``seq_len`` slots, and on the H200 the model's own SDPA path spent 17 of the graphed step's
-21.5 ms there (fp32, batch 64, 1024 slots; ``benchmarks/results/sampler_profile_h200_model_attention.json``):
+21.5 ms there (fp32, batch 64, 1024 slots; ``benchmarks/results/calibration/2026-11-30_h200_sampler_profile_model_attention.json``):
 transformers 5.17 materialises the grouped K/V heads (``repeat_kv``, 2 x 151 MB per layer) and
 the fp32 memory-efficient kernel then reads them at ~0.8 TB/s. ``_gqa_decode_attention``
 instead groups the query heads that share a K/V head into one batched matmul, reading the cache
-once: 6.8 ms per step (``sampler_profile_h200.json``). Same math as SDPA, different summation
+once: 6.8 ms per step (``calibration/2026-11-30_h200_sampler_profile.json``). Same math as SDPA, different summation
 order: logits agree to fp32 rounding (tested) but, as the sequence goes on, a draw can land on
 the other side of a rounding difference, so the tokens are samples from the same model, not
 bitwise ``generate``'s. ``attention="model"`` keeps the model's own attention (then the tokens

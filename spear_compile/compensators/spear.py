@@ -96,9 +96,9 @@ class SpearConfig:
 #: 192 x 1024 80.4 %), longer sequences at equal tokens did not (64 x 1024 78.4 %, 32 x 2048 77.6 %).
 #: 192 x 1024 became affordable when the static-cache sampler (``sampler="static"``, grouped-query
 #: attention) drew it in 21 s on an H200 (``generate``: 83.7 s for half as many).
-#: Sweeps: ``benchmarks/results/session8_tokens/`` (earlier: ``spear_sweep_h200_x2/``,
-#: ``spear_sweep_h200_graph/``, ``spear_sweep_h200/``). Selection + calibration on one H200: 126 s at
-#: 1 % (``session8_tokens/eval0/``); on a 2-core CPU it would take hours. The teacher cache (19 GB of
+#: Sweeps: ``benchmarks/results/quality/2026-11-30_h200_sweep_calib_tokens/`` (earlier:
+#: ``benchmarks/results/spear_sweep/``). Selection + calibration on one H200: 126 s at
+#: 1 % (its ``eval0/``); on a 2-core CPU it would take hours. The teacher cache (19 GB of
 #: fp16 log-probs here) is capped by the GPU's free memory (``calibrate.teacher_cache_fits``).
 GPU_PRESET = SpearConfig(select="all", calib=CalibConfig(n_seqs=192, seq_len=1024, steps=480, lr_ab=1e-3,
                                                          schedule="cosine", sample_batch=64,
@@ -106,7 +106,7 @@ GPU_PRESET = SpearConfig(select="all", calib=CalibConfig(n_seqs=192, seq_len=102
                                                          sampler="static"))
 #: Settings for a CPU: the 10-minute budget on 2 cores. The sweep's gain that costs nothing (A/B at
 #: lr 1e-3, cosine-decayed) on the original data (32 x 256 tokens), with 64 steps instead of 80:
-#: 565 s on 2 cores, 70.3 % of the gap at 1 % (``benchmarks/results/quality_cpu/``).
+#: 565 s on 2 cores, 70.3 % of the gap at 1 % (``benchmarks/results/quality/2026-11-29_cpu_preset/``).
 CPU_PRESET = SpearConfig(calib=CalibConfig(steps=64, lr_ab=1e-3, schedule="cosine"))
 
 

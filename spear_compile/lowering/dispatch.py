@@ -45,8 +45,8 @@ def _side_stream(device: torch.device, priority: int = 0) -> "torch.cuda.Stream"
 
 
 # NOTE (H200): without an EC the GEMVs beat the small-M GEMM only at M = 1 (the M = 1 kernel vs the
-# GEMM: benchmarks/results/kernels_NVIDIA_H200.json; M = 2 and 4, where the M > 1 GEMV loses:
-# benchmarks/results/raw/kernels_full_session1_NVIDIA_H200.json).
+# GEMM: benchmarks/results/kernels/2026-12-01_h200_all_providers.json; M = 2 and 4, where the M > 1 GEMV loses:
+# benchmarks/results/kernels/2026-11-29_h200_all_providers_first.json).
 W4_GEMV_MAX_M = 1
 
 

@@ -15,7 +15,7 @@ are different warps, handing tiles over through mbarriers:
 Numbers are the plain kernel's (same expansion, same MMA order per output). Constraints as there; no EC
 operand (the "in_gemm" structure uses the plain kernel).
 
-Measured (session 15, call 9, `benchmarks/results/raw/session15/call9/`): correct (GPU tests), and -3 to +13 %
+Measured (H200, 2026-12-01, `benchmarks/results/gemm/2026-12-01_h200_warp_specialised/`): correct (GPU tests), and -3 to +13 %
 against the plain kernel's (256, 128, 4, 8) - the hand-off was not what bounded the step; the shared-memory
 traffic per MMA is (NOTES.md). Kept as the base for a variant that feeds the expanded weight to the MMAs
 from registers; not in the tuned search (``WS_CONFIGS``).
