@@ -115,7 +115,7 @@ class QuantConfig(_Serialisable):
         lazy-update block width. act_order is on by default: on a development play (Lear,
         SmolLM2-135M per-channel, self-sampled statistics; fp 37.16, RTN 63.23) GPTQ gave 56.16
         without it and 48.94 with it (damp 0.1: 61.66 / 50.21;
-        ``benchmarks/results/gptq_context_cpu/lear_knobs.json``).
+        ``benchmarks/results/quality/2026-11-29_cpu_gptq_context/lear_knobs.json``).
     awq_grid: AWQ scale search: alpha in ``{i / awq_grid : i = 0..awq_grid}`` (alpha = 0
         is plain RTN, so the search never does worse than RTN on the calibration data).
     awq_clip_grid: AWQ clipping search: candidate range ratios
@@ -189,7 +189,7 @@ class CompileConfig(_Serialisable):
     fuse_shared_input: at decode (M == 1), run linears without an EC that read the same
         activation (q/k/v, gate/up) as one GEMV over their concatenated weights
         (``passes/fuse_shared_input.py``). On by default: Llama-2-7B-shaped decode on one H200,
-        batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode_NVIDIA_H200.json``).
+        batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode/2026-11-30_h200_concat_q_k_v.json``).
     fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
         ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; benchmarks/NOTES.md,

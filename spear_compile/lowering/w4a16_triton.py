@@ -546,7 +546,7 @@ if HAS_TRITON:
 
 # ------------------------------------------------------------------------ host side
 # M = 1 kernel: (BLOCK_N, BLOCK_W int32 words per row per tile, num_warps, prefetch 0/1)
-# (the five that were fastest on some shape in benchmarks/results/raw/lab_gemv_run3_NVIDIA_H200.json)
+# (the five that were fastest on some shape in benchmarks/results/kernels/2026-11-29_h200_lab_gemv_configs.json)
 GEMV1_CONFIGS = [(16, 64, 4, 1)] if INTERPRET else [
     (8, 512, 4, 0), (8, 512, 4, 1), (8, 256, 2, 1), (16, 512, 4, 0), (8, 128, 1, 1),
 ]
