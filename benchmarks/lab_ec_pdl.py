@@ -1,8 +1,9 @@
-"""Variant studies of session 4 (benchmarks/NOTES.md), each against what ships, same run.
+"""Variant studies of the M = 1 decode EC and the large-M dequantize pass (docs/kernels.md), each against
+what ships, same run.
 
-``--what tma`` (run 1) measured TMA-fed kernels that lost everywhere and were removed; they are
+``--what tma`` measured TMA-fed kernels (H200, 2026-11-29) that lost everywhere and were removed; they are
 at commit 99d8f2d (``spear_compile/lowering/w4a16_tma_triton.py``) with their results in
-``results/raw/lab_tma_run1_NVIDIA_H200.json``.
+``results/kernels/2026-11-29_h200_lab_tma.json``.
 
 ``--what ec_pdl``: at M = 1, the W4 GEMV, the single-launch fused EC and the two-launch PDL EC
 (``lowering/ec_decode_triton.py``) in several producer counts and GEMV tiles, plus the
@@ -12,7 +13,7 @@ dequantize pass alone.
 Every variant is checked against the reference before it is timed (CUDA graphs, inputs
 rotating through > 3x L2, as in kernels.py). Writes ``lab_<what>_<gpu>.json``.
 
-    python benchmarks/lab_session4.py --what ec_pdl --out $OUT [--shapes 8192x8192 ...] [--ms 1]
+    python benchmarks/lab_ec_pdl.py --what ec_pdl --out $OUT [--shapes 8192x8192 ...] [--ms 1]
 """
 from __future__ import annotations
 
