@@ -1,8 +1,8 @@
 """The M = 1 decode EC at several ranks, every route side by side (GPU; one shape per row).
 
 Why: the tuned table's one-launch entry (``gemv1self|N|K|G``) is measured at r = 64 only and is taken for every
-rank, and session 23's kernels.py run found the fused EC at 11008x4096 slower at r = 16 / 32 (15.1 / 15.4 us) than
-at r = 64 (12.8). This times, for each shape and rank, what the dispatch does (``w4a16_gemv`` with ``ec``) against
+rank, and a kernels.py run (H200, 2026-12-02) found the fused EC at 11008x4096 slower at r = 16 / 32 (15.1 / 15.4 us)
+than at r = 64 (12.8). This times, for each shape and rank, what the dispatch does (``w4a16_gemv`` with ``ec``) against
 each route it chooses between: the one launch on the TMA kernel (the table's config), the TMA pair (producer grid
 + PDL-launched TMA GEMV with the EC epilogue), the CUDA-core PDL pair, and the plain W4 GEMV. Every route is
 checked against ``ec_linear_ref`` first (relative L2 error). Microseconds under CUDA graphs; x and the weights

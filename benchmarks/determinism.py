@@ -1,4 +1,4 @@
-"""Which kernels of the decode step are not bitwise deterministic run to run (session 13 found the compiled
+"""Which kernels of the decode step are not bitwise deterministic run to run (on the H200, 2026-11-30, the compiled
 W4 step's logits differing between two runs on the same inputs, at batch 1 now and then and at batch 16
 every time; ``e2e_decode.py``'s ``rerun_bitwise_equal``).
 

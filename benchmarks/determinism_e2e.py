@@ -1,8 +1,8 @@
 """Where the compiled decode step of ``e2e_decode.py`` first differs between reruns on the same inputs.
 
 ``benchmarks/determinism.py`` found every spear kernel bitwise deterministic alone, yet the compiled
-SPEAR EC steps gave 2 distinct logit vectors in 8 eager reruns now and then (benchmarks/NOTES.md,
-session 14). This probe reruns one variant's compiled step ``--reruns`` times and counts distinct logits
+SPEAR EC steps gave 2 distinct logit vectors in 8 eager reruns now and then (H200, 2026-11-30;
+docs/gpu.md). This probe reruns one variant's compiled step ``--reruns`` times and counts distinct logits
 (no hooks: the step's launches queue back to back as in ``e2e_decode.py``), then reruns it with forward
 hooks on the 32 layers that keep a device copy of each layer's output (no host synchronisation inside the
 step; hashed after it) and reports, per rerun, the first layer whose output differs from the first rerun's,

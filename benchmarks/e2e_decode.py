@@ -15,11 +15,11 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
                     at M = 1, q/k/v and gate/up (those without an EC) as one GEMV each
   ours_w4_nocat, spear_ec25_nocat   the same with fuse_shared_input=False
   spear_ec25_ecfused  spear_ec25 with CompileConfig(fuse_shared_input_ec=True): q/k/v and gate/up
-                    *with* ECs as one GEMV + one block-diagonal EC each (the default since session 12)
+                    *with* ECs as one GEMV + one block-diagonal EC each (the default since 2026-11-30)
   spear_ec25_ecsep  spear_ec25 with fuse_shared_input_ec=False: EC linears keep one GEMV + EC each
-  *_noglu, *_nofold, *_nonorm, *_s11   without fuse_glu (silu(gate) * up in the gate / up GEMV's
+  *_noglu, *_nofold, *_nonorm, *_nofusions   without fuse_glu (silu(gate) * up in the gate / up GEMV's
                     epilogue), fold_residual_add (the residual add as the GEMV's bias), fuse_rmsnorm (the
-                    RMSNorm in the GEMV's x staging), or all three (session 12)
+                    RMSNorm in the GEMV's x staging), or all three
                     (plain ours_w4 / spear_ec* take the library default, which is True since
                     2026-11-30; the 2026-11-29 and earlier JSONs' plain rows are unfused)
 
@@ -129,7 +129,7 @@ OPTION_SUFFIXES = {
     "fused": {"fuse_shared_input": True}, "nocat": {"fuse_shared_input": False},
     "ecfused": {"fuse_shared_input_ec": True}, "ecsep": {"fuse_shared_input_ec": False},
     "noglu": {"fuse_glu": False}, "nofold": {"fold_residual_add": False}, "nonorm": {"fuse_rmsnorm": False},
-    "s11": {"fuse_glu": False, "fold_residual_add": False, "fuse_rmsnorm": False},  # session 11's fusions only
+    "nofusions": {"fuse_glu": False, "fold_residual_add": False, "fuse_rmsnorm": False},  # none of the three
 }
 
 
@@ -203,7 +203,7 @@ def time_variant(variant, batch, base_state, reps=50, reruns=0):
         n_distinct = distinct_reruns(model, ids, pos, reruns) if reruns else None
     ok = bool(torch.isfinite(out.float()).all())
     # the same weights (and ECs) under other compile options must give the same logits: A/B variants
-    # are compared with the first variant of their model (e.g. ours_w4_s11 with ours_w4)
+    # are compared with the first variant of their model (e.g. ours_w4_nofusions with ours_w4)
     same = (backend, ec_fraction(variant), batch)
     first = FIRST_OUT.setdefault(same, (variant, out.float().cpu()))
     rel = ((out.float().cpu() - first[1]).norm() / first[1].norm()).item()

@@ -1,6 +1,6 @@
 """Where the prefill EC's time goes (H200): each part of the W4 + EC structures timed alone.
 
-Why: at 4096^2 the best prefill EC structure costs 1.23-1.28x W4 (session 9), while its extra
+Why: at 4096^2 the best prefill EC structure costs 1.23-1.28x W4 (H200, 2026-11-30), while its extra
 memory traffic (shrink reads X, the expand writes E, the GEMM's epilogue reads E) predicts ~1.10-1.15x.
 This times, in CUDA graphs and on the same inputs, every piece on its own:
 
@@ -9,26 +9,26 @@ This times, in CUDA graphs and on the same inputs, every piece on its own:
     cublas_kcat   F.linear([x | hg], [W | B])    one GEMM over K + r: the EC as extra K columns
     dequant       w4_dequantize                  the W4 path's first pass
     shrink_gate   ec_shrink_gate                 hg = alpha g(x A^T) * x A^T (cuBLAS shrink, then the gate)
-    shrink_gate_sk  ec_shrink_gate_splitk        the same in one split-K kernel (session 18; "in_gemm_sk")
+    shrink_gate_sk  ec_shrink_gate_splitk        the same in one split-K kernel ("in_gemm_sk")
     expand        hg B^T                         E for the C-operand structure
     w4            dequant + cuBLAS               our W4 at this M
     w4_table      w4a16_gemm                     our W4 as the tuned table runs it (maybe a wgmma GEMM)
     ra, ra_ec     w4a16_gemm_wgmma_ra            the register-operand GEMM (Hopper), alone and with the EC
                                                  step on a ready alpha g h (no PDL wait): with shrink_gate,
-                                                 the parts of the "in_gemm" structure (session 16)
-    ra_self       w4a16_gemm_wgmma_ra_ec_self    the same GEMM with the shrink roles in its launch (session 19)
+                                                 the parts of the "in_gemm" structure
+    ra_self       w4a16_gemm_wgmma_ra_ec_self    the same GEMM with the shrink roles in its launch
     <structure>   ec_overlapped(structure=...)   every prefill EC structure end to end
 
 so that the sum of the parts can be set against the measured structures, and the K-concatenated
 design (``cublas_kcat`` after ``max(dequant, shrink_gate)``) priced before it is built.
-(``results/raw/session10_shrink/`` comes from commit 8918269, which also timed a split-K Triton
+(The profile at commit 8918269 (git history) also timed a split-K Triton
 shrink - slower than cuBLAS everywhere, removed: there ``shrink_gate`` is the split-K one and
 ``*_cublas`` the shrink kept here.)
 
 ``--ra-sweep`` times only the register-operand parts, for every config of ``RA_CONFIGS`` and every number of
 shrink roles per x block (``ra[cfg]``, ``ra_ec[cfg]``, ``ra_self[cfg]`` with the default split,
 ``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``, ``.../deep`` with the roles' ring S times deeper where it
-fits; session 20), plus "in_gemm_self" as the dispatch runs it.
+fits), plus "in_gemm_self" as the dispatch runs it.
 
 Usage (GPU): python benchmarks/ec_prefill_profile.py --out DIR [--shapes 4096x4096 ...] [--ms 1024 4096]
 """
@@ -101,7 +101,7 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)
         print(f"{N}x{K} M={M} {name:15s} {row[name]:8.1f} us", flush=True)
-    # the split-K shrink with 1 program per SM (each beside a GEMM CTA; session 18 call 2's setting)
+    # the split-K shrink with 1 program per SM (each beside a GEMM CTA, the first setting measured)
     default, SK.PROGRAMS_PER_SM = SK.PROGRAMS_PER_SM, 1
     for name in ("shrink_gate_sk", "in_gemm_sk"):
         row[name + "_x1"] = bench_graph(parts[name], copies=copies)

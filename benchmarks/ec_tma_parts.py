@@ -1,4 +1,4 @@
-"""Where the decode EC's time goes on the TMA GEMV (session 13): each part of the producer + PDL GEMV pair
+"""Where the decode EC's time goes on the TMA GEMV: each part of the producer + PDL GEMV pair
 timed alone in CUDA graphs, on the weight shapes the EC runs at M = 1.
 
 Variants per shape (us per call, weights cycled over copies that exceed L2):
@@ -7,7 +7,7 @@ Variants per shape (us per call, weights cycled over copies that exceed L2):
   ec_only   the TMA GEMV with the EC epilogue reading a g * h published before (no producer, no wait)
   pair_seq  producer, then the GEMV with the EC epilogue in plain stream order (no PDL)
   pair_pdl  the shipped path: the GEMV launched with PDL behind the producer, waiting before its epilogue
-  v4_pdl    the CUDA-core GEMV's PDL pair (the path before session 13)
+  v4_pdl    the CUDA-core GEMV's PDL pair (the path before the TMA epilogue)
 If pair_pdl ~ pair_seq, PDL does not overlap the two grids; if ec_only >> w4, the epilogue itself costs.
 ``--profile``: also a torch.profiler trace of one graph of 8 PDL pairs per shape: each kernel's start and
 end relative to the first (does the producer run beside the GEMV, and how long does it take there?).

@@ -1,7 +1,7 @@
 """Hardware counters for the large-M W4A16 GEMMs under Nsight Compute, one launch each: cuBLAS bf16, the
 dequantize pass + cuBLAS, and the warpgroup-MMA kernel in the given configs.
 
-Why: timing says the wgmma kernel takes ~2.2x the MMA-bound time per K step (NOTES, session 15); the
+Why: timing says the wgmma kernel takes ~2.2x the MMA-bound time per K step (docs/kernels.md); the
 counters (tensor-pipe utilisation, shared-memory wavefronts, warp stall reasons) say what a step waits on.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\

@@ -1,7 +1,7 @@
 """Hardware counters for the M = 1 GEMV against tinygemm, one launch each, under Nsight Compute.
 
 Why: the M = 1 kernel sits at ~0.8x tinygemm while the target is 0.6x (2.5 TB/s); halving its
-multiplies moved it 5 % (NOTES, session 5), so it is not issue-bound. The counters say what it
+multiplies moved it 5 % (docs/kernels.md), so it is not issue-bound. The counters say what it
 waits on (DRAM throughput reached, warp stall reasons, occupancy), which timing cannot.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
