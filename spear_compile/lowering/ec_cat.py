@@ -47,7 +47,7 @@ def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas) -> tuple:
 
     Used by ``spear::ec_linear_cat`` (``fuse_shared_input`` with ``CompileConfig.fuse_shared_input_ec``:
     q/k/v or gate/up with ECs as one GEMV + one EC; on by default since it measured 2.731 -> 2.691 ms
-    per E2E step, NOTES.md session 12)."""
+    per E2E step, docs/kernels.md session 12)."""
     from .w4a16_triton import derived_cached
 
     def make() -> tuple:

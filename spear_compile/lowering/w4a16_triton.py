@@ -95,7 +95,7 @@ if HAS_TRITON:
         0x4300) - exactly 128 + q - one FMA removes the 128 and one FMA multiplies by the
         (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight, about what the biased
         fp32 mode needs (LOP3 + FFMA), so it is only 5-6 % faster on the H200 while its error is
-        3.4x larger (benchmarks/NOTES.md, session 5): opt-in. The four products per half are
+        3.4x larger (docs/kernels.md, session 5): opt-in. The four products per half are
         summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter
         cannot run PTX: there (not ASM) the same nibble pairing and x packing is evaluated in
         fp32, which is what CPU tests check.
@@ -335,7 +335,7 @@ if HAS_TRITON:
                 wn = tl.load(wp + (w0 + BLOCK_W), mask=mrow & ((w0 + BLOCK_W + offs_w) < KW)[None, :], other=0,
                              eviction_policy="evict_first")
                 scn, zn = _gemv1_scales(S, Z, offs_n, mask_n, w0 + BLOCK_W, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
-            else:  # (tile 0 again: measured faster than guarding it with `if w0 > 0`, run 4 in NOTES.md)
+            else:  # (tile 0 again: measured faster than guarding it with `if w0 > 0`, run 4 in docs/kernels.md)
                 w = tl.load(wp + w0, mask=mrow & ((w0 + offs_w) < KW)[None, :], other=0, eviction_policy="evict_first")
                 sc, z = _gemv1_scales(S, Z, offs_n, mask_n, w0, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
             d, sx = _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
@@ -556,7 +556,7 @@ MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the deco
 # 2^E <= 2^15, the bias removed per 32-column chunk; fp32 relative error ~3e-4) or "bf16x2"
 # (packed bf16 pairs, bf16 activations only; products summed 4 at a time in bf16). The default
 # for bf16 activations is GEMV1_BF16_NIB; other dtypes always run "exact". See the kernel
-# docstrings and benchmarks/NOTES.md.
+# docstrings and docs/kernels.md.
 GEMV1_NIBS = {"exact": 0, "biased": 1, "bf16x2": 2}
 GEMV1_BF16_NIB = "biased"
 _MAGICS = (0x43000000, 0x45000000, 0x47000000, 0x49000000, 0x4B000000)  # 2^7, 2^11, 2^15, 2^19, 2^23
@@ -627,7 +627,7 @@ def gemm_key(M: int, N: int, K: int, G: int) -> str:
 def _default_gemm(M: int) -> tuple:
     if INTERPRET:
         return GEMM_CONFIGS[0]
-    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (NOTES.md, session 4)
+    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (docs/kernels.md, session 4)
         return DEQUANT_CUBLAS
     return (16, 64, 128, 4, 4) if M <= 16 else (64, 128, 64, 4, 4) if M <= 128 else (128, 128, 64, 8, 3)
 
@@ -842,7 +842,7 @@ def gemv1self_choice(N: int, K: int, G: int, R: int) -> Optional[list]:
 
 
 # The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) was switched off in session 18 when its
-# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, benchmarks/NOTES.md): its
+# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, docs/kernels.md): its
 # slots were read in a replicated layout, the CTA-wide missing count looked at one copy and the gate took
 # another. Fixed in ``_self_slots`` / ``_self_collect``; with the fix 0 of 36 such launches were wrong (6-8
 # before). The switch stays as the way to turn the form off.
