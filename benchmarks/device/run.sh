@@ -13,8 +13,8 @@
 #                  (default --batch 1 16, every variant)
 #   ec-ranks       benchmarks/decode_ec_ranks.py: the decode EC per rank, every route
 #                  (add --write-table to write the per-rank choice into the tuned table; copied to OUT_DIR/table)
-#   gpu-tests      pytest of the lowering, the backend and the GPU calibration / sampling paths
-#                  (default paths below; extra args replace them)
+#   gpu-tests      pytest of the kernels, the dispatch, the backend and the GPU calibration / sampling
+#                  paths (extra args replace the default paths)
 #   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs, --diag for part-by-part timing
 #   ec-prefill     benchmarks/ec_prefill_profile.py: the prefill EC structures part by part
 #   ec-tma-parts   benchmarks/ec_tma_parts.py: the decode EC on the TMA GEMV part by part
@@ -83,9 +83,15 @@ case "$topic" in
   e2e)          bench benchmarks/e2e_decode.py --out "$out" ${@:---batch 1 16 --variants bf16 int4_tinygemm \
                   ours_w4 spear_ec10 spear_ec25 spear_ec100 unfused_ec25}; rc=$? ;;
   ec-ranks)     bench benchmarks/decode_ec_ranks.py --out "$out" "$@"; rc=$?; table ;;
-  gpu-tests)    timeout "$limit" python -m pytest -q -p no:cacheprovider -rf ${@:-tests/lowering \
-                  tests/passes/test_backend.py tests/compensators/test_sampling.py tests/compensators/test_calibrate.py} \
-                  > "$log" 2>&1; rc=$?; echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
+  gpu-tests)    paths=("$@")
+                if [ ${#paths[@]} -eq 0 ]; then  # the kernel, dispatch and backend tests and the GPU calibration paths
+                  for t in tests/lowering tests/kernels tests/dispatch tests/passes/test_backend.py \
+                           tests/compensators/test_sampling.py tests/compensators/test_calibrate.py; do
+                    [ -e "$t" ] && paths+=("$t")
+                  done
+                fi
+                timeout "$limit" python -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$log" 2>&1; rc=$?
+                echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
   lab-gemm)     bench benchmarks/lab_gemm.py --out "$out" "$@"; rc=$? ;;
   ec-prefill)   bench benchmarks/ec_prefill_profile.py --out "$out" "$@"; rc=$? ;;
   ec-tma-parts) bench benchmarks/ec_tma_parts.py --out "$out" "$@"; rc=$? ;;
