@@ -49,6 +49,8 @@ from typing import Optional
 
 import torch
 
+from .. import envs
+from ..dispatch import table as _table
 from ._triton import next_pow2, sm_count
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 
@@ -626,9 +628,9 @@ def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[t
     return have
 
 
-def tma_key(N: int, K: int, G: int) -> str:
+def tma_key(N: int, K: int, G: int) -> _table.Gemv1TmaKey:
     """Tuned-table key of the TMA config measured fastest (and faster than the CUDA-core kernel)."""
-    return f"gemv1tma|{N}|{K}|{G}"
+    return _table.Gemv1TmaKey(N, K, G)
 
 
 _CAPABLE: dict = {}  # device index -> sm_90+ (asked once: the M = 1 dispatch runs this per call)
@@ -652,9 +654,7 @@ def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.dev
     and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off (the CUDA-core
     kernel everywhere: for A/B measurements and as an escape hatch). Also what the inspection report
     names (``passes/phase_dispatch.kernel_for``)."""
-    import os
-
-    if os.environ.get("SPEAR_NO_TMA_GEMV", "0") not in ("", "0"):
+    if envs.no_tma_gemv():
         return None
     if table is None:
         from .w4a16_triton import tuned_table

@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from ..dispatch import table as _table
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 
 GEMV_MAX_M = 4  # rows handled by the GEMV kernel; above this the tiled GEMM (tensor cores) is faster
@@ -572,36 +573,35 @@ GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
 ]
 
-_TABLE: Optional[dict] = None  # tuned configs for this GPU (tuning.load_table("configs")), loaded lazily
+_TABLE = None  # this GPU's tuned configs (``dispatch.table.configs``), bound on first use
 
 
-def tuned_table() -> dict:
+def tuned_table():
+    """This GPU's tuned configs: a ``dispatch.table.TunedTable`` (typed keys, validated values)."""
     global _TABLE
     if _TABLE is None:
-        from .tuning import load_table
-
-        _TABLE = (load_table("configs") or {}) if torch.cuda.is_available() and not INTERPRET else {}
+        _TABLE = _table.configs()
     return _TABLE
 
 
-def gemv_key(N: int, K: int, G: int, has_ec: bool) -> str:
-    return f"gemv|{N}|{K}|{G}|{int(has_ec)}"
+def gemv_key(N: int, K: int, G: int, has_ec: bool) -> _table.GemvKey:
+    return _table.GemvKey(N, K, G, int(has_ec))
 
 
-def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> str:
-    return f"gemv1|{N}|{K}|{G}|{int(has_ec)}"
+def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> _table.Gemv1Key:
+    return _table.Gemv1Key(N, K, G, int(has_ec))
 
 
-def gemv1pdl_key(N: int, K: int, G: int) -> str:
+def gemv1pdl_key(N: int, K: int, G: int) -> _table.Gemv1PdlKey:
     """Tuned-table key of the GEMV tile of the decode EC's PDL pair (``kernels.py --lab gemv --ec-pdl R``)."""
-    return f"gemv1pdl|{N}|{K}|{G}"
+    return _table.Gemv1PdlKey(N, K, G)
 
 
-def gemv1tmaec_key(N: int, K: int, G: int) -> str:
+def gemv1tmaec_key(N: int, K: int, G: int) -> _table.Gemv1TmaEcKey:
     """Tuned-table key: 1 if a single decode EC of this shape measured faster as the TMA GEMV's EC pair
     than as the CUDA-core PDL pair, 0 if slower (``kernels.py --lab gemv --tma --ec-pdl R``); absent: the
     TMA pair wherever the TMA kernel runs the shape (``gemv1_ec``)."""
-    return f"gemv1tmaec|{N}|{K}|{G}"
+    return _table.Gemv1TmaEcKey(N, K, G)
 
 
 def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
@@ -620,8 +620,8 @@ def ec_pdl_config(N: int, K: int, G: int) -> tuple:
     return tuple(cfg)
 
 
-def gemm_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
+def gemm_key(M: int, N: int, K: int, G: int) -> _table.GemmKey:
+    return _table.GemmKey(_m_bucket(M), N, K, G)
 
 
 def _default_gemm(M: int) -> tuple:
@@ -807,29 +807,28 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     return y
 
 
-def gemv1self_key(N: int, K: int, G: int) -> str:
+def gemv1self_key(N: int, K: int, G: int) -> _table.Gemv1SelfKey:
     """Tuned-table key of the one-launch decode EC (``ec_self.py``) where the lab measured it fastest
     (``kernels.py --lab gemv --ec-pdl R``): ``["cc", BLOCK_N, BLOCK_W, warps, prefetch]`` (the CUDA-core
     kernel) or ``["tma", WARPS, RB, CH, STAGES, OPS]`` (the TMA kernel); absent: one of the two-launch
     pairs."""
-    return f"gemv1self|{N}|{K}|{G}"
+    return _table.Gemv1SelfKey(N, K, G)
 
 
-def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> str:
+def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> _table.Gemv1SelfRankKey:
     """Tuned-table key of the one-launch decode EC's choice for one rank bucket (``next_pow2(R)``): the
     ``gemv1self`` value to use at that rank, or ``["pair"]`` where a two-launch pair measured faster there.
     Why per rank: ``gemv1self`` is measured at r = 64; at 11008x4096 the one launch took 15.2 / 15.8 us at
     r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (session 23,
     ``benchmarks/decode_ec_ranks.py``). Absent: the rank-free ``gemv1self`` entry decides."""
-    return f"gemv1selfr|{N}|{K}|{G}|{next_pow2(R)}"
+    return _table.Gemv1SelfRankKey(N, K, G, next_pow2(R))
 
 
 def drop_gemv1self_ranks(N: int, K: int, G: int) -> None:
     """Remove every per-rank entry (``gemv1self_rank_key``) of this shape from the tuned table: what the labs
     do before they remake them, or when the rank-free entry they were measured against changes."""
-    prefix = gemv1self_rank_key(N, K, G, 1)[:-1]  # "gemv1selfr|N|K|G|"
     table = tuned_table()
-    for k in [k for k in table if k.startswith(prefix)]:
+    for k in [k for k in table if isinstance(k, _table.Gemv1SelfRankKey) and (k.N, k.K, k.G) == (N, K, G)]:
         table.pop(k)
 
 
@@ -982,8 +981,8 @@ WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-l
 WGMMA_RA = "wgmma_ra"
 
 
-def wgmma_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemmwg|{_m_bucket(M)}|{N}|{K}|{G}"
+def wgmma_key(M: int, N: int, K: int, G: int) -> _table.GemmWgKey:
+    return _table.GemmWgKey(_m_bucket(M), N, K, G)
 
 
 def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
@@ -1004,8 +1003,8 @@ def wgmma_choices() -> list:
     return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
-def wgmma_ra_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemmra|{_m_bucket(M)}|{N}|{K}|{G}"
+def wgmma_ra_key(M: int, N: int, K: int, G: int) -> _table.GemmRaKey:
+    return _table.GemmRaKey(_m_bucket(M), N, K, G)
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
@@ -1021,8 +1020,8 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     return tuple(got) if got is not None else None
 
 
-def ec_self_key(M: int, N: int, K: int, G: int) -> str:
-    return f"ecself|{_m_bucket(M)}|{N}|{K}|{G}"
+def ec_self_key(M: int, N: int, K: int, G: int) -> _table.EcSelfKey:
+    return _table.EcSelfKey(_m_bucket(M), N, K, G)
 
 
 def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
@@ -1049,8 +1048,8 @@ def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
     return tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
 
 
-def ec_structure_key(M: int, N: int, K: int, G: int) -> str:
-    return f"ecstruct|{_m_bucket(M)}|{N}|{K}|{G}"
+def ec_structure_key(M: int, N: int, K: int, G: int) -> _table.EcStructKey:
+    return _table.EcStructKey(_m_bucket(M), N, K, G)
 
 
 def ec_structure(M: int, N: int, K: int, G: int) -> str:
@@ -1109,5 +1108,4 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     return y
 
 
-def _m_bucket(M: int) -> int:
-    return min(next_pow2(M), 4096)
+_m_bucket = _table.m_bucket
