@@ -148,3 +148,28 @@ if [[ " $STEPS " == *" kernels "* ]]; then
   tail -4 "$OUT/kernels_before.log" "$OUT/kernels_after.log"
 fi
 rm -rf "$OUT/cache"
+python - "$OUT" <<'PY'
+import glob, json, os, sys
+o = sys.argv[1]
+summary = json.load(open(f"{o}/meta.json"))
+if os.path.exists(f"{o}/compare.json"):
+    c = json.load(open(f"{o}/compare.json"))
+    summary["trace"] = {k: c[k] for k in ("cases", "same_kernels_grids_blocks", "all_match")}
+    summary["trace"]["differ"] = sorted(c["differ"])
+def rows(path):
+    try:
+        return json.load(open(path))["rows"]
+    except Exception as e:
+        return None
+for what, pat in (("e2e", "e2e_{}/e2e_decode.json"), ("kernels", "kernels_{}/kernels_*.json")):
+    got = {}
+    for side in ("before", "after"):
+        files = glob.glob(os.path.join(o, pat.format(side)))
+        got[side] = rows(files[0]) if files else None
+    summary[what] = got
+json.dump(summary, open(f"{o}/summary.json", "w"), indent=1)
+PY
+# at most a few files come back: the summaries, and everything else packed
+(cd "$OUT" && tar czf raw.tgz --exclude=raw.tgz --exclude=summary.json --exclude=compare.json . \
+  && find . -mindepth 1 ! -name raw.tgz ! -name summary.json ! -name compare.json -delete)
+ls -la "$OUT"
