@@ -110,8 +110,8 @@ for name, fn in cases.items():
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 PY
 if [[ " $STEPS " == *" trace "* ]]; then
-  PYTHONPATH="$BEFORE" timeout 200 python "$OUT/trace.py" "$OUT/trace_before.json" > "$OUT/trace_before.log" 2>&1
-  PYTHONPATH=. timeout 200 python "$OUT/trace.py" "$OUT/trace_after.json" > "$OUT/trace_after.log" 2>&1
+  PYTHONPATH="$BEFORE" timeout ${TRACE_S:-170} python "$OUT/trace.py" "$OUT/trace_before.json" > "$OUT/trace_before.log" 2>&1
+  PYTHONPATH=. timeout ${TRACE_S:-170} python "$OUT/trace.py" "$OUT/trace_after.json" > "$OUT/trace_after.log" 2>&1
   python - "$OUT" <<'PY'
 import json, sys
 o = sys.argv[1]
@@ -126,24 +126,24 @@ print("cases", len(set(b) | set(a)), "same", len(same), "differ", len(diff), "su
 PY
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout 240 python -m pytest -q -x -p no:cacheprovider tests/inspect/test_report_routes.py tests/dispatch \
+  timeout ${TESTS_S:-220} python -m pytest -q -x -p no:cacheprovider tests/inspect/test_report_routes.py tests/dispatch \
     tests/lowering/test_gemv_tma_ec.py tests/lowering/test_gemv_tma_self.py tests/lowering/test_ec_decode_pdl.py \
     tests/lowering/test_gemv_tma.py tests/lowering/test_wrapper_checks.py > "$OUT/tests.log" 2>&1
   echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
 fi
 if [[ " $STEPS " == *" e2e "* ]]; then
   mkdir -p "$OUT/e2e_before" "$OUT/e2e_after"
-  PYTHONPATH="$BEFORE" timeout 150 python "$BEFORE/benchmarks/e2e_decode.py" --out "$OUT/e2e_before" --batch 1 \
+  PYTHONPATH="$BEFORE" timeout ${BENCH_S:-135} python "$BEFORE/benchmarks/e2e_decode.py" --out "$OUT/e2e_before" --batch 1 \
     --variants ours_w4 spear_ec25 > "$OUT/e2e_before.log" 2>&1
-  PYTHONPATH=. timeout 150 python benchmarks/e2e_decode.py --out "$OUT/e2e_after" --batch 1 \
+  PYTHONPATH=. timeout ${BENCH_S:-135} python benchmarks/e2e_decode.py --out "$OUT/e2e_after" --batch 1 \
     --variants ours_w4 spear_ec25 > "$OUT/e2e_after.log" 2>&1
   tail -2 "$OUT/e2e_before.log" "$OUT/e2e_after.log"
 fi
 if [[ " $STEPS " == *" kernels "* ]]; then
   mkdir -p "$OUT/kernels_before" "$OUT/kernels_after"
-  PYTHONPATH="$BEFORE" timeout 150 python "$BEFORE/benchmarks/kernels.py" --out "$OUT/kernels_before" \
+  PYTHONPATH="$BEFORE" timeout ${BENCH_S:-135} python "$BEFORE/benchmarks/kernels.py" --out "$OUT/kernels_before" \
     --shapes 11008x4096 --ms 1 256 > "$OUT/kernels_before.log" 2>&1
-  PYTHONPATH=. timeout 150 python benchmarks/kernels.py --out "$OUT/kernels_after" --shapes 11008x4096 --ms 1 256 \
+  PYTHONPATH=. timeout ${BENCH_S:-135} python benchmarks/kernels.py --out "$OUT/kernels_after" --shapes 11008x4096 --ms 1 256 \
     > "$OUT/kernels_after.log" 2>&1
   tail -4 "$OUT/kernels_before.log" "$OUT/kernels_after.log"
 fi
