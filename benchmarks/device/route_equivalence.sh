@@ -126,7 +126,7 @@ print("cases", len(set(b) | set(a)), "same", len(same), "differ", len(diff), "su
 PY
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout ${TESTS_S:-220} python -m pytest -q -x -p no:cacheprovider tests/inspect/test_report_routes.py tests/dispatch \
+  timeout ${TESTS_S:-220} python -m pytest -q -p no:cacheprovider tests/inspect/test_report_routes.py tests/dispatch \
     tests/lowering/test_gemv_tma_ec.py tests/lowering/test_gemv_tma_self.py tests/lowering/test_ec_decode_pdl.py \
     tests/lowering/test_gemv_tma.py tests/lowering/test_wrapper_checks.py > "$OUT/tests.log" 2>&1
   echo "rc=$?" >> "$OUT/tests.log"; tail -3 "$OUT/tests.log"
