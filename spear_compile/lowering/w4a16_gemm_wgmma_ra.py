@@ -47,11 +47,10 @@ import torch
 from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
-from .ec_self import sm_count
 from ._triton import ACT_CODES, next_pow2
 from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
 from .w4a16_gemm_wgmma import _descriptor
-from . import ec_gemm_self
+from . import ec_gemm_self, ec_self
 from .w4a16_gemm_wgmma import _layout, desc_types
 from .w4a16_gemv_gluon import compile_gluon_sm90
 from .ec_gemm_self import SPLITS, split_ok
@@ -603,7 +602,7 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                          f"without ec or diag")
     if sk and ec is None and not diag:
 
-        tiles, sms = -(-M // bmx) * -(-N // bnw), sm_count(x2.device)
+        tiles, sms = -(-M // bmx) * -(-N // bnw), ec_self.sm_count(x2.device)
         if sk_units is None:
             dp, units = sk_plan(tiles, sms, K // BK)
         else:  # (tests: a given number of units over all the tiles)
@@ -721,7 +720,7 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                              bnw)
     num_m, tiles = -(-M // bmx), -(-M // bmx) * -(-N // bnw)
     if split is None:
-        sms = sm_count(x2.device)
+        sms = ec_self.sm_count(x2.device)
         split = 1 if sms is None else self_split(tiles, num_m, bmx, sms)
     if not split_ok(split, bmx):
         raise ValueError(f"w4a16_gemm_wgmma_ra_ec_self: split={split}; needs one of {SPLITS} with BMX / split >= 64 "

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import ACT_CODES
-from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
+from . import ec_self as _es
+from .ec_self import check_self_operands, self_plan, self_workspace
 from .w4a16_gemv_gluon import HAS_GLUON
 from .w4a16_gemv_tma_configs import ec_ok
 
@@ -242,7 +243,7 @@ class EcSelf:
 
     def plan(self, rows: int, warps: int):
         """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
-        return self_plan(self.a.shape[0], self.a.shape[1], rows, 32 * warps, sm_count(self.a.device))
+        return self_plan(self.a.shape[0], self.a.shape[1], rows, 32 * warps, _es.sm_count(self.a.device))
 
     def workspace(self, rows: int, warps: int):
         return self_workspace(self.a, rows, self.plan(rows, warps))

@@ -50,7 +50,7 @@ from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from . import ec_self as _es
 from .layout_cache import derived_cached, derived_peek  # noqa: F401  (the kernels' operands are cached there)
 from .ec_self import SPIN, slot_rows
-from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
+from .ec_self import check_self_operands, self_plan, self_workspace
 
 GEMV_MAX_M = 4  # rows handled by the GEMV kernel; above this the tiled GEMM (tensor cores) is faster
 
@@ -736,7 +736,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
             parts = 8 | (16 if launch_pdl else 0) if ec_parts is None else ec_parts
         else:
 
-            plan = self_plan(R, K, grid, 32 * warps, sm_count(x2.device))
+            plan = self_plan(R, K, grid, 32 * warps, _es.sm_count(x2.device))
             if plan is None:
                 raise ValueError(f"w4a16_gemv1: the one-launch EC's pieces of A {tuple(A.shape)} do not fit "
                                  f"{grid} programs of {warps} warps (ec_self.self_plan): use the two-launch pair")
