@@ -13,7 +13,7 @@ one copy per rank, so every EC route is timed with them warm in L2 (as in ``kern
 dispatch's choice for that rank's bucket (``gemv1self_rank_key``) is written where the one launch and the pair
 the dispatch would take (``tma_ec_measured_ok``: the TMA pair, else the CUDA-core PDL pair) differ by more than
 ``--margin`` us: the rank-free one-launch value where it is faster, ``["pair"]`` where the pair is. Within the
-margin nothing is written (the rank-free entry decides). The table (``lowering/tuned/``) is copied to ``--out``.
+margin nothing is written (the rank-free entry decides). The table (the user cache, ``dispatch/table.py``) is copied to ``--out``.
 
     python benchmarks/decode_ec_ranks.py --out DIR [--shapes 11008x4096 ...] [--ranks 4 8 ...] [--write-table]
 """

@@ -599,7 +599,7 @@ def gemv1pdl_key(N: int, K: int, G: int) -> _table.Gemv1PdlKey:
 def gemv1tmaec_key(N: int, K: int, G: int) -> _table.Gemv1TmaEcKey:
     """Tuned-table key: 1 if a single decode EC of this shape measured faster as the TMA GEMV's EC pair
     than as the CUDA-core PDL pair, 0 if slower (``kernels.py --lab gemv --tma --ec-pdl R``); absent: the
-    TMA pair wherever the TMA kernel runs the shape (``gemv1_ec``)."""
+    TMA pair wherever the TMA kernel runs the shape (``dispatch/route.py``)."""
     return _table.Gemv1TmaEcKey(N, K, G)
 
 
