@@ -7,7 +7,7 @@ from it only in the fp32 accumulation order.
 
 Why: from M ~ 256 on, the shipped prefill path dequantizes the whole weight into a bf16 scratch
 (N K / 2 bytes read, 2 N K written: 48 us at 8192^2 on the H200) and hands it to cuBLAS; at M = 1024 that
-pass is 1.21-1.29x cuBLAS bf16's time (docs/kernels.md, sessions 4 and 9) and the target is 1.15x.
+pass is 1.21-1.29x cuBLAS bf16's time (docs/kernels.md, H200) and the target is 1.15x.
 The pass cannot overlap cuBLAS (a cuBLAS CTA holds a whole SM's registers, so the dequantize programs
 only time-slice with it, H200). Here the dequantization rides inside the GEMM: 4-bit words
 come in by TMA (a quarter of the bf16 weight's bytes) and are expanded in registers while the previous

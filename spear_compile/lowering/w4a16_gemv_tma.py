@@ -9,7 +9,7 @@ each 128-column entry's sum of x, computed once per CTA as x is staged - measure
 and the all-ones MMA were 1 / 5 of the K step's instructions and on its critical path (-7.5 to -15 %).
 
 Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, persistent) stalls at
-1.5-1.8x the time of a kernel that only reads the same bytes (docs/kernels.md, sessions 2-7): each
+1.5-1.8x the time of a kernel that only reads the same bytes (docs/kernels.md, H200): each
 program waits for its loads, then computes with nothing in flight, and registers cap how many bytes a
 program can have outstanding. Here one thread issues TMA copies of whole weight tiles into a ring of
 ``STAGES`` shared-memory buffers, so ``STAGES - 1`` tiles are in flight while all warps compute the
