@@ -37,6 +37,7 @@ from torch import nn
 
 from .compensators.ec import ErrorCompensator
 from .config import ECConfig
+from .errors import ArtifactError
 from .quant.linear import QuantLinear
 
 FORMAT = "spear_compile"
@@ -45,8 +46,6 @@ CONFIG_FILE = "spear_config.json"
 TENSOR_FILE = "model.safetensors"
 
 
-class ArtifactError(RuntimeError):
-    """An artifact directory is missing, corrupted, truncated or does not match its config."""
 
 
 def _sha256(path: str) -> str:

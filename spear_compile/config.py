@@ -201,6 +201,10 @@ class CompileConfig(_Serialisable):
         that GEMV as it stages x (``passes/fuse_rmsnorm.py``; on a GPU only where that kernel runs).
     fold_residual_add: at decode, fold ``x + linear(h)`` into the linear as its bias, so the GEMV's
         epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
+    on_unmatched_ec: what to do when an EC registered for a foreign module's weight (``attach_`` /
+        ``register_ec``) reaches the compiler but no pass rewrites that weight's linear, so the
+        compiled model would silently differ from eager + EC: ``"error"`` (default) raises
+        ``errors.UnmatchedECError`` naming the module; ``"warn"`` compiles without the EC and warns.
     """
 
     crossover_m: Optional[int] = None
@@ -213,9 +217,12 @@ class CompileConfig(_Serialisable):
     fuse_glu: bool = True
     fuse_rmsnorm: bool = True
     fold_residual_add: bool = True
+    on_unmatched_ec: str = "error"
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.on_unmatched_ec not in ("error", "warn"):
+            raise ValueError(f"CompileConfig.on_unmatched_ec={self.on_unmatched_ec!r}: expected 'error' or 'warn'")
         for name in ("crossover_m", "default_crossover_m"):
             v = getattr(self, name)
             if v is not None and v < 2:
