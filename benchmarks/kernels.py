@@ -513,11 +513,11 @@ def main() -> None:
         json.dump(res, f, indent=1)
     import shutil
 
-    from spear_compile.lowering.tuning import TUNED_DIR
+    from spear_compile.dispatch import table as tuned
 
-    for fn in os.listdir(TUNED_DIR):
-        if fn.endswith(".json"):
-            shutil.copy(os.path.join(TUNED_DIR, fn), args.out)
+    for name in ("configs", "crossover"):  # the tables this run wrote (the user cache), beside its results
+        if os.path.exists(tuned.user_path(name, gpu_key())):
+            shutil.copy(tuned.user_path(name, gpu_key()), args.out)
     # ---- table
     print(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  (us per call, CUDA graphs)")
     hdr = f"{'N x K':>12} {'M':>5} {'cuBLAS':>8} {'tinygemm':>9} {'naiveEC':>8} {'ours W4':>8} {'W4/tg':>6} {'W4/cuB':>7} {'EC64/W4':>8}"

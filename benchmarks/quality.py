@@ -13,13 +13,14 @@ one ``quality_<base>.svg`` per base (gap recovered vs memory overhead, a line pe
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(HERE, "results", "quality")
+DEFAULT_OUT = os.path.join(HERE, "results", "quality", f"{datetime.date.today()}_grid")  # <topic>/<date>_<what>
 RUN_METHODS = ("lorc", "lqer", "qera", "serq", "spear")
 METHOD_ORDER = RUN_METHODS + ("spear+scales",)  # table rows
 COLORS = {"lorc": "#999999", "lqer": "#e69f00", "qera": "#0072b2", "serq": "#009e73", "spear": "#d55e00",

@@ -55,8 +55,9 @@ def main(argv=None) -> int:
            "machine": platform.processor() or platform.machine(), "budget": args.budget, "ec_modules": len(ecs),
            "spear": dataclasses.asdict(cfg), "seconds": seconds, "kl_first": log["losses"][0], "kl_last": log["losses"][-1],
            "date": time.strftime("%Y-%m-%d")}
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"spear_fit_time_{name.replace(' ', '_')}.json")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "calibration",
+                                   f"{res['date']}_spear_fit_time_{name.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(seconds, indent=1))

@@ -7,14 +7,14 @@
 #
 # Topics (the defaults are what the README and docs/gpu.md report; extra args replace or add flags):
 #   kernels        benchmarks/kernels.py: every provider side by side, checked against its PyTorch
-#                  reference first, the tuned table copied out (default --ms 1; e.g. --ms 256 1024,
+#                  reference first, the tuned tables copied to OUT_DIR/table (default --ms 1; e.g. --ms 256 1024,
 #                  --ms 1 16 256 1024 4096 --shapes ..., --lab gemv --tma --ec-pdl 64)
 #   e2e            benchmarks/e2e_decode.py: Llama-2-7B-shaped decode step, one CUDA graph per step
 #                  (default --batch 1 16, every variant)
 #   ec-ranks       benchmarks/decode_ec_ranks.py: the decode EC per rank, every route
-#                  (add --write-table to write the per-rank choice into the tuned table, copied out)
-#   gpu-tests      pytest of the lowering, the backend and the GPU calibration / sampling paths
-#                  (default paths below; extra args replace them)
+#                  (add --write-table to write the per-rank choice into the tuned table; copied to OUT_DIR/table)
+#   gpu-tests      pytest of the kernels, the dispatch, the backend and the GPU calibration / sampling
+#                  paths (extra args replace the default paths)
 #   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs, --diag for part-by-part timing
 #   ec-prefill     benchmarks/ec_prefill_profile.py: the prefill EC structures part by part
 #   ec-tma-parts   benchmarks/ec_tma_parts.py: the decode EC on the TMA GEMV part by part
@@ -31,6 +31,8 @@
 set -uo pipefail
 if [ $# -lt 2 ]; then sed -n '2,30p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor ncu-gemv1 ncu-gemm quality sweep "
+if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 limit=${TIMEOUT_S:-540}
@@ -68,7 +70,12 @@ bench() {  # bench SCRIPT ARGS...: run one benchmark script into $out, log besid
   echo "rc $rc"; grep -v Warning "$log" | tail -n 30
   return $rc
 }
-table() { cp spear_compile/lowering/tuned/configs_*.json "$out/" 2>/dev/null || true; }
+table() {  # the tuned tables after the run: the shipped ones and those written to the user cache
+  mkdir -p "$out/table/shipped" "$out/table/user"
+  cp spear_compile/*/tuned/*.json "$out/table/shipped/" 2>/dev/null
+  cp "${SPEAR_CACHE_DIR:-$HOME/.cache/spear_compile}"/*.json "$out/table/user/" 2>/dev/null
+  true
+}
 
 rc=0
 case "$topic" in
@@ -76,9 +83,15 @@ case "$topic" in
   e2e)          bench benchmarks/e2e_decode.py --out "$out" ${@:---batch 1 16 --variants bf16 int4_tinygemm \
                   ours_w4 spear_ec10 spear_ec25 spear_ec100 unfused_ec25}; rc=$? ;;
   ec-ranks)     bench benchmarks/decode_ec_ranks.py --out "$out" "$@"; rc=$?; table ;;
-  gpu-tests)    timeout "$limit" python -m pytest -q -p no:cacheprovider -rf ${@:-tests/lowering \
-                  tests/passes/test_backend.py tests/compensators/test_sampling.py tests/compensators/test_calibrate.py} \
-                  > "$log" 2>&1; rc=$?; echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
+  gpu-tests)    paths=("$@")
+                if [ ${#paths[@]} -eq 0 ]; then  # the kernel, dispatch and backend tests and the GPU calibration paths
+                  for t in tests/lowering tests/kernels tests/dispatch tests/passes/test_backend.py \
+                           tests/compensators/test_sampling.py tests/compensators/test_calibrate.py; do
+                    [ -e "$t" ] && paths+=("$t")
+                  done
+                fi
+                timeout "$limit" python -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$log" 2>&1; rc=$?
+                echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
   lab-gemm)     bench benchmarks/lab_gemm.py --out "$out" "$@"; rc=$? ;;
   ec-prefill)   bench benchmarks/ec_prefill_profile.py --out "$out" "$@"; rc=$? ;;
   ec-tma-parts) bench benchmarks/ec_tma_parts.py --out "$out" "$@"; rc=$? ;;
@@ -95,7 +108,6 @@ case "$topic" in
                 echo "rc $rc"; tail -n 20 "$log" ;;
   sweep)        timeout "$limit" bash "$here/quality.sh" benchmarks/spear_sweep.py --out "$out" "$@" > "$log" 2>&1; rc=$?
                 echo "rc $rc"; tail -n 20 "$log" ;;
-  *)            echo "unknown topic '$topic'"; sed -n '8,25p' "$0"; exit 2 ;;
 esac
 if [ "${PACK:-0}" = 1 ]; then bash "$here/pack.sh" "$out"; fi
 exit $rc

@@ -2,7 +2,7 @@
 
 At M >= 256 the tensor-core GEMM is compute bound and cuBLAS runs it at ~800 TFLOP/s on
 an H200, which the in-loop-dequant Triton GEMM does not reach (2.3-2.8x slower,
-benchmarks/NOTES.md). One vectorised dequantize pass (``w4a16_triton.w4_dequantize``:
+docs/kernels.md). One vectorised dequantize pass (``w4a16_triton.w4_dequantize``:
 N*K/2 bytes read, N*K*2 written; 48 us for 8192^2 on the H200) plus cuBLAS is 1.05-1.25x
 cuBLAS bf16 from M = 1024 on.
 
@@ -19,7 +19,7 @@ M >= 256 (session 4). Here the EC goes first and into the GEMM's C operand inste
 ``E = alpha * hg B^T (+ bias)`` (cuBLAS shrink, Triton gate, cuBLAS expand) runs on the main
 stream while the weight is dequantized on a side stream, then ``E += x2 W^T`` in place
 (cuBLAS with beta = 1 reads E in its epilogue): no pass over Y after the GEMM. Measured on the
-H200 (``benchmarks/NOTES.md``, session 9): it wins at M = 4096, and at M = 256-1024 on the larger
+H200 (``docs/kernels.md``, session 9): it wins at M = 4096, and at M = 256-1024 on the larger
 shapes only with the EC's stream at high priority - otherwise its small kernels queue behind the
 dequantize's grid. ``dispatch.ec_overlapped`` picks the structure per shape from measurements.
 """

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .. import envs
 from .w4a16_cat import (concatenated, concatenated_glu_tma, concatenated_tma, gemv1_cat_ok, glu_config, glu_of,
                         rms_norm_ref)
 
@@ -47,7 +48,7 @@ def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas) -> tuple:
 
     Used by ``spear::ec_linear_cat`` (``fuse_shared_input`` with ``CompileConfig.fuse_shared_input_ec``:
     q/k/v or gate/up with ECs as one GEMV + one EC; on by default since it measured 2.731 -> 2.691 ms
-    per E2E step, NOTES.md session 12)."""
+    per E2E step, docs/kernels.md session 12)."""
     from .w4a16_triton import derived_cached
 
     def make() -> tuple:
@@ -105,12 +106,10 @@ def ec_epilogue_ok(cfg: Optional[tuple], device: torch.device, norm: bool, rc: O
     everywhere: for A/B measurements and as an escape hatch). Asked at run time (``ec_tma_config``) and
     by the passes before they rewrite (``fuse_rmsnorm``, ``fuse_glu``) or name the kernel
     (``phase_dispatch``)."""
-    import os
-
     from .ec_decode_triton import pdl_ok
     from .w4a16_gemv_tma import ec_ok, norm_ok
 
-    if cfg is None or os.environ.get("SPEAR_NO_TMA_EC", "0") not in ("", "0") or (rc is not None and rc > EC_RC_MAX):
+    if cfg is None or envs.no_tma_ec() or (rc is not None and rc > EC_RC_MAX):
         return False
     return pdl_ok(device) and ec_ok(cfg) and (not norm or norm_ok(cfg))
 

@@ -28,11 +28,11 @@ and no ordering between the two grids.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .. import envs
 from ._triton import HAS_TRITON, INTERPRET, gdc_wait, next_pow2
 
 if HAS_TRITON:
@@ -96,7 +96,7 @@ def pdl_launch_ok(device: torch.device) -> bool:
     """Whether the decode EC's GEMV is launched with PDL behind its producer grid (``pdl_ok``), unless
     ``SPEAR_NO_PDL=1`` is set: a diagnostic switch that keeps the same kernels but runs the pair in plain
     stream order (same results; the GEMV then starts after the producer ends)."""
-    return pdl_ok(device) and os.environ.get("SPEAR_NO_PDL", "0") in ("", "0")
+    return pdl_ok(device) and not envs.no_pdl()
 
 
 def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tuple] = None,

@@ -4,7 +4,7 @@ Reference: ``lowering/ec_linear.py:ec_linear_ref``.
 
 Why: the "in_gemm" structure (``dispatch._ec_in_gemm``) adds ``alpha g h`` B^T to the register-operand GEMM
 (``w4a16_gemm_wgmma_ra.py``) as one more K step, but its shrink ``h = x A^T`` (cuBLAS: [M, K] x [K, r] has
-few output tiles) and gate run before the GEMM, serially: 10-15 us of 43-240 (benchmarks/NOTES.md, session
+few output tiles) and gate run before the GEMM, serially: 10-15 us of 43-240 (docs/kernels.md, session
 18, call 1). Nothing overlapped them - neither a PDL-launched GEMM behind a split-K shrink nor the side
 stream. Here the GEMM's launch has ``num_m * split`` more CTAs, ``split`` per block of BMX rows of x, whose
 *role* is the shrink and gate of BMX / split of that block's tokens; the GEMM tiles wait for their block's
@@ -39,7 +39,7 @@ step from its own TMA-fed x box, with no weight expansion.
   the GPU tests have run widths 5, 8 (SPEAR's default) and 16 (session 20, call 1), so the dispatch routes
   every width up to 16 here.
 
-Measured (H200, benchmarks/NOTES.md): session 19, 4096^2 M = 1024 53-54 us against the register-operand GEMM's
+Measured (H200, docs/kernels.md): session 19, 4096^2 M = 1024 53-54 us against the register-operand GEMM's
 51-52 alone and "in_gemm"'s 61. Session 20, with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
 EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs; 4096^2 M = 256 missed (1.18-1.27x: the roles' K
 loop). Session 21, with the deeper role ring (``ROLE_DEEP``): that cell 1.05x, and 10 of 10 cells within 1.10x in

@@ -4,7 +4,7 @@ Reference: ``lowering/ec_linear.py:ec_linear_ref``.
 
 Why: the decode EC's two-launch form (the producer grid, then the GEMV launched behind it with PDL,
 ``ec_decode_triton.py``) pays the dependent launch - the GEMV starts 1.7-2.2 us after the producer
-(benchmarks/NOTES.md, session 13), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
+(docs/kernels.md, session 13), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
 single launches lost for other reasons: extra producer programs scheduled after (session 2) or beside
 (session 13) the GEMV's own, one hot counter every program hit twice, and a last producer whose gate
 everyone waited for. Here no program is extra, and the one shared counter (a ticket) is never polled or
@@ -32,7 +32,7 @@ reset:
   and publishes them too - an idempotent write. Triton's interpreter (programs run one after another,
   ``SPIN = 0``) exercises this path on the CPU.
 
-Measured (H200, session 17, benchmarks/NOTES.md): the dependent launch is gone, but the one launch's own
+Measured (H200, session 17, docs/kernels.md): the dependent launch is gone, but the one launch's own
 operands, pieces and tail cost 1.1-2.4 us, so it beats the pairs by 0.1-0.9 us on three of the five issue
 shapes (11008x4096 12.8 vs 13.7 us) and loses on the other two; the lab decides per shape.
 
@@ -206,7 +206,7 @@ if HAS_TRITON:
         every thread's loaded words are counted by ``missing`` (a CPU test checks the compiled layouts). Read as
         [R_P, NC_P] with fewer elements than threads, two threads would each load a copy of the same slot,
         the count would see one of them and the gate could use the other, stale one - the race session 18
-        found in the Gluon form (benchmarks/NOTES.md). h is the max over the T // R_P copies of each row,
+        found in the Gluon form (docs/kernels.md). h is the max over the T // R_P copies of each row,
         which all hold this launch's bits once nothing is missing. The fallback computes every piece (not
         only those its own copy saw missing, which another thread's copy could contradict)."""
         offs_t = tl.arange(0, T)

@@ -5,24 +5,18 @@ would measure the host. ``bench_graph`` captures ``calls`` invocations (cycling 
 input copies larger than L2, so HBM and not the cache is measured) into one CUDA graph
 and reports the median replay time per call, the way a compiled decode step runs.
 
-Tuned kernel configs and measured crossovers are saved as JSON keyed by GPU name under
-``spear_compile/lowering/tuned/`` and loaded on first use on that GPU.
+Tuned kernel configs and measured crossovers are typed tables (``dispatch/table.py``): the shipped ones
+are package data, the ones a user measures go to the user cache directory.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from typing import Callable, Iterable, Optional
 
 import torch
 
-TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
-
-
-def gpu_key(device=None) -> str:
-    name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-    return name.replace(" ", "_")
+from ..dispatch import table as _table
+from ..dispatch.table import gpu_key  # noqa: F401  (the benchmarks name their results by it)
 
 
 def capture_graph(fn: Callable[[int], object], copies: int = 1, calls: int = 20,
@@ -90,7 +84,7 @@ def refine(run: Callable[[tuple], Callable[[int], object]], configs: list, copie
     """The fastest of a few near-tied finalists (e.g. the best of each kernel family from ``search``), re-timed
     with the full ``bench_graph`` in ``rounds`` interleaved rounds, by median. Why: ``search``'s short timings
     flipped a table choice between runs on a 1-2 % tie, and once took a config that the same run's full timing
-    put 10 % behind (28672x8192 M = 1024, session 20: 754 us in the search, 830 after); interleaving spreads a
+    put 10 % behind (28672x8192 M = 1024 on an H200: 754 us in the search, 830 after); interleaving spreads a
     drift of the GPU's clock over every finalist alike. Configs are compared as tuples (lists are converted)."""
     configs = [tuple(c) for c in configs]
     times: dict = {c: [] for c in configs}
@@ -102,26 +96,16 @@ def refine(run: Callable[[tuple], Callable[[int], object]], configs: list, copie
     return best, med[best]
 
 
-def save_table(name: str, table: dict, device=None) -> str:
-    os.makedirs(TUNED_DIR, exist_ok=True)
-    path = os.path.join(TUNED_DIR, f"{name}_{gpu_key(device)}.json")
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    return path
+def save_table(name: str, table, device=None) -> str:
+    """Write a tuned table as this GPU's user table (``dispatch.table.save``; never into the package)."""
+    return _table.save(name, table, device)
 
 
-def load_table(name: str, device=None) -> Optional[dict]:
-    path = os.path.join(TUNED_DIR, f"{name}_{gpu_key(device)}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def load_table(name: str, device=None) -> Optional[_table.TunedTable]:
+    """This GPU's ``name`` table: the user's, else the shipped one (``dispatch.table.load``)."""
+    return _table.load(name, device)
 
 
 def measured_crossover(N: int, K: int, device=None) -> Optional[int]:
     """Fused/overlapped crossover M measured for an [N, K] weight on this GPU, if any."""
-    table = load_table("crossover", device) if torch.cuda.is_available() else None
-    if not table:
-        return None
-    v = table.get(f"{N}x{K}")
-    return int(v) if v else None
+    return _table.crossover(N, K, device)

@@ -7,7 +7,7 @@ from it only in the fp32 accumulation order.
 
 Why: from M ~ 256 on, the shipped prefill path dequantizes the whole weight into a bf16 scratch
 (N K / 2 bytes read, 2 N K written: 48 us at 8192^2 on the H200) and hands it to cuBLAS; at M = 1024 that
-pass is 1.21-1.29x cuBLAS bf16's time (benchmarks/NOTES.md, sessions 4 and 9) and the target is 1.15x.
+pass is 1.21-1.29x cuBLAS bf16's time (docs/kernels.md, sessions 4 and 9) and the target is 1.15x.
 The pass cannot overlap cuBLAS (a cuBLAS CTA holds a whole SM's registers, so the dequantize programs
 only time-slice with it: session 4, run 3). Here the dequantization rides inside the GEMM: 4-bit words
 come in by TMA (a quarter of the bf16 weight's bytes) and are expanded in registers while the previous
@@ -38,7 +38,7 @@ Configs (BM, BN, STAGES, WARPS): BM rows of x per CTA (64 or 128 per warpgroup),
 depth. Constraints: CUDA sm_90+, bf16 x / scales / zero points / bias, K % 64 == 0, G % 64 == 0 or
 per-channel (G >= K), N % 8 == 0 (TMA row strides). ``w4a16_triton.w4a16_gemm`` takes it where
 ``benchmarks/kernels.py`` measured it fastest (tuned table value ``("wgmma", ...)``; the "in_gemm" EC
-structure's own entry: ``gemmwg`` keys). Measured on the H200 (session 15, NOTES.md): faster than
+structure's own entry: ``gemmwg`` keys). Measured on the H200 (session 15, docs/kernels.md): faster than
 dequantize + cuBLAS at M = 256 on the larger shapes, slower from M = 1024 (1.3-1.4x cuBLAS): its step
 is bound by shared-memory traffic (the expanded tile written once and read by both warpgroups).
 """
@@ -66,7 +66,7 @@ if HAS_GLUON:
 BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
 # the other multiplies); the others one CTA with a deeper ring or a wider tile. BM = 256 (128 x rows per
-# warpgroup) feeds each expanded tile to twice the MMAs: the expansion, not the MMAs, bounds a step (NOTES.md,
+# warpgroup) feeds each expanded tile to twice the MMAs: the expansion, not the MMAs, bounds a step (docs/kernels.md,
 # session 15). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 (call 8),
 # and the warp-specialised variant (WS_CONFIGS) was no faster (call 9): neither is in the searched list.
 WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),

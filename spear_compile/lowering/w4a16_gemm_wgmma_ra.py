@@ -5,7 +5,7 @@ dequantizes it (bf16 ``(q - z) * s``), as in the plain kernel (``w4a16_gemm_wgmm
 
 Why: the plain kernel expands each K step's weights into a shared-memory tile that both MMA warpgroups then
 read, ~148 KB of shared-memory traffic per 2^21 multiply-adds, which session 15 measured as its bound
-(benchmarks/NOTES.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand, taken
+(docs/kernels.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand, taken
 from registers, so its expanded tile never touches shared memory (~104 KB per 2^21). Measured on the H200
 (session 16): 10-20 % faster than the plain kernel everywhere, and faster than dequantize + cuBLAS at
 M = 256 (0.59-0.75x on the large shapes) and M = 1024 (0.93-0.98x); slower at M = 4096.
@@ -34,7 +34,7 @@ Config (BNW, BMX, STAGES, WARPS[, PF[, SK]]): BNW weight rows (16 per warp, the 
 N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used), PF = 2
 brings them through the TMA ring with the step's words (``ring_row_params``; faster: session 22);
 SK = 1 runs the last partial wave of tiles stream-K (``sk_plan``, ``_ra_sk_unit``: measured slower, so neither
-is searched; NOTES.md session 21).
+is searched; docs/kernels.md session 21).
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
 The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
 ``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]])`` (``w4a16_triton.w4a16_gemm``).
@@ -156,7 +156,7 @@ if HAS_WGMMA:
         several runs through one ring): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
         alive until then), refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the
         next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
-        expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: NOTES.md
+        expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: docs/kernels.md
         session 16), else this step's are loaded here, where they are used; with ``RP`` they come with the step's
         words through the ring (``ring_row_params``) and are read from shared memory after its wait.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``), 4 no
@@ -435,7 +435,7 @@ if HAS_WGMMA:
 # (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the
 # widest MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
-# the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (NOTES.md, session 16).
+# the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (docs/kernels.md, session 16).
 # PF = 2 (row parameters through the TMA ring) first: same bits, and in session 22's call 1 (same process, M = 1024)
 # 128 x 256 x 4 went 146.1 -> 121.9 us on 4096x11008 and 226.7 -> 200.0 on 8192^2 (11008x4096: 150.8 -> 151.0,
 # where the 3-stage ring measured slower, 149.7 -> 159.0); PF = 0 stays searched beside it.

@@ -1,7 +1,7 @@
 """Warp-specialised variant of the large-M W4A16 wgmma GEMM (``w4a16_gemm_wgmma.py``).
 
 Why: in the single-partition kernel the same warps expand the 4-bit words and wait on the MMAs, and one
-CTA barrier per K step ties them together; its diagnostic variants (benchmarks/NOTES.md, session 15)
+CTA barrier per K step ties them together; its diagnostic variants (docs/kernels.md, session 15)
 measured expansion and MMAs each at about cuBLAS's time but adding up instead of overlapping. Here they
 are different warps, handing tiles over through mbarriers:
 
@@ -17,7 +17,7 @@ operand (the "in_gemm" structure uses the plain kernel).
 
 Measured (H200, 2026-12-01, `benchmarks/results/gemm/2026-12-01_h200_warp_specialised/`): correct (GPU tests), and -3 to +13 %
 against the plain kernel's (256, 128, 4, 8) - the hand-off was not what bounded the step; the shared-memory
-traffic per MMA is (NOTES.md). Kept as the base for a variant that feeds the expanded weight to the MMAs
+traffic per MMA is (docs/kernels.md). Kept as the base for a variant that feeds the expanded weight to the MMAs
 from registers; not in the tuned search (``WS_CONFIGS``).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the data flow is mirrored in 
 ``gemv_gluon_emulated`` (what the CPU tests check: Gluon kernels do not run in Triton's interpreter).
 
 Status: this register-fed kernel is not dispatched (on the H200 it runs at the CUDA-core kernel's
-speed: 8192^2 17.6 vs 17.2-17.6 us; benchmarks/NOTES.md, session 7); ``benchmarks/kernels.py --lab gemv
+speed: 8192^2 17.6 vs 17.2-17.6 us; docs/kernels.md, session 7); ``benchmarks/kernels.py --lab gemv
 --gluon`` times it. Its K-step arithmetic (``_mma_words``), index setup and epilogue (``_store_rows``)
 are shared with the TMA-fed kernel of ``w4a16_gemv_tma.py``, which *is* dispatched at M = 1 where it
 measured faster (session 11).
@@ -264,7 +264,7 @@ def gemv_gluon_emulated(x2, words, scales, zeros, G: int, bias) -> torch.Tensor:
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False) -> dict:
     """Compile the kernel for sm_90 without a GPU (Triton's own ptxas) and return its ``asm`` dict
     (ttgir, ptx, cubin): the offline check that every layout conversion in it is free, and the
-    source of the SASS counts in benchmarks/NOTES.md. Needs TRITON_INTERPRET unset."""
+    source of the SASS counts in docs/kernels.md. Needs TRITON_INTERPRET unset."""
     warps, rb, ch, pf = config
     types = dict(X="*bf16", QW="*i32", S="*bf16", Z="*bf16", BIAS="*bf16", Y="*bf16", N="i32", K="i32", KW="i32",
                  NG="i32")

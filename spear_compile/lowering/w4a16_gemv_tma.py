@@ -9,11 +9,11 @@ each 128-column entry's sum of x, computed once per CTA as x is staged - session
 and the all-ones MMA were 1 / 5 of the K step's instructions and on its critical path (-7.5 to -15 %).
 
 Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, persistent) stalls at
-1.5-1.8x the time of a kernel that only reads the same bytes (benchmarks/NOTES.md, sessions 2-7): each
+1.5-1.8x the time of a kernel that only reads the same bytes (docs/kernels.md, sessions 2-7): each
 program waits for its loads, then computes with nothing in flight, and registers cap how many bytes a
 program can have outstanding. Here one thread issues TMA copies of whole weight tiles into a ring of
 ``STAGES`` shared-memory buffers, so ``STAGES - 1`` tiles are in flight while all warps compute the
-current one, and the bytes in flight cost shared memory, not registers. What the H200 said (NOTES.md,
+current one, and the bytes in flight cost shared memory, not registers. What the H200 said (docs/kernels.md,
 session 11): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
 per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
 brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
@@ -49,6 +49,8 @@ from typing import Optional
 
 import torch
 
+from .. import envs
+from ..dispatch import table as _table
 from ._triton import next_pow2, sm_count
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 
@@ -256,7 +258,7 @@ if HAS_TMA:
         bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1): a first
         pass reads x for it (L2-resident, 2K bytes), the second stages the normalised values. (Staging x
         and the weight raw in one pass and normalising in shared memory measured slower on the H200:
-        +0.45 us per GEMV, NOTES.md session 12.) Also returns each 128-column entry's sum of the staged
+        +0.45 us per GEMV, docs/kernels.md session 12.) Also returns each 128-column entry's sum of the staged
         values, fp32 [KTS, NB] in shared memory: D_ones of every step (``_x_sums``), once per CTA instead
         of an all-ones MMA per step."""
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -626,9 +628,9 @@ def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[t
     return have
 
 
-def tma_key(N: int, K: int, G: int) -> str:
+def tma_key(N: int, K: int, G: int) -> _table.Gemv1TmaKey:
     """Tuned-table key of the TMA config measured fastest (and faster than the CUDA-core kernel)."""
-    return f"gemv1tma|{N}|{K}|{G}"
+    return _table.Gemv1TmaKey(N, K, G)
 
 
 _CAPABLE: dict = {}  # device index -> sm_90+ (asked once: the M = 1 dispatch runs this per call)
@@ -652,9 +654,7 @@ def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.dev
     and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off (the CUDA-core
     kernel everywhere: for A/B measurements and as an escape hatch). Also what the inspection report
     names (``passes/phase_dispatch.kernel_for``)."""
-    import os
-
-    if os.environ.get("SPEAR_NO_TMA_GEMV", "0") not in ("", "0"):
+    if envs.no_tma_gemv():
         return None
     if table is None:
         from .w4a16_triton import tuned_table

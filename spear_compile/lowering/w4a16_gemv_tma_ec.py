@@ -8,7 +8,7 @@ ECs, each row's own part of the block-diagonal B: ``ec_cat.ec_rows``) and ``gh``
 
 g * h comes from the EC's producer grid (``ec_decode_triton.ec_produce``, launched just before); the
 GEMV is launched behind it by programmatic dependent launch (PDL) and executes ``griddepcontrol.wait``
-only before its epilogue. Measured on the H200 (benchmarks/NOTES.md, session 13): the epilogue itself
+only before its epilogue. Measured on the H200 (docs/kernels.md, session 13): the epilogue itself
 costs 0.4-1.4 us over the plain TMA GEMV; a torch.profiler trace shows the GEMV starting 1.7-2.2 us
 after the producer (the dependent launch's latency, although the producer triggers at once), which is
 most of the pair's remaining overhead. Producer CTAs inside the GEMV's own grid (one launch, a flag
@@ -113,7 +113,7 @@ if HAS_GLUON:
         layout would let those threads load a slot at different times and disagree (one this launch's
         piece, one stale), and the CTA-wide count of missing pieces, which reduces over one replica only,
         would call the slots complete while the gate took the stale copy - wrong rows in that CTA, seen on
-        the H200 (benchmarks/NOTES.md, session 18)."""
+        the H200 (docs/kernels.md, session 18)."""
         T: gl.constexpr = R_P if R_P > 32 * WARPS else 32 * WARPS
         cl: gl.constexpr = gl.BlockedLayout([1, NC_P], [32, 1], [WARPS, 1], [1, 0])
         offs_t = gl.arange(0, T, layout=gl.SliceLayout(1, cl))

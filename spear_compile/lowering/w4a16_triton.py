@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from ..dispatch import table as _table
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 
 GEMV_MAX_M = 4  # rows handled by the GEMV kernel; above this the tiled GEMM (tensor cores) is faster
@@ -95,7 +96,7 @@ if HAS_TRITON:
         0x4300) - exactly 128 + q - one FMA removes the 128 and one FMA multiplies by the
         (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight, about what the biased
         fp32 mode needs (LOP3 + FFMA), so it is only 5-6 % faster on the H200 while its error is
-        3.4x larger (benchmarks/NOTES.md, session 5): opt-in. The four products per half are
+        3.4x larger (docs/kernels.md, session 5): opt-in. The four products per half are
         summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter
         cannot run PTX: there (not ASM) the same nibble pairing and x packing is evaluated in
         fp32, which is what CPU tests check.
@@ -335,7 +336,7 @@ if HAS_TRITON:
                 wn = tl.load(wp + (w0 + BLOCK_W), mask=mrow & ((w0 + BLOCK_W + offs_w) < KW)[None, :], other=0,
                              eviction_policy="evict_first")
                 scn, zn = _gemv1_scales(S, Z, offs_n, mask_n, w0 + BLOCK_W, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
-            else:  # (tile 0 again: measured faster than guarding it with `if w0 > 0`, run 4 in NOTES.md)
+            else:  # (tile 0 again: measured faster than guarding it with `if w0 > 0`, run 4 in docs/kernels.md)
                 w = tl.load(wp + w0, mask=mrow & ((w0 + offs_w) < KW)[None, :], other=0, eviction_policy="evict_first")
                 sc, z = _gemv1_scales(S, Z, offs_n, mask_n, w0, KW, NG, G, BLOCK_W, PER_CHANNEL, HAS_Z)
             d, sx = _gemv1_tile(w, sc, z, X, w0, KW, MAG7, MAG11, MAG15, MAG19, MAG23,
@@ -556,7 +557,7 @@ MAX_PRODUCERS = 64  # programs computing split-K partials of h = A x in the deco
 # 2^E <= 2^15, the bias removed per 32-column chunk; fp32 relative error ~3e-4) or "bf16x2"
 # (packed bf16 pairs, bf16 activations only; products summed 4 at a time in bf16). The default
 # for bf16 activations is GEMV1_BF16_NIB; other dtypes always run "exact". See the kernel
-# docstrings and benchmarks/NOTES.md.
+# docstrings and docs/kernels.md.
 GEMV1_NIBS = {"exact": 0, "biased": 1, "bf16x2": 2}
 GEMV1_BF16_NIB = "biased"
 _MAGICS = (0x43000000, 0x45000000, 0x47000000, 0x49000000, 0x4B000000)  # 2^7, 2^11, 2^15, 2^19, 2^23
@@ -572,36 +573,35 @@ GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
 ]
 
-_TABLE: Optional[dict] = None  # tuned configs for this GPU (tuning.load_table("configs")), loaded lazily
+_TABLE = None  # this GPU's tuned configs (``dispatch.table.configs``), bound on first use
 
 
-def tuned_table() -> dict:
+def tuned_table():
+    """This GPU's tuned configs: a ``dispatch.table.TunedTable`` (typed keys, validated values)."""
     global _TABLE
     if _TABLE is None:
-        from .tuning import load_table
-
-        _TABLE = (load_table("configs") or {}) if torch.cuda.is_available() and not INTERPRET else {}
+        _TABLE = _table.configs()
     return _TABLE
 
 
-def gemv_key(N: int, K: int, G: int, has_ec: bool) -> str:
-    return f"gemv|{N}|{K}|{G}|{int(has_ec)}"
+def gemv_key(N: int, K: int, G: int, has_ec: bool) -> _table.GemvKey:
+    return _table.GemvKey(N, K, G, int(has_ec))
 
 
-def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> str:
-    return f"gemv1|{N}|{K}|{G}|{int(has_ec)}"
+def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> _table.Gemv1Key:
+    return _table.Gemv1Key(N, K, G, int(has_ec))
 
 
-def gemv1pdl_key(N: int, K: int, G: int) -> str:
+def gemv1pdl_key(N: int, K: int, G: int) -> _table.Gemv1PdlKey:
     """Tuned-table key of the GEMV tile of the decode EC's PDL pair (``kernels.py --lab gemv --ec-pdl R``)."""
-    return f"gemv1pdl|{N}|{K}|{G}"
+    return _table.Gemv1PdlKey(N, K, G)
 
 
-def gemv1tmaec_key(N: int, K: int, G: int) -> str:
+def gemv1tmaec_key(N: int, K: int, G: int) -> _table.Gemv1TmaEcKey:
     """Tuned-table key: 1 if a single decode EC of this shape measured faster as the TMA GEMV's EC pair
     than as the CUDA-core PDL pair, 0 if slower (``kernels.py --lab gemv --tma --ec-pdl R``); absent: the
     TMA pair wherever the TMA kernel runs the shape (``gemv1_ec``)."""
-    return f"gemv1tmaec|{N}|{K}|{G}"
+    return _table.Gemv1TmaEcKey(N, K, G)
 
 
 def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
@@ -620,14 +620,14 @@ def ec_pdl_config(N: int, K: int, G: int) -> tuple:
     return tuple(cfg)
 
 
-def gemm_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemm|{_m_bucket(M)}|{N}|{K}|{G}"
+def gemm_key(M: int, N: int, K: int, G: int) -> _table.GemmKey:
+    return _table.GemmKey(_m_bucket(M), N, K, G)
 
 
 def _default_gemm(M: int) -> tuple:
     if INTERPRET:
         return GEMM_CONFIGS[0]
-    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (NOTES.md, session 4)
+    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (docs/kernels.md, session 4)
         return DEQUANT_CUBLAS
     return (16, 64, 128, 4, 4) if M <= 16 else (64, 128, 64, 4, 4) if M <= 128 else (128, 128, 64, 8, 3)
 
@@ -807,29 +807,28 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     return y
 
 
-def gemv1self_key(N: int, K: int, G: int) -> str:
+def gemv1self_key(N: int, K: int, G: int) -> _table.Gemv1SelfKey:
     """Tuned-table key of the one-launch decode EC (``ec_self.py``) where the lab measured it fastest
     (``kernels.py --lab gemv --ec-pdl R``): ``["cc", BLOCK_N, BLOCK_W, warps, prefetch]`` (the CUDA-core
     kernel) or ``["tma", WARPS, RB, CH, STAGES, OPS]`` (the TMA kernel); absent: one of the two-launch
     pairs."""
-    return f"gemv1self|{N}|{K}|{G}"
+    return _table.Gemv1SelfKey(N, K, G)
 
 
-def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> str:
+def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> _table.Gemv1SelfRankKey:
     """Tuned-table key of the one-launch decode EC's choice for one rank bucket (``next_pow2(R)``): the
     ``gemv1self`` value to use at that rank, or ``["pair"]`` where a two-launch pair measured faster there.
     Why per rank: ``gemv1self`` is measured at r = 64; at 11008x4096 the one launch took 15.2 / 15.8 us at
     r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (session 23,
     ``benchmarks/decode_ec_ranks.py``). Absent: the rank-free ``gemv1self`` entry decides."""
-    return f"gemv1selfr|{N}|{K}|{G}|{next_pow2(R)}"
+    return _table.Gemv1SelfRankKey(N, K, G, next_pow2(R))
 
 
 def drop_gemv1self_ranks(N: int, K: int, G: int) -> None:
     """Remove every per-rank entry (``gemv1self_rank_key``) of this shape from the tuned table: what the labs
     do before they remake them, or when the rank-free entry they were measured against changes."""
-    prefix = gemv1self_rank_key(N, K, G, 1)[:-1]  # "gemv1selfr|N|K|G|"
     table = tuned_table()
-    for k in [k for k in table if k.startswith(prefix)]:
+    for k in [k for k in table if isinstance(k, _table.Gemv1SelfRankKey) and (k.N, k.K, k.G) == (N, K, G)]:
         table.pop(k)
 
 
@@ -842,7 +841,7 @@ def gemv1self_choice(N: int, K: int, G: int, R: int) -> Optional[list]:
 
 
 # The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) was switched off in session 18 when its
-# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, benchmarks/NOTES.md): its
+# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, docs/kernels.md): its
 # slots were read in a replicated layout, the CTA-wide missing count looked at one copy and the gate took
 # another. Fixed in ``_self_slots`` / ``_self_collect``; with the fix 0 of 36 such launches were wrong (6-8
 # before). The switch stays as the way to turn the form off.
@@ -982,8 +981,8 @@ WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-l
 WGMMA_RA = "wgmma_ra"
 
 
-def wgmma_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemmwg|{_m_bucket(M)}|{N}|{K}|{G}"
+def wgmma_key(M: int, N: int, K: int, G: int) -> _table.GemmWgKey:
+    return _table.GemmWgKey(_m_bucket(M), N, K, G)
 
 
 def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
@@ -1004,8 +1003,8 @@ def wgmma_choices() -> list:
     return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
 
 
-def wgmma_ra_key(M: int, N: int, K: int, G: int) -> str:
-    return f"gemmra|{_m_bucket(M)}|{N}|{K}|{G}"
+def wgmma_ra_key(M: int, N: int, K: int, G: int) -> _table.GemmRaKey:
+    return _table.GemmRaKey(_m_bucket(M), N, K, G)
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
@@ -1021,8 +1020,8 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     return tuple(got) if got is not None else None
 
 
-def ec_self_key(M: int, N: int, K: int, G: int) -> str:
-    return f"ecself|{_m_bucket(M)}|{N}|{K}|{G}"
+def ec_self_key(M: int, N: int, K: int, G: int) -> _table.EcSelfKey:
+    return _table.EcSelfKey(_m_bucket(M), N, K, G)
 
 
 def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
@@ -1049,8 +1048,8 @@ def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
     return tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
 
 
-def ec_structure_key(M: int, N: int, K: int, G: int) -> str:
-    return f"ecstruct|{_m_bucket(M)}|{N}|{K}|{G}"
+def ec_structure_key(M: int, N: int, K: int, G: int) -> _table.EcStructKey:
+    return _table.EcStructKey(_m_bucket(M), N, K, G)
 
 
 def ec_structure(M: int, N: int, K: int, G: int) -> str:
@@ -1109,5 +1108,4 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     return y
 
 
-def _m_bucket(M: int) -> int:
-    return min(next_pow2(M), 4096)
+_m_bucket = _table.m_bucket

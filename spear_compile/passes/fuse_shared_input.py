@@ -19,7 +19,7 @@ EC group apart: with ``CompileConfig.fuse_shared_input_ec`` (on by default) EC l
 input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
 (``ec_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):
 Llama-2-7B-shaped decode at batch 1 on one H200 went 2.82 -> 2.60 ms/token for plain W4 (predicted
-~2.64) and 2.731 -> 2.691 ms/token with ECs on 25 % of linears (predicted ~2.64; benchmarks/NOTES.md).
+~2.64) and 2.731 -> 2.691 ms/token with ECs on 25 % of linears (predicted ~2.64; docs/kernels.md).
 """
 from __future__ import annotations
 

@@ -9,17 +9,17 @@ Dead nodes (the dequantize chains a matcher replaced) are removed after each pas
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
 compile config, and what the decode passes ask at compile time on a GPU - the tuned table
 of this GPU and ``SPEAR_NO_TMA_GEMV`` / ``SPEAR_NO_TMA_EC`` (``fuse_glu`` / ``fuse_rmsnorm`` rewrite only where
-the TMA kernel runs) - so a cached artifact is never reused after any of them changes. (EC
+the TMA kernel runs; every kill switch of ``envs.py``) - so a cached artifact is never reused after any of them changes. (EC
 parameters are graph inputs, never baked-in constants, so their values need no key.)
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .. import envs
 
 from .base import SpearPass
 from .context import PassContext
@@ -63,7 +63,6 @@ class SpearPassManager(CustomGraphPass):
         h.update(self.ctx.config.fingerprint().encode())
         from ..lowering.w4a16_triton import tuned_table
 
-        h.update(json.dumps(tuned_table(), sort_keys=True).encode())
-        for var in ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC"):
-            h.update(f"{var}={os.environ.get(var, '')}".encode())
+        h.update(tuned_table().fingerprint().encode())  # (covers the table's schema version)
+        h.update(envs.fingerprint().encode())
         return h.hexdigest()

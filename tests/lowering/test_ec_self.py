@@ -152,7 +152,7 @@ def test_slot_read_holds_no_replicated_copies_on_sm90():
     """The slots are read (compiled for sm_90, offline) in a layout whose coverage fits the tensor in every
     dimension: each thread loads distinct slots, so the missing count sees every loaded word. With the old
     [R_P, NC_P] read, 8 warps and R_P = 16, NC_P = 2 gave coverage [128, 2] over a [16, 2] tensor: eight
-    threads per slot, counted once (the race of benchmarks/NOTES.md, session 18)."""
+    threads per slot, counted once (the race of docs/kernels.md, session 18)."""
     from tests.lowering.test_gemv_gluon import run_compiled
 
     code = ("import re\n"

@@ -1,0 +1,56 @@
+"""Every environment variable spear_compile reads, with what it does.
+
+Read them through the functions here (never ``os.environ`` elsewhere in the package), so the set of
+switches is listed in one place and the compile cache key (``passes/manager.py``) can hash them all.
+
+Kill switches keep the same numerics and change only which kernel runs; they exist for A/B
+measurements and as an escape hatch if a kernel misbehaves on some GPU or driver:
+
+* ``SPEAR_NO_TMA_GEMV=1``: never route an M = 1 GEMV to the TMA-fed Gluon kernel; the CUDA-core
+  Triton GEMV runs everywhere (and ``fuse_glu`` / ``fuse_rmsnorm``, which need the TMA kernel, no
+  longer rewrite).
+* ``SPEAR_NO_TMA_EC=1``: never add a decode EC in the TMA kernel's epilogue; the CUDA-core producer +
+  GEMV pair runs instead.
+* ``SPEAR_NO_PDL=1``: launch the decode EC's producer grid and GEMV in plain stream order instead of
+  with programmatic dependent launch (same kernels, same results; the GEMV starts after the producer).
+
+Paths:
+
+* ``SPEAR_CACHE_DIR``: where tables a user produces (tuned kernel configs, measured crossovers) are
+  written and read; default ``~/.cache/spear_compile``. Nothing is ever written into the installed
+  package.
+"""
+from __future__ import annotations
+
+import os
+
+KILL_SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL")
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def no_tma_gemv() -> bool:
+    """``SPEAR_NO_TMA_GEMV`` is set: the M = 1 GEMV never takes the TMA kernel."""
+    return _on("SPEAR_NO_TMA_GEMV")
+
+
+def no_tma_ec() -> bool:
+    """``SPEAR_NO_TMA_EC`` is set: a decode EC never runs in the TMA kernel's epilogue."""
+    return _on("SPEAR_NO_TMA_EC")
+
+
+def no_pdl() -> bool:
+    """``SPEAR_NO_PDL`` is set: the decode EC pair is launched in plain stream order."""
+    return _on("SPEAR_NO_PDL")
+
+
+def cache_dir() -> str:
+    """The user cache directory (``SPEAR_CACHE_DIR``, else ``~/.cache/spear_compile``)."""
+    return os.environ.get("SPEAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spear_compile")
+
+
+def fingerprint() -> str:
+    """The kill switches' values, for cache keys."""
+    return ";".join(f"{v}={os.environ.get(v, '')}" for v in KILL_SWITCHES)
