@@ -192,8 +192,8 @@ class CompileConfig(_Serialisable):
         batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode/2026-11-30_h200_concat_q_k_v.json``).
     fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
-        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; docs/kernels.md,
-        session 12).
+        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200,
+        2026-11-30; docs/kernels.md, the decode fusions).
     fuse_glu: at decode, ``silu(gate(h)) * up(h)`` over the concatenated gate / up GEMV becomes one
         ``spear::w4a16_linear_glu`` whose epilogue applies the gate (``passes/fuse_glu.py``; on a GPU
         only where that kernel runs).
