@@ -240,8 +240,12 @@ def save(model: nn.Module, path: str) -> str:
             _remove_staged(new)
         raise
     if parked:
-        _step("remove_old")
-        shutil.rmtree(old)
+        try:
+            _step("remove_old")
+            shutil.rmtree(old)
+        except OSError as e:  # the new artifact is in place: a failed cleanup is not a failed save
+            warnings.warn(f"save: {path} is saved, but the previous artifact parked at {old} could not be removed "
+                          f"({e}); the next save to {path} removes it", stacklevel=2)
     return path
 
 

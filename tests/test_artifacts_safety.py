@@ -55,8 +55,12 @@ def test_a_fault_at_any_step_leaves_one_complete_artifact(two_models, tmp_path, 
             raise OSError(f"injected fault at {s}")
 
     monkeypatch.setattr(artifacts, "_FAULT", fault)
-    with pytest.raises(OSError, match="injected fault"):
-        spear.save(new, path)
+    if step == "remove_old":  # the new artifact is already in place: the failed cleanup only warns
+        with pytest.warns(UserWarning, match="could not be removed .*injected fault"):
+            spear.save(new, path)
+    else:
+        with pytest.raises(OSError, match="injected fault"):
+            spear.save(new, path)
     monkeypatch.setattr(artifacts, "_FAULT", None)
     got = _logits(spear.load(path))
     # before the new artifact is moved in, the old one is the artifact; at the last step only the cleanup failed
