@@ -27,8 +27,10 @@ import os
 import torch
 
 import spear_compile  # noqa: F401  (registers ops)
+from spear_compile.dispatch import cuda as D
+from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.ops.ec_ref import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save_table
 
 from kernels import DT, G, MAX_LAB_ERR, make_ec, make_weights, rel_err
@@ -51,12 +53,12 @@ def rank_choice(row: dict, generic: list, tma_pair_ok: bool, margin: float) -> l
 
 def routes(N: int, K: int, ec: tuple, params: tuple):
     """(name, fn(x, qweight, scales, zeros)) for every decode-EC route that can run this shape here."""
-    from spear_compile.lowering.ec_cat import ec_tma_config
+    from spear_compile.dispatch.route import ec_tma_config
     from spear_compile.lowering.ec_decode_triton import w4a16_gemv1_ec_pdl
-    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_ec_gemv, tma_self_gemv
+    from spear_compile.dispatch.cuda import tma_ec_gemv, tma_self_gemv
 
-    out = [("dispatch", lambda x, q, s, z: T.w4a16_gemv(x, q, s, z, G, None, ec=ec)),
-           ("w4_plain", lambda x, q, s, z: T.w4a16_gemv(x, q, s, z, G, None))]
+    out = [("dispatch", lambda x, q, s, z: D.w4a16_gemv(x, q, s, z, G, None, ec=ec)),
+           ("w4_plain", lambda x, q, s, z: D.w4a16_gemv(x, q, s, z, G, None))]
     choice = T.tuned_table().get(T.gemv1self_key(N, K, G))
     if choice and choice[0] == "tma":
         cfg = tuple(int(v) for v in choice[1:])
@@ -68,7 +70,7 @@ def routes(N: int, K: int, ec: tuple, params: tuple):
     cfg_t = ec_tma_config(probe, N, G, params, None, ec[0].shape[0])
     if cfg_t is not None:
         out.append(("tma_pair", lambda x, q, s, z: tma_ec_gemv(x, q, s, z, G, None, ec, "silu", cfg_t, ec[1], None)))
-    cfg_p = T.ec_pdl_config(N, K, G)
+    cfg_p = RT.ec_pdl_config(N, K, G)
     out.append(("pdl_pair", lambda x, q, s, z: w4a16_gemv1_ec_pdl(x, q, s, z, G, None, ec, config=cfg_p)))
     return out
 
@@ -110,7 +112,7 @@ def main() -> None:
             res["rows"].append(row)
             generic = T.tuned_table().get(T.gemv1self_key(N, K, G))
             if args.write_table and generic:
-                choice = rank_choice(row, generic, T.tma_ec_measured_ok(N, K, G), args.margin)
+                choice = rank_choice(row, generic, RT.tma_ec_measured_ok(N, K, G), args.margin)
                 if choice is not None:
                     T.tuned_table()[T.gemv1self_rank_key(N, K, G, r)] = choice
                     row["table"] = choice

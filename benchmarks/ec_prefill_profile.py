@@ -46,9 +46,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, STRUCTURES, make_ec, make_weights  # noqa: E402
 
+from spear_compile.dispatch import cuda as D
+from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 from spear_compile.lowering.dequant_cublas import dequant_cublas  # noqa: E402
-from spear_compile.lowering.dispatch import ec_overlapped  # noqa: E402
+from spear_compile.dispatch.cuda import ec_overlapped  # noqa: E402
 from spear_compile.lowering.ec_shrink_splitk import ec_shrink_gate_splitk  # noqa: E402
 from spear_compile.lowering.ec_triton import ec_shrink_gate  # noqa: E402
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
@@ -79,7 +81,7 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         "shrink_gate_sk": lambda i: ec_shrink_gate_splitk(xs[i], A, W1, b1, W2, b2, "silu", alpha=alpha, dtype=DT),
         "expand": lambda i: torch.mm(hg, B.t()),
         "w4": lambda i: dequant_cublas(xs[i], *q(i), G, None),
-        "w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None),
+        "w4_table": lambda i: D.w4a16_gemm(xs[i], *q(i), G, None),
     }
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
 
@@ -89,7 +91,7 @@ def profile(N: int, K: int, M: int, r: int = 64) -> dict:
         parts["ra_ec"] = lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, ec=(hgp, B.contiguous()))
         # the in-launch shrink roles on the config "in_gemm_self" runs (the register-operand GEMM's tuned one),
         # or the first where none was measured
-        cfg_ra = T.wgmma_ra_config(M, N, K, G) or RA.RA_CONFIGS[0]
+        cfg_ra = RT.wgmma_ra_config(M, N, K, G) or RA.RA_CONFIGS[0]
         parts["ra_self"] = lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, B.contiguous(), W1, b1,
                                                                      W2, b2, alpha, "silu", config=cfg_ra)
     for st in STRUCTURES:
@@ -139,7 +141,7 @@ def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
 
     copies, xs, q, ec, hgp, Bc = ra_case(N, K, M, r)
     A, B, W1, b1, W2, b2, alpha = ec
-    parts = {"w4_table": lambda i: T.w4a16_gemm(xs[i], *q(i), G, None)}
+    parts = {"w4_table": lambda i: D.w4a16_gemm(xs[i], *q(i), G, None)}
     for cfg in RA.RA_CONFIGS:
         c = ",".join(map(str, cfg))
         parts[f"ra[{c}]"] = (lambda cfg: lambda i: RA.w4a16_gemm_wgmma_ra(xs[i], *q(i), G, None, config=cfg))(cfg)
@@ -154,8 +156,8 @@ def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
                     RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, Bc, W1, b1, W2, b2, alpha, "silu",
                                                    config=cfg, split=sp, deep=deep)))(cfg, sp, deep)
     parts["in_gemm_self"] = lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure="in_gemm_self")
-    row = {"N": N, "K": K, "M": M, "r": r, "gemm_choice": list(T.gemm_config(M, N, K, G)),
-           "ra_config": T.wgmma_ra_config(M, N, K, G)}
+    row = {"N": N, "K": K, "M": M, "r": r, "gemm_choice": list(RT.gemm_config(M, N, K, G)),
+           "ra_config": RT.wgmma_ra_config(M, N, K, G)}
     for name, fn in parts.items():
         torch.cuda.synchronize()
         row[name] = bench_graph(fn, copies=copies)

@@ -23,9 +23,10 @@ import sys
 import torch
 
 from spear_compile.lowering import w4a16_gemv_tma as GT
+from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_decode_triton import ec_produce, w4a16_gemv1_ec_pdl
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.ops.ec_ref import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, capture_graph, copies_for
 from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
 
@@ -88,7 +89,7 @@ def main() -> None:
             "ec_only": lambda i: GT.w4a16_gemv_tma(xs[i], *w(i), G, None, config=cfg, ec=epi(False)),
             "pair_seq": lambda i: pair(i, False),
             "pair_pdl": lambda i: pair(i, True),
-            "v4_pdl": lambda i: w4a16_gemv1_ec_pdl(xs[i], *w(i), G, None, ec, config=T.ec_pdl_config(N, K, G)),
+            "v4_pdl": lambda i: w4a16_gemv1_ec_pdl(xs[i], *w(i), G, None, ec, config=RT.ec_pdl_config(N, K, G)),
         }
         for name, fn in fns.items():
             try:

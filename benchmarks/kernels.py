@@ -10,7 +10,7 @@ graphs with input copies rotating through more than 3x the L2:
   naive_ec         tinygemm + the EC as eager PyTorch ops (r = 64, gated)
   ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
   ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above, in the structure
-                   measured fastest for the shape (``dispatch.ec_overlapped`` "auto")
+                   measured fastest for the shape (``dispatch/cuda.py:ec_overlapped`` "auto")
   ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi,in_gemm,in_gemm_sk}  (M >= 256) each prefill EC structure; the
                    fastest is saved in the tuned table (``ecstruct|M|N|K|G``) before "auto" is timed
 
@@ -35,11 +35,13 @@ import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
 from spear_compile.lowering import w4a16_gemv_gluon as GG
 from spear_compile.lowering import w4a16_gemv_tma as GT
+from spear_compile.dispatch import cuda as D
+from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
-from spear_compile.lowering.dispatch import OVERLAP_STRUCTURES, ec_overlapped
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.dispatch.cuda import OVERLAP_STRUCTURES, ec_overlapped
+from spear_compile.ops.ec_ref import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, refine, save_table, search
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 from spear_compile.quant import quantize_rtn
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192)]
@@ -163,8 +165,8 @@ def lab_gemv(args) -> None:
 
         timeit("tinygemm", lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]))
         old = tuple(T.tuned_table().get(T.gemv_key(N, K, G, False), T.GEMV_CONFIGS[0]))
-        check("old", lambda xx, o: T.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
-        timeit("old", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
+        check("old", lambda xx, o: D.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
+        timeit("old", lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
         for nib in args.nibs:
             for cfg in configs:  # (BLOCK_N, BLOCK_W, num_warps, prefetch)
                 name = f"v4_{nib}_{'_'.join(map(str, cfg))}"
@@ -198,7 +200,7 @@ def lab_gemv(args) -> None:
         best = row["best_v4"] = fastest("v4_")
         cfg = tuple(int(v) for v in best.split("_")[2:])
         if ((N, K) in ((4096, 4096), (8192, 8192), (11008, 4096))  # the one-launch EC's parts (r = 64), best tile
-                and T.self_plan_ok(64, K, -(-N // cfg[0]), cfg[2], x.device)):
+                and RT.self_plan_fits(64, K, -(-N // cfg[0]), cfg[2], x.device)):
             ec = make_ec(N, K, 64)
             nib = best.split("_")[1]
             row["ec_config"] = list(cfg)
@@ -213,7 +215,7 @@ def lab_gemv(args) -> None:
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
-            timeit("old_ec_full", lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
+            timeit("old_ec_full", lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
         if args.ec_pdl:  # the decode EC's PDL pair (producer launch + GEMV) in each GEMV tile
             from spear_compile.lowering.ec_decode_triton import w4a16_gemv1_ec_pdl
 
@@ -235,7 +237,7 @@ def lab_gemv(args) -> None:
             bt = row.get("best_tma")
             cfg_t = tuple(int(v) for v in bt.split("_")[1:]) if bt else None
             if cfg_t and GT.ec_ok(cfg_t):  # the TMA GEMV with the EC epilogue, PDL behind the producer grid
-                from spear_compile.lowering.w4a16_gemv_tma_ec import tma_ec_gemv
+                from spear_compile.dispatch.cuda import tma_ec_gemv
 
                 def tma_ec(xx, i):
                     return tma_ec_gemv(xx, *args_w(i), G, None, ec, "silu", cfg_t, ec[1], None)
@@ -284,7 +286,7 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
     decision for this rank's bucket (``gemv1selfr``); other ranks' entries for the shape are dropped when the rank-free
     entry changes (they were measured against the previous one: ``benchmarks/decode_ec_ranks.py`` remakes them)."""
     from spear_compile.lowering.ec_self import self_plan, sm_count
-    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
+    from spear_compile.dispatch.cuda import tma_self_gemv
 
     R, sms = ec[0].shape[0], sm_count(x.device)
     variants = []
@@ -390,12 +392,12 @@ def main() -> None:
             ref = w4a16_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None)
             fused_ok = M <= T.GEMV_MAX_M
             out = torch.full((M, N), float("nan"), device="cuda", dtype=DT)
-            (T.w4a16_gemv if fused_ok else T.w4a16_gemm)(x, qw.qweight, qw.scales, qw.zeros, G, None, out=out)
+            (D.w4a16_gemv if fused_ok else D.w4a16_gemm)(x, qw.qweight, qw.scales, qw.zeros, G, None, out=out)
             chk = {"N": N, "K": K, "M": M, "w4_rel_err": rel_err(out, ref)}
             ec = ecs[64]
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
             if fused_ok:
-                chk["w4_ec_fused_rel_err"] = rel_err(T.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec), ref_ec)
+                chk["w4_ec_fused_rel_err"] = rel_err(D.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec), ref_ec)
             chk["w4_ec_overlapped_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu"), ref_ec)
             tg = torch.ops.aten._weight_int4pack_mm(x, ws[0]["packed"], G, ws[0]["sz"])
             chk["tinygemm_vs_ref_rel_err"] = rel_err(tg, ref)
@@ -410,24 +412,24 @@ def main() -> None:
                 # (the one-launch EC's tile off Hopper: configs whose programs cannot hold A's pieces are
                 # skipped; if none can, gemv1_ec runs the pair there and the key is not needed)
                 ok_ec = [c for c in T.GEMV1_CONFIGS
-                         if T.self_plan_ok(ec[0].shape[0], K, -(-N // c[0]), c[2], x.device)]
+                         if RT.self_plan_fits(ec[0].shape[0], K, -(-N // c[0]), c[2], x.device)]
                 if ok_ec:
                     cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec,
                                                                           config=c)), ok_ec, copies)
                     T.tuned_table()[T.gemv1_key(N, K, G, True)] = list(cfg_ec)
             elif fused_ok:
-                cfg, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, config=c)), T.GEMV_CONFIGS, copies)
+                cfg, _ = search(lambda c: (lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, config=c)), T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, False)] = list(cfg)
-                cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=c)),
+                cfg_ec, _ = search(lambda c: (lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=c)),
                                    T.GEMV_CONFIGS, copies)
                 T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
-            gemm_run = lambda c: (lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=c))  # noqa: E731
+            gemm_run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=c))  # noqa: E731
             cfg, t_gemm = search(gemm_run, T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE], copies)
             finalists = [(tuple(cfg), t_gemm)]  # the best of each kernel family, re-timed together below
             # the wgmma GEMMs (not below M = 64, where they never won): the plain kernel's fastest config is also
             # the "in_gemm" structure's GEMM where the table does not run the shape on the register-operand one
-            if T.wgmma_choices() and M >= 64:
-                cfg_wg, t_wg = search(gemm_run, T.wgmma_choices(), copies)
+            if RT.wgmma_choices() and M >= 64:
+                cfg_wg, t_wg = search(gemm_run, RT.wgmma_choices(), copies)
                 if M >= 256:
                     T.tuned_table()[T.wgmma_key(M, N, K, G)] = list(cfg_wg[1:])
                 finalists.append((tuple(cfg_wg), t_wg))
@@ -435,7 +437,7 @@ def main() -> None:
 
                 # (else the search would time the fallback GEMM under the register-operand kernel's name)
                 assert RA.takes(x, N, G, qw.scales, qw.zeros, None), "register-operand GEMM cannot take these weights"
-                cfg_ra, t_ra = search(gemm_run, T.wgmma_ra_choices(), copies)
+                cfg_ra, t_ra = search(gemm_run, RT.wgmma_ra_choices(), copies)
                 if M >= 256:  # the "in_gemm_self" structure's GEMM whatever wins the W4 table
                     T.tuned_table()[T.wgmma_ra_key(M, N, K, G)] = list(cfg_ra[1:])
                 finalists.append((tuple(cfg_ra), t_ra))
@@ -448,14 +450,14 @@ def main() -> None:
             else:
                 cfg, t_gemm = min(finalists, key=lambda ft: ft[1])
             T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
-            if M >= 256 and T.wgmma_ra_choices():  # the in-launch EC's own launch config (``T.ec_self_config``)
+            if M >= 256 and RT.wgmma_ra_choices():  # the in-launch EC's own launch config (``RT.ec_self_config``)
                 from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
 
                 e64 = ecs[64]
                 cfg_self, _ = search(lambda c: (lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
-                    xs[i], *args_w(i), G, None, *e64, "silu", config=c[1:])), T.wgmma_ra_choices(), copies)
+                    xs[i], *args_w(i), G, None, *e64, "silu", config=c[1:])), RT.wgmma_ra_choices(), copies)
                 T.tuned_table()[T.ec_self_key(M, N, K, G)] = list(cfg_self[1:])
-            chk["w4_gemm_chosen_rel_err"] = rel_err(T.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
+            chk["w4_gemm_chosen_rel_err"] = rel_err(D.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
             if M >= 256:  # every prefill EC structure, checked on the GEMMs the table now gives this shape
                 for st in STRUCTURES:
                     chk[f"w4_ec_{st}_rel_err"] = rel_err(ec_overlapped(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec,
@@ -467,9 +469,9 @@ def main() -> None:
             row["tinygemm_int4"] = bench_graph(lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), copies)
             row["naive_ec_r64"] = bench_graph(lambda i: naive_ec(xs[i], torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), ec), copies)
             if fused_ok:
-                row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
+                row["ours_w4"] = bench_graph(lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
             else:
-                row["ours_w4"] = bench_graph(lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None), copies)
+                row["ours_w4"] = bench_graph(lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None), copies)
             if M >= 256:  # each prefill EC structure, the fastest saved for "auto"
                 for st in STRUCTURES:
                     row[f"ours_w4_ec_r64_{st}"] = bench_graph(
@@ -483,15 +485,15 @@ def main() -> None:
                 e = ecs[r]
                 row[f"ours_w4_ec_r{r}_overlapped"] = bench_graph(lambda i: ec_overlapped(xs[i], *args_w(i), G, None, *e, "silu"), copies)
                 if fused_ok:
-                    row[f"ours_w4_ec_r{r}_fused"] = bench_graph(lambda i: T.w4a16_gemv(xs[i], *args_w(i), G, None, ec=e), copies)
+                    row[f"ours_w4_ec_r{r}_fused"] = bench_graph(lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, ec=e), copies)
             row["gemm_choice"] = list(cfg)
             row["ours_gemm_any_m"] = t_gemm  # the search's short timing, or refine's median where it decided
             row["gemm_refined"] = refined
             if M >= 256:
                 row["ours_dequant_cublas"] = bench_graph(
-                    lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
+                    lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
                 row["ours_dequant_cublas_pipe"] = bench_graph(
-                    lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
+                    lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             _dump(res, args.out)

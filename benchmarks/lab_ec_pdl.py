@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from spear_compile.lowering import ec_decode_triton as ED
+from spear_compile.dispatch import cuda as D
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key
-from spear_compile.lowering.ec_linear import ec_linear_ref
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops.ec_ref import ec_linear_ref
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 
 from kernels import DT, G, SHAPES, bandwidth, make_ec, make_weights, rel_err  # noqa: E402  (benchmarks/ on sys.path)
 
@@ -91,9 +92,9 @@ def run_shape(N: int, K: int, ms: list[int], res: dict, out_dir: str, what: str)
                 continue
             ec = make_ec(N, K, 64)
             w4cfg = tuple(T.tuned_table().get(T.gemv1_key(N, K, G, False), T.GEMV1_CONFIGS[0]))
-            variant("w4", lambda xx, i: T.w4a16_gemv(xx, *wargs(i), G, None))
+            variant("w4", lambda xx, i: D.w4a16_gemv(xx, *wargs(i), G, None))
             expect = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
-            variant("fused", lambda xx, i: T.w4a16_gemv(xx, *wargs(i), G, None, ec=ec))
+            variant("fused", lambda xx, i: D.w4a16_gemv(xx, *wargs(i), G, None, ec=ec))
             variant("producer_only", lambda xx, i: _producer_only(xx, ec), check=False)
             variant("pair_no_pdl", lambda xx, i: _pair(xx, wargs(i), ec, w4cfg))
             for p in (16, 32, 64):
@@ -108,8 +109,8 @@ def run_shape(N: int, K: int, ms: list[int], res: dict, out_dir: str, what: str)
             if M < 256:
                 continue
             variant("cublas", lambda xx, i: F.linear(xx, bf[i % len(bf)]))
-            variant("shipped", lambda xx, i: T.w4a16_gemm(xx, *wargs(i), G, None))
-            variant("dequant_cublas", lambda xx, i: T.w4a16_gemm(xx, *wargs(i), G, None, config=T.DEQUANT_CUBLAS))
+            variant("shipped", lambda xx, i: D.w4a16_gemm(xx, *wargs(i), G, None))
+            variant("dequant_cublas", lambda xx, i: D.w4a16_gemm(xx, *wargs(i), G, None, config=T.DEQUANT_CUBLAS))
             variant("dequant_only", lambda xx, i: T.w4_dequantize(*wargs(i), G, DT), check=False)
             base = "cublas"
         new = {k: v for k, v in row["us"].items()

@@ -26,9 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, SHAPES, make_weights, rel_err  # noqa: E402
 
 from spear_compile.lowering import w4a16_gemm_wgmma as WG  # noqa: E402
+from spear_compile.dispatch import cuda as D
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
-from spear_compile.lowering.w4a16 import dequantize_ref  # noqa: E402
+from spear_compile.ops.w4a16_ref import dequantize_ref  # noqa: E402
 
 MAX_ERR = 1e-2
 
@@ -89,9 +90,9 @@ def main() -> None:
             bf = [w["bf16"] for w in ws if w["bf16"] is not None]
             row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % len(bf)]), copies)
             row["dequant_cublas"] = bench_graph(
-                lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
+                lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS), copies)
             row["dequant_cublas_pipe"] = bench_graph(
-                lambda i: T.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
+                lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
             for name, c, fn in ok:
                 row[name] = bench_graph(lambda i: fn(xs[i], *args_w(i), G, None, config=c), copies)
                 if args.diag:  # each part of a K step (wrong results: timed only)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import DT, G, make_weights  # noqa: E402
 
 from spear_compile.lowering import w4a16_gemm_wgmma as WG  # noqa: E402
+from spear_compile.dispatch import cuda as D
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     q = qw["qw"]
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     runs = [("cublas_bf16", lambda: F.linear(x, w)),
-            ("dequant_cublas", lambda: T.w4a16_gemm(x, q.qweight, q.scales, q.zeros, G, None, config=T.DEQUANT_CUBLAS))]
+            ("dequant_cublas", lambda: D.w4a16_gemm(x, q.qweight, q.scales, q.zeros, G, None, config=T.DEQUANT_CUBLAS))]
     runs += [(f"wgmma_{c}", (lambda c=c: WG.w4a16_gemm_wgmma(x, q.qweight, q.scales, q.zeros, G, None, config=c)))
              for c in configs]
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA

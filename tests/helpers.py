@@ -9,7 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spear_compile as spear
+from spear_compile import QuantConfig
 from spear_compile.inspect import capture
+from spear_compile.quant import pack_int4, quantize_rtn
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +130,7 @@ def snapshot(report, pass_name: str, graph: int = 0):
 def round_trip_reaches_pass(snap) -> bool:
     """Whether the graph a pass saw (``snapshot``) still holds a dtype round trip (two conversions, e.g.
     fp32 -> bf16 -> fp32). torch 2.13 hands it to the post-grad passes; torch 2.11 (the GPU machine's) has
-    removed it before them (session 17, call 5), and then there is no rounding left for a fused op to skip."""
+    removed it before them, and then there is no rounding left for a fused op to skip."""
     return sum(v for k, v in snap.ops_before.items() if "convert_element_type" in k) >= 2
 
 
@@ -154,3 +156,99 @@ def quantized_llama(d=64, layers=1, heads=2, ff=128, group_size=None, dtype=torc
 
 __all__ = ["DequantLinear", "Int4PackLinear", "LlamaLike", "assert_compiled_matches_eager", "capture",
            "ops_before_first_pass", "quantized_llama", "snapshot", "spear_ops_after"]
+
+
+def use_tuned_table(monkeypatch, entries: dict):
+    """Make ``entries`` (typed keys or wire strings -> values) the process's tuned configs table for one test;
+    returns the ``TunedTable``."""
+    from spear_compile.dispatch import table as TT
+
+    t = TT.TunedTable("configs", entries)
+    monkeypatch.setattr(TT, "_CONFIGS", t)
+    return t
+
+
+# ---- kernel-test operands (the lowering tests' shared cases)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # relative to max |ref|
+
+
+def close_to(out, ref, dtype):
+    err = (out.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item() + 1e-6
+    assert err / scale < TOL[dtype], f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+def ec_operands(N, K, R, D, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(R, K, generator=gen) / K ** 0.5
+    B = torch.randn(N, R, generator=gen) * 0.1
+    W1, b1 = torch.randn(D, R, generator=gen) / R ** 0.5, torch.randn(D, generator=gen) * 0.1
+    W2, b2 = torch.randn(R, D, generator=gen) / D ** 0.5, torch.randn(R, generator=gen)
+    alpha = torch.tensor(1.25)
+    return tuple(t.to(DEV, dtype) for t in (A, B, W1, b1, W2, b2)) + (alpha.to(DEV),)
+
+
+def packed_weight(N, K, G, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    qw = quantize_rtn(torch.randn(N, K, generator=gen) * 0.05, QuantConfig(group_size=G), out_dtype=dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    return [t.to(DEV) for t in (qw.qweight, qw.scales, qw.zeros, bias)] + [qw.group_size]
+
+
+def gemv_case(N, K, G, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=gen)
+    s = (torch.rand(N, K // G, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+    z = (torch.rand(N, K // G, generator=gen) * 15).to(torch.bfloat16)
+    b = torch.randn(N, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    return x, q, pack_int4(q), s, z, b
+
+
+def exact_gemv(x, q, s, z, G, b):
+    zz = z.double().repeat_interleave(G, 1) if z is not None else 0.0
+    W = (q.double() - zz) * s.double().repeat_interleave(G, 1)
+    return x.double() @ W.T + (b.double() if b is not None else 0.0)
+
+
+def run_compiled(code: str) -> None:
+    """Run ``code`` (which prints "ok") in a separate process without Triton's interpreter (on for
+    these tests), which cannot compile for a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def bf16_ec(N, K, R, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(R, K, generator=gen) / K ** 0.5
+    B = torch.randn(N, R, generator=gen) * 0.3
+    W1, b1 = torch.randn(D, R, generator=gen) / R ** 0.5, torch.randn(D, generator=gen) * 0.1
+    W2, b2 = torch.randn(R, D, generator=gen) / D ** 0.5, torch.randn(R, generator=gen)
+    return [t.to(torch.bfloat16) for t in (A, B, W1, b1, W2, b2)] + [torch.tensor(1.25 + 0.25 * seed)]
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_ec(d_in, d_out, rank, seed):
+    torch.manual_seed(seed)
+    ec = spear.ErrorCompensator(d_in, d_out, spear.ECConfig(rank=rank, gate_hidden=4))
+    with torch.no_grad():  # a non-trivial EC: B is zero at init, alpha and the gate bias away from their defaults
+        for p in ec.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return ec
+
+
+def llama_with_ecs():
+    m = quantized_llama(d=64, layers=1, heads=2, ff=128)
+    names = {"q_proj": 64, "k_proj": 64, "v_proj": 64, "gate_proj": 128, "up_proj": 128, "o_proj": 64}
+    spear.attach_(m, {f"layers.0.{n}": random_ec(64, d, 4 + i, i) for i, (n, d) in enumerate(names.items())})
+    return m

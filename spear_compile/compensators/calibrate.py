@@ -277,7 +277,7 @@ class QuantParams:
         return s + (s.to(dt).float() - s).detach(), z + (z.to(dt).float() - z).detach()
 
     def weight(self) -> torch.Tensor:
-        from ..lowering.w4a16 import dequantize_ref
+        from ..ops.w4a16_ref import dequantize_ref
 
         s, z = self.scales_zeros()
         return dequantize_ref(self.q, s, z, self.module.group_size, "unpacked", dtype=torch.float32)
@@ -299,7 +299,7 @@ def quant_params(model: nn.Module) -> list[QuantParams]:
 def _dense_forward(model: nn.Module, enabled: bool, qparams: Sequence[QuantParams] = ()):
     """Temporarily run every QuantLinear as ``x W^T (+ bias) (+ EC delta)`` with W dequantized once,
     or, for the modules in ``qparams``, rebuilt from their trainable scales and zeros per call."""
-    from ..lowering.w4a16 import dequantize_ref
+    from ..ops.w4a16_ref import dequantize_ref
 
     trained = {id(p.module): p for p in qparams}
     if trained and not enabled:

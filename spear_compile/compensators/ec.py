@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ECConfig
-from ..lowering.ec_linear import ec_delta_ref
+from ..ops.ec_ref import ec_delta_ref
 from ..quant.ops import check_ec_shapes
 from .static import qera_exact
 

@@ -1,6 +1,7 @@
 """Render a :class:`~spear_compile.inspect.capture.Report` as one self-contained HTML page:
 summary, per-pass match counts and op deltas, every matched linear (weight, shapes,
-source form, EC rank, lowering and why), and the graph text before/after each pass."""
+source form, EC rank, lowering and why, the kernel ``dispatch.route`` runs it on and the route's reasons),
+and the graph text before/after each pass."""
 from __future__ import annotations
 
 import html
@@ -14,6 +15,14 @@ def _table(headers, rows) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _reasons(reasons: list) -> str:
+    """The route's reasons (``dispatch.route.Route.all_reasons``), folded."""
+    if not reasons:
+        return "-"
+    items = "".join(f"<li>{html.escape(str(r))}</li>" for r in reasons)
+    return f"<details><summary>{len(reasons)}</summary><ul>{items}</ul></details>"
 
 
 def render_html(report) -> str:
@@ -38,10 +47,10 @@ def render_html(report) -> str:
     rows = [[r["graph"], e(str(r.get("weight", ""))), e(r["source_form"]), e(str(r.get("M", "?"))), r.get("N"),
              r.get("K"), r.get("group_size"), e(str(r.get("layout"))), r.get("ec_rank") or "-",
              f"<span class='{e(str(r.get('lowering')))}'>{e(str(r.get('lowering')))}</span>", e(str(r.get("reason", ""))),
-             e(str(r.get("kernel", "")))]
+             e(str(r.get("kernel", ""))), _reasons(r.get("route_reasons") or [])]
             for r in report.linears]
     parts.append(_table(["graph", "weight", "source form", "M", "N", "K", "group", "layout", "EC rank", "lowering",
-                         "why", "kernel"], rows))
+                         "why", "kernel (route)", "route reasons"], rows))
     parts.append("<h2>Graphs before / after each pass</h2>")
     for g in report.graphs:
         for snap in g.snapshots:

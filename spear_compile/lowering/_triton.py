@@ -28,19 +28,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-_SMS: dict = {}  # device index -> SM count (asked once: launch paths call this per call)
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device."""
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 if HAS_TRITON:
     try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -13,21 +13,25 @@ join are stream waits, so the sequence is capturable in a CUDA graph. Results ar
 identical to ``chunks = 1`` (every output column comes from one GEMM over all of K).
 
 ``ec_dequant_cublas`` is the prefill EC on this path. The side-stream EC of
-``dispatch.ec_overlapped`` added ``alpha * hg B^T`` after the GEMM, reading and writing Y
+``dispatch/cuda.py:ec_overlapped`` added ``alpha * hg B^T`` after the GEMM, reading and writing Y
 once more (4 M N bytes) and taking SMs from cuBLAS while it ran: 1.07-1.29x the W4 time at
-M >= 256 (session 4). Here the EC goes first and into the GEMM's C operand instead:
+M >= 256. Here the EC goes first and into the GEMM's C operand instead:
 ``E = alpha * hg B^T (+ bias)`` (cuBLAS shrink, Triton gate, cuBLAS expand) runs on the main
 stream while the weight is dequantized on a side stream, then ``E += x2 W^T`` in place
 (cuBLAS with beta = 1 reads E in its epilogue): no pass over Y after the GEMM. Measured on the
-H200 (``docs/kernels.md``, session 9): it wins at M = 4096, and at M = 256-1024 on the larger
+H200 (``docs/kernels.md``): it wins at M = 4096, and at M = 256-1024 on the larger
 shapes only with the EC's stream at high priority - otherwise its small kernels queue behind the
-dequantize's grid. ``dispatch.ec_overlapped`` picks the structure per shape from measurements.
+dequantize's grid. ``dispatch/cuda.py:ec_overlapped`` picks the structure per shape from measurements.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+from .device import HIGH_PRIORITY, side_stream
+from .w4a16_triton import w4_dequantize
+from .ec_triton import ec_shrink_gate
 
 
 def _mm(x2, w, bias, out):
@@ -41,8 +45,6 @@ def _mm(x2, w, bias, out):
 def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: Optional[torch.Tensor] = None,
                    chunks: int = 1, side: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias), dequantizing in ``chunks`` row slices (see module docstring)."""
-    from .w4a16_triton import w4_dequantize
-
     N = qweight.shape[0]
     if chunks <= 1:
         return _mm(x2, w4_dequantize(qweight, scales, zeros, G, x2.dtype), bias, out)
@@ -61,10 +63,9 @@ def dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, out: 
         for a, b in bounds:
             gemm(rows(a, b), a, b)
         return y
-    from .dispatch import _side_stream
 
     main = torch.cuda.current_stream(x2.device)
-    side = side or _side_stream(x2.device)
+    side = side or side_stream(x2.device)
     side.wait_stream(main)  # the weight and x2 are ready on main
     for a, b in bounds:
         with torch.cuda.stream(side):
@@ -88,8 +89,6 @@ def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A,
     later kernel's CTAs only once an earlier kernel's are all dispatched, unless the later one's
     stream has higher priority: the EC's small, latency-bound kernels otherwise wait for the
     dequantize's full grid."""
-    from .ec_triton import ec_shrink_gate
-    from .w4a16_triton import w4_dequantize
 
     R = A.shape[0]
 
@@ -99,10 +98,9 @@ def ec_dequant_cublas(x2: torch.Tensor, qweight, scales, zeros, G: int, bias, A,
 
     if not x2.is_cuda:  # (CPU: Triton's interpreter in tests) the same steps, one after another
         return ec_chain().addmm_(x2, w4_dequantize(qweight, scales, zeros, G, x2.dtype).t())
-    from .dispatch import HIGH_PRIORITY, _side_stream
 
     main = torch.cuda.current_stream(x2.device)
-    other = side or _side_stream(x2.device, HIGH_PRIORITY if high_priority_ec else 0)
+    other = side or side_stream(x2.device, HIGH_PRIORITY if high_priority_ec else 0)
     other.wait_stream(main)  # the weight and x2 are ready on main
     if high_priority_ec:
         # E belongs to main's pool (it is the layer's output), the EC's stream only writes it

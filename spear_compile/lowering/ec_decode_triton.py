@@ -1,10 +1,10 @@
 """Decode (M = 1) EC as two launches joined by programmatic dependent launch (PDL).
 
-Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+Reference: ``ops/ec_ref.py:ec_linear_ref``.
 
-Session 2's single launch (producer programs inside the GEMV's grid, a last producer gating once and
+An earlier single launch (producer programs inside the GEMV's grid, a last producer gating once and
 raising a flag) paid ~5 us of cross-program waiting at 4096^2; the producers became their own small
-kernel (session 17's one-launch form without producer programs is ``ec_self.py``):
+kernel (an earlier one-launch form without producer programs is ``ec_self.py``):
 
 ``_ec_decode_producer_kernel`` - P programs, each a K slice of ``h = A x`` stored to its
 own workspace row; the last to arrive (acq_rel counter, which it resets) sums the rows,
@@ -32,8 +32,11 @@ from typing import Optional
 
 import torch
 
-from .. import envs
+from . import device as _device
 from ._triton import HAS_TRITON, INTERPRET, gdc_wait, next_pow2
+from ._triton import ACT_CODES
+from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace
+from .w4a16_triton import w4a16_gemv1
 
 if HAS_TRITON:
     import triton
@@ -78,25 +81,14 @@ if HAS_TRITON:
             _ec_gate_publish(HBUF, GH, w1, b1, w2, b2, P_H, P_HP, R_P, ACT, GH_COPIES)
 
 PRODUCER_BLOCK_K = 32 if INTERPRET else 64  # K columns per producer step
-_PDL: dict = {}  # device index -> whether launches there take the PDL attribute
-
-
 def pdl_ok(device: torch.device) -> bool:
-    """Whether launches on this device can use PDL (a CUDA GPU of compute capability >= 9.0): decides which
-    decode EC kernels run (the producer + GEMV pair), see ``pdl_launch_ok`` for how they are launched."""
-    if INTERPRET or gdc_wait is None or device.type != "cuda" or not torch.cuda.is_available():
-        return False  # (gdc_wait is None: a Triton without grid dependency control)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _PDL:
-        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _PDL[idx]
+    """Whether launches on this device can use PDL (``device.pdl``)."""
+    return _device.pdl(device)
 
 
 def pdl_launch_ok(device: torch.device) -> bool:
-    """Whether the decode EC's GEMV is launched with PDL behind its producer grid (``pdl_ok``), unless
-    ``SPEAR_NO_PDL=1`` is set: a diagnostic switch that keeps the same kernels but runs the pair in plain
-    stream order (same results; the GEMV then starts after the producer ends)."""
-    return pdl_ok(device) and not envs.no_pdl()
+    """Whether the decode EC's GEMV is launched with PDL behind its producer grid (``device.pdl_launch``)."""
+    return _device.pdl_launch(device)
 
 
 def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tuple] = None,
@@ -105,8 +97,6 @@ def ec_produce(x2: torch.Tensor, ec: tuple, act: str = "silu", norm: Optional[tu
     (weight [K], eps)) published in ``GH_COPIES`` rows of the returned fp32 [GH_COPIES, R_P] view of the
     shared workspace. Returns (that view, whether the grid was launched for PDL: then the consuming GEMV
     must be launched with PDL and wait before it reads the view)."""
-    from ._triton import ACT_CODES
-    from .w4a16_triton import GH_COPIES, GEMV_MAX_M, MAX_PRODUCERS, ec_workspace
 
     K = x2.shape[1]
     A, B, W1, b1, W2, b2, alpha = ec
@@ -138,7 +128,6 @@ def w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act:
     """Y[1, N] = W4 GEMV + EC, as a producer launch and a PDL-launched GEMV (see module docstring).
     ``config`` is the GEMV's (BLOCK_N, BLOCK_W, num_warps, prefetch); ``words``: the GEMV layout
     itself (``qweight`` unused), as ``w4a16_gemv1`` takes it (``w4a16_cat``'s concatenations)."""
-    from .w4a16_triton import w4a16_gemv1
 
     _, pdl = ec_produce(x2, ec, act, producers=producers)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

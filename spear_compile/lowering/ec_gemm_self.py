@@ -1,16 +1,16 @@
 """The prefill EC inside the register-operand GEMM's own launch: shrink roles ("in_gemm_self").
 
-Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+Reference: ``ops/ec_ref.py:ec_linear_ref``.
 
-Why: the "in_gemm" structure (``dispatch._ec_in_gemm``) adds ``alpha g h`` B^T to the register-operand GEMM
+Why: the "in_gemm" structure (``dispatch/cuda.py:_ec_in_gemm``) adds ``alpha g h`` B^T to the register-operand GEMM
 (``w4a16_gemm_wgmma_ra.py``) as one more K step, but its shrink ``h = x A^T`` (cuBLAS: [M, K] x [K, r] has
 few output tiles) and gate run before the GEMM, serially: 10-15 us of 43-240 (docs/kernels.md, session
-18, call 1). Nothing overlapped them - neither a PDL-launched GEMM behind a split-K shrink nor the side
+H200). Nothing overlapped them - neither a PDL-launched GEMM behind a split-K shrink nor the side
 stream. Here the GEMM's launch has ``num_m * split`` more CTAs, ``split`` per block of BMX rows of x, whose
 *role* is the shrink and gate of BMX / split of that block's tokens; the GEMM tiles wait for their block's
 ``alpha g h`` only before their last (EC) K step. A shrink role's K loop is one [64, BMX / split, 64] wgmma per
 step from its own TMA-fed x box, with no weight expansion.
-* **Split** (``self_split``, session 20): with one role per block (split 1) the role streams the block's BMX x
+* **Split** (``self_split``): with one role per block (split 1) the role streams the block's BMX x
   rows and A's 64 rows per K step through one SM - more bytes than a tile - so where the grid is one wave the
   tiles waited for it (8192^2 M = 256 on the 4-warp tile: 89 us against the GEMM's 58). Split 2-4 roles per
   block, as many as fit beside the tiles in the first wave, end well before the tiles (59.7 us there); where
@@ -22,7 +22,7 @@ step from its own TMA-fed x box, with no weight expansion.
   the role ``t % grid``. Roles below ``num_m * split`` are shrink roles (block ``role // split``, part
   ``role % split``); the others are GEMM tiles (``role - num_m * split``, in the kernel's usual order). A
   shrink role is held by a CTA that started before every GEMM tile CTA, so a tile never waits for a CTA the
-  GPU has not scheduled (the H200 does not dispatch a grid in program-id order: session 17) and there is no
+  GPU has not scheduled (the H200 does not dispatch a grid in program-id order) and there is no
   deadlock whatever the residency - given one stream per site (below). Should that assumption break (two streams on one site, tickets out of step), a tile would
   wait for a tag that never comes: it gives up after SPIN_MAX polls (seconds) with ``trap``, so the launch
   fails with a CUDA error instead of hanging.
@@ -36,13 +36,13 @@ step from its own TMA-fed x box, with no weight expansion.
   both gate layers are per-thread FMAs on weights staged in shared memory (no cross-thread reduction);
   fp32 as the reference.
 * **Gate widths.** The kernel takes gates up to D_MAX = 16 wide (one loop over ``d < D`` for every width);
-  the GPU tests have run widths 5, 8 (SPEAR's default) and 16 (session 20, call 1), so the dispatch routes
+  the GPU tests have run widths 5, 8 (SPEAR's default) and 16, so the dispatch routes
   every width up to 16 here.
 
-Measured (H200, docs/kernels.md): session 19, 4096^2 M = 1024 53-54 us against the register-operand GEMM's
-51-52 alone and "in_gemm"'s 61. Session 20, with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
+Measured (H200, docs/kernels.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
+51-52 alone and "in_gemm"'s 61; with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
 EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs; 4096^2 M = 256 missed (1.18-1.27x: the roles' K
-loop). Session 21, with the deeper role ring (``ROLE_DEEP``): that cell 1.05x, and 10 of 10 cells within 1.10x in
+loop); with the deeper role ring (``ROLE_DEEP``): that cell 1.05x, and 10 of 10 cells within 1.10x in
 both runs. The first version loaded the gate's weights from global memory row by row (2-byte scalars, ~60 us per
 gate); they are staged in shared memory now.
 
@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from .w4a16_gemm_wgmma import HAS_WGMMA
+from .ec_self import site_workspace
 
 R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take this structure
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
@@ -67,8 +68,8 @@ SPLITS = (1, 2, 4)  # shrink roles per x block (each BMX / split tokens)
 # A role's ring STAGES x split deep (its x slots are 1 / split of the tile ring's, so the ring has room; its A ring
 # and barriers grow), where the shared memory allows. Why: a role's K loop is latency-bound like a tile's (a step per
 # ~(TMA latency / slots in flight), whatever its bytes), so with as many steps as a tile it ends no earlier - on the
-# 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24 (session 20, call 6). Measured
-# (session 21, call 1): that cell 30.6 -> 25.8 us (its GEMM 24.5); where the roles were already hidden, unchanged.
+# 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24. Measured
+#: that cell 30.6 -> 25.8 us (its GEMM 24.5); where the roles were already hidden, unchanged.
 ROLE_DEEP = True
 
 if HAS_WGMMA:
@@ -143,7 +144,7 @@ if HAS_WGMMA:
         mask_r = offs_r < R
         # The gate's weights go to shared memory once, [r, d] with r contiguous: each row of a layer is then a
         # few vector loads that every thread reads at the same address. (Loaded from global memory per row,
-        # 2-byte scalars at an unknown alignment, the gate took ~60 us: session 19, call 3.)
+        # 2-byte scalars at an unknown alignment, the gate took ~60 us on an H200.)
         lw: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
         wr = gl.arange(0, RS, layout=gl.SliceLayout(1, lw))
         wd = gl.arange(0, _D_MAX, layout=gl.SliceLayout(0, lw))
@@ -216,7 +217,6 @@ def self_workspace(A: torch.Tensor, grid: int, roles: int) -> tuple[torch.Tensor
     """(ticket int64 [1], flags int32 [roles]) of one EC site and launch geometry, zeroed when made (tags
     start at 1): ``ec_self.site_workspace``, keyed by the grid and the number of shrink roles (x blocks x
     split), one flag per role."""
-    from .ec_self import site_workspace
 
     return site_workspace(_WORKSPACES, A, (grid, roles), lambda: (
         torch.zeros(1, dtype=torch.int64, device=A.device), torch.zeros(roles, dtype=torch.int32, device=A.device)),
@@ -234,7 +234,7 @@ def self_split(tiles: int, num_m: int, bmx: int, sms: int) -> int:
     first wave beside the ``tiles`` output tiles (one CTA per SM: these configs' shared memory allows no more),
     else 1. Why: one role per block streams the block's x rows *and* A each K step - more bytes per step than a
     tile, so where the grid is one wave the tiles wait for it (8192^2 M = 256, 4-warp tile: 1.5x the GEMM,
-    session 19); split over tokens, a role streams A and BMX / split rows. Where the tiles fill a wave or more,
+    H200); split over tokens, a role streams A and BMX / split rows. Where the tiles fill a wave or more,
     the roles start first and the tiles' first wave hides them, and extra roles would push tiles into a
     later wave."""
     split = 1

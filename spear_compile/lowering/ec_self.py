@@ -1,12 +1,11 @@
 """The decode EC in one launch: the GEMV's own CTAs compute ``h = A x`` in pieces and publish them tagged.
 
-Reference: ``lowering/ec_linear.py:ec_linear_ref``.
+Reference: ``ops/ec_ref.py:ec_linear_ref``.
 
 Why: the decode EC's two-launch form (the producer grid, then the GEMV launched behind it with PDL,
 ``ec_decode_triton.py``) pays the dependent launch - the GEMV starts 1.7-2.2 us after the producer
-(docs/kernels.md, session 13), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
-single launches lost for other reasons: extra producer programs scheduled after (session 2) or beside
-(session 13) the GEMV's own, one hot counter every program hit twice, and a last producer whose gate
+(docs/kernels.md), 1.2-1.4x the W4 GEMV on four of the five issue shapes. The earlier
+single launches lost for other reasons: extra producer programs scheduled after or beside the GEMV's own, one hot counter every program hit twice, and a last producer whose gate
 everyone waited for. Here no program is extra, and the one shared counter (a ticket) is never polled or
 reset:
 
@@ -17,8 +16,7 @@ reset:
   programs and their latency overlaps the weight stream's. Roles come from a ticket (one relaxed
   64-bit atomic per program, never reset): ticket ``t`` gives role ``t % grid`` and launch index ``t //
   grid``. An owner is a program that is running, so nothing waits on a program the GPU has not
-  scheduled. (Session 17, calls 1-3: owners by program id - low ids, assumed dispatched first - left
-  grids of several waves spinning for milliseconds; the H200 does not dispatch in program-id order.)
+  scheduled.
 * **Tags, not counters.** A piece is published as one 64-bit word: its fp32 value in the low half, the
   launch's tag (launch index + 1, mod 2^31) in the high half. A reader knows a slot is this launch's by
   its tag alone; no flag, no counter to reset, no fence between value and flag. (A stale slot carries
@@ -32,7 +30,7 @@ reset:
   and publishes them too - an idempotent write. Triton's interpreter (programs run one after another,
   ``SPIN = 0``) exercises this path on the CPU.
 
-Measured (H200, session 17, docs/kernels.md): the dependent launch is gone, but the one launch's own
+Measured (H200, docs/kernels.md): the dependent launch is gone, but the one launch's own
 operands, pieces and tail cost 1.1-2.4 us, so it beats the pairs by 0.1-0.9 us on three of the five issue
 shapes (11008x4096 12.8 vs 13.7 us) and loses on the other two; the lab decides per shape.
 
@@ -51,7 +49,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _triton
+from . import device as _device
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 
 SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes the pieces itself
@@ -112,7 +110,7 @@ def sm_count(device: torch.device) -> Optional[int]:
     """SMs of a CUDA device (None elsewhere): how many programs own pieces (``self_plan``)."""
     if device.type != "cuda" or INTERPRET:
         return None
-    return _triton.sm_count(device)
+    return _device.sm_count(device)
 
 
 _WORKSPACES: dict = {}
@@ -205,7 +203,7 @@ if HAS_TRITON:
         least as large as the CTA's threads cover along each dimension is held without replicated copies, so
         every thread's loaded words are counted by ``missing`` (a CPU test checks the compiled layouts). Read as
         [R_P, NC_P] with fewer elements than threads, two threads would each load a copy of the same slot,
-        the count would see one of them and the gate could use the other, stale one - the race session 18
+        the count would see one of them and the gate could use the other, stale one - the race an earlier version
         found in the Gluon form (docs/kernels.md). h is the max over the T // R_P copies of each row,
         which all hold this launch's bits once nothing is missing. The fallback computes every piece (not
         only those its own copy saw missing, which another thread's copy could contradict)."""
@@ -238,23 +236,3 @@ if HAS_TRITON:
         vals = v.to(tl.int32).to(tl.float32, bitcast=True)
         rows = tl.sum(tl.where(m, vals, 0.0), axis=1)  # [T]: T // R_P equal copies of each row's sum
         return tl.max(tl.reshape(rows, [T // R_P, R_P]), axis=0)
-
-
-def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, block_w: int = 64):
-    """Offline sm_90 compile of the CUDA-core GEMV with the one-launch EC (``w4a16_triton._w4a16_gemv1_kernel``,
-    SELF), for tests that read its layouts (the slot read must hold no replicated copies: ``ec_collect``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from .w4a16_triton import _w4a16_gemv1_kernel
-
-    sig = {p: "*bf16" for p in ("X", "S", "Z", "BIAS", "Y", "A", "B", "W1", "B1", "W2", "B2")}
-    sig.update(QW="*i32", ALPHA="*fp32", SLOTS="*i64", GH="*fp32", TICK="*i64")
-    sig.update({p: "i32" for p in "N K KW NG R D NC OWNERS MAG7 MAG11 MAG15 MAG19 MAG23".split()})
-    consts = dict(G=128, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=True, NIB=0, ASM=True, PER_CHANNEL=False,
-                  HAS_Z=True, HAS_BIAS=False, HAS_EC=True, EC_PARTS=11, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
-                  SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=slot_rows(r_p, warps, nc_p))
-    sig.update({c: "constexpr" for c in consts})
-    src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

@@ -1,11 +1,11 @@
 """The prefill EC's shrink and gate in one split-K launch that lets the W4 GEMM start at once.
 
-Reference: ``lowering/ec_linear.py:ec_delta_ref`` (``h = x A^T`` in fp32, then the gate MLP).
+Reference: ``ops/ec_ref.py:ec_delta_ref`` (``h = x A^T`` in fp32, then the gate MLP).
 
-Why: in the "in_gemm" structure (``dispatch._ec_in_gemm``) the register-operand GEMM adds ``alpha g h``
+Why: in the "in_gemm" structure (``dispatch/cuda.py:_ec_in_gemm``) the register-operand GEMM adds ``alpha g h``
 as one more K step and is launched with programmatic dependent launch (PDL) behind the gate kernel, but
 the shrink ran before the gate as a cuBLAS GEMM: [M, K] x [K, r] has r = 64 output columns, so cuBLAS
-gets few tiles and took 10-15 us with the gate (H200, session 18 call 1, ``ec_prefill_profile.py``),
+gets few tiles and took 10-15 us with the gate (H200, ``ec_prefill_profile.py``),
 serial before the GEMM's 50-230 us. Measured there: in_gemm = shrink + gate + the GEMM with the EC step,
 i.e. nothing overlapped.
 
@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2, sm_count
+from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
+from .device import sm_count
 
 # 32 x 64 tiles, 4 warps, 2 stages: 96 registers and 12 KB of shared memory (sm_90, offline ptxas), so a
 # program fits on an SM beside one 205-register, 256-thread register-operand GEMM CTA (53,248 + 12,288 =
@@ -45,11 +46,11 @@ BLOCK_K = 32 if INTERPRET else 64
 NUM_WARPS, NUM_STAGES = 4, 2
 INTERPRET_PROGRAMS = 8  # (the interpreter: enough programs to exercise the split)
 # Programs per SM, and at most MAX_KS slices per row block (the last arriver sums them one after another).
-# Measured (H200, session 18 calls 2-3, ec_prefill_profile.py): with 1 per SM (each fits beside a GEMM CTA)
+# Measured (H200, ec_prefill_profile.py): with 1 per SM (each fits beside a GEMM CTA)
 # the split-K shrink alone took 10-30 us and in_gemm_sk overlapped nothing; 4 per SM: 15-20 us alone at
 # M = 1024 (one run had in_gemm_sk at 8192^2 M = 1024 at the EC-step GEMM's own time, 229 us vs in_gemm 242;
-# kernels.py in call 4 did not repeat it: 238.5 vs 232.5), and 64 slices at M = 256 made the last arriver's
-# sum slow (24 us alone): hence the cap, which keeps M = 256 at 16 slices. Overall (call 4) the structure won
+# a later kernels.py run did not repeat it: 238.5 vs 232.5), and 64 slices at M = 256 made the last arriver's
+# sum slow (24 us alone): hence the cap, which keeps M = 256 at 16 slices. Overall (that run) the structure won
 # one cell of ten, within spread: the GEMM does not run beside it, for reasons not yet measured.
 PROGRAMS_PER_SM = 4
 MAX_KS = 16

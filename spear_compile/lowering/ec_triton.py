@@ -1,13 +1,13 @@
 """Triton kernels of the EC prefill path (large M), overlapped with the W4 GEMM.
 
-Reference: ``lowering/ec_linear.py:ec_delta_ref``.
+Reference: ``ops/ec_ref.py:ec_delta_ref``.
 
 ``ec_shrink_gate``: ``hg = g * h`` with ``h = x A^T`` ([M, r]) and the gate MLP on the
 r-vector. It reads x once (M*K*2 bytes) and does M*K*r MACs, on a side stream while the
 W4 GEMM (M*N*K MACs) runs. ``h`` comes from cuBLAS (an [M, K] x [K, r] GEMM spread over
 every SM); ``_ec_gate_kernel`` then gates BLOCK_M rows per program. (The first version
 did the K loop in one Triton program per 64 rows: 16 programs at M = 1024, ~70 us at
-8192^2, which showed once the W4 GEMM got faster: docs/kernels.md, session 4.)
+8192^2, which showed once the W4 GEMM got faster: docs/kernels.md.)
 ``_ec_expand_add_kernel``: ``y += alpha * hg B^T`` in place, after the join.
 """
 from __future__ import annotations

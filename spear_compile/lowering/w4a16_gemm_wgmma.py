@@ -1,6 +1,6 @@
 """Large-M W4A16 GEMM on Hopper's warpgroup MMA, dequantizing in the K loop (Gluon).
 
-Reference: ``lowering/w4a16.py:w4a16_linear_ref`` (``dequantize_ref`` then a GEMM). The weight is
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref`` (``dequantize_ref`` then a GEMM). The weight is
 dequantized exactly as the reference does it, ``(q - z) * s`` rounded to bf16 after each operation, so
 this kernel multiplies the same bf16 weight cuBLAS gets on the dequantize-then-cuBLAS path and differs
 from it only in the fp32 accumulation order.
@@ -9,9 +9,9 @@ Why: from M ~ 256 on, the shipped prefill path dequantizes the whole weight into
 (N K / 2 bytes read, 2 N K written: 48 us at 8192^2 on the H200) and hands it to cuBLAS; at M = 1024 that
 pass is 1.21-1.29x cuBLAS bf16's time (docs/kernels.md, sessions 4 and 9) and the target is 1.15x.
 The pass cannot overlap cuBLAS (a cuBLAS CTA holds a whole SM's registers, so the dequantize programs
-only time-slice with it: session 4, run 3). Here the dequantization rides inside the GEMM: 4-bit words
+only time-slice with it, H200). Here the dequantization rides inside the GEMM: 4-bit words
 come in by TMA (a quarter of the bf16 weight's bytes) and are expanded in registers while the previous
-K step's warpgroup MMAs run. An earlier attempt in Triton (session 4) put the dequantized tile through a
+K step's warpgroup MMAs run. An earlier attempt in Triton put the dequantized tile through a
 register -> shared -> register layout conversion and waited on every MMA (2.9x cuBLAS); Gluon gives the
 layouts and the MMA wait depth by hand.
 
@@ -36,9 +36,9 @@ tests compile the kernel for sm_90 and assert ptxas leaves the MMAs asynchronous
 
 Configs (BM, BN, STAGES, WARPS): BM rows of x per CTA (64 or 128 per warpgroup), BN weight rows, ring
 depth. Constraints: CUDA sm_90+, bf16 x / scales / zero points / bias, K % 64 == 0, G % 64 == 0 or
-per-channel (G >= K), N % 8 == 0 (TMA row strides). ``w4a16_triton.w4a16_gemm`` takes it where
+per-channel (G >= K), N % 8 == 0 (TMA row strides). ``dispatch/route.py:gemm_route`` takes it where
 ``benchmarks/kernels.py`` measured it fastest (tuned table value ``("wgmma", ...)``; the "in_gemm" EC
-structure's own entry: ``gemmwg`` keys). Measured on the H200 (session 15, docs/kernels.md): faster than
+structure's own entry: ``gemmwg`` keys). Measured on the H200: faster than
 dequantize + cuBLAS at M = 256 on the larger shapes, slower from M = 1024 (1.3-1.4x cuBLAS): its step
 is bound by shared-memory traffic (the expanded tile written once and read by both warpgroups).
 """
@@ -48,7 +48,10 @@ from typing import Optional
 
 import torch
 
+from . import device as _device
 from .w4a16_gemv_gluon import HAS_GLUON
+from .layout_cache import derived_cached, derived_peek  # noqa: F401
+from .w4a16_gemv_gluon import compile_gluon_sm90
 
 HAS_WGMMA = False
 if HAS_GLUON:
@@ -67,11 +70,10 @@ BK = 64  # K columns per step: one 128-byte swizzled row of bf16 per weight row
 # (BM, BN, STAGES, WARPS). (128, 128, 3, 8) and (64, 128, 4, 4) fit two CTAs per SM (one expands while
 # the other multiplies); the others one CTA with a deeper ring or a wider tile. BM = 256 (128 x rows per
 # warpgroup) feeds each expanded tile to twice the MMAs: the expansion, not the MMAs, bounds a step (docs/kernels.md,
-# session 15). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 (call 8),
-# and the warp-specialised variant (WS_CONFIGS) was no faster (call 9): neither is in the searched list.
+# H200). 16 warps (4 warpgroups of 64 rows) compile and run but were 5-12 % slower than 8 on an H200, and a
+# warp-specialised variant was no faster (``benchmarks/experimental/wgmma_ws.py``): neither is searched.
 WGMMA_CONFIGS = [(256, 128, 4, 8), (256, 128, 3, 8), (128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4),
                  (128, 128, 5, 8)]
-WS_CONFIGS = [(256, 128, 4, 8, 4)]  # warp-specialised: correct, measured -3 .. +13 % against the plain (call 9)
 
 # One packed word (8 nibbles, k = 8 w + j in nibble j) -> 8 bf16 weights in k order, 4 bf16x2 registers.
 # Pair i takes byte i of the word (low nibble: k = 2 i) and byte i of word >> 4 (its low nibble: k = 2 i + 1)
@@ -296,28 +298,14 @@ def dequant_emulated(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
 
 
 def check_config(config: tuple) -> tuple[int, int, int, int]:
-    """(BM, BN, STAGES, WARPS) with a clear error for a config the kernel cannot take; a fifth element is
-    the warp-specialised variant's expander warps (``expanders``)."""
-    if len(config) not in (4, 5):
-        raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS[, EXPANDERS])")
-    bm, bn, stages, warps = (int(v) for v in config[:4])
+    """(BM, BN, STAGES, WARPS) with a clear error for a config the kernel cannot take."""
+    if len(config) != 4:
+        raise ValueError(f"W4A16 wgmma GEMM config {config}: expected (BM, BN, STAGES, WARPS)")
+    bm, bn, stages, warps = (int(v) for v in config)
     if bm not in (16 * warps, 32 * warps) or bn not in (64, 128, 256) or stages < 3 or warps not in (4, 8, 16):
         raise ValueError(f"W4A16 wgmma GEMM config {config}: needs WARPS in {{4, 8, 16}}, BM = 16 or 32 WARPS (64 or "
                          f"128 rows per warpgroup), BN in {{64, 128, 256}} and STAGES >= 3")
-    if len(config) == 5 and (int(config[4]) not in (0, 4) or (int(config[4]) and (warps != 8 or bn != 128))):
-        raise ValueError(f"W4A16 wgmma GEMM config {config}: the warp-specialised variant takes 4 expander warps "
-                         f"beside 8 MMA warps and BN = 128 (or 0: the plain kernel)")
     return bm, bn, stages, warps
-
-
-def expanders(config: tuple) -> int:
-    """Expander warps of a config: 0 for the plain kernel, else the warp-specialised one
-    (``w4a16_gemm_wgmma_ws.py``)."""
-    return int(config[4]) if len(config) == 5 else 0
-
-
-WS_MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64 K register file
-WS_EXP_REGS = 96  # the expanders' share after setmaxnreg (the MMA warpgroups get the rest: 200)
 
 
 _ZINT: dict = {}
@@ -326,8 +314,6 @@ _ZINT: dict = {}
 def integer_zeros(zeros: torch.Tensor) -> bool:
     """Whether every zero point is an integer of magnitude < 128 (the two-fma expansion is then exact);
     checked once per zero-point tensor (and again after an in-place update)."""
-    from .w4a16_triton import derived_cached
-
     return derived_cached(_ZINT, [zeros], lambda: bool(((zeros == zeros.round()) & (zeros.abs() < 128)).all()))
 
 
@@ -362,17 +348,9 @@ def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
             and scales.is_contiguous() and (zeros is None or zeros.is_contiguous()))
 
 
-_HOPPER: dict = {}
-
-
 def hopper(device: torch.device) -> bool:
-    """A CUDA device with warpgroup MMA (sm_90+); asked once per device."""
-    if device.type != "cuda":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HOPPER:
-        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _HOPPER[idx]
+    """A CUDA device with warpgroup MMA (sm_90+)."""
+    return _device.is_sm90(device)
 
 
 def _layout(block: list, dtype):
@@ -437,7 +415,7 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
     [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``ec``: (hg, B) with hg the
     EC's ``alpha g h`` [M, R_P] and B its [N, R] expand matrix (bf16, R <= R_P, R_P a power of two >= 16):
-    ``hg B^T`` is added as one more K step (the "in_gemm" EC structure, ``dispatch._ec_in_gemm``); the
+    ``hg B^T`` is added as one more K step (the "in_gemm" EC structure, ``dispatch/cuda.py:_ec_in_gemm``); the
     ring loses stages until it fits. ``diag`` (benchmarks only, wrong results): 1 stores the tile without
     the expansion's arithmetic, 2 skips expansion and stores (the MMAs read stale tiles), 3 skips the
     MMAs - what each part of a K step costs."""
@@ -448,16 +426,6 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         while stages > 3 and smem_bytes((bm, bn, stages, warps), r_p) > SMEM_LIMIT:
             stages -= 1
     grid = (-(-M // bm) * -(-N // bn),)
-    exp = expanders(tuple(config or WGMMA_CONFIGS[0]))
-    if exp and ec is None and not diag:
-        from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
-
-        _w4a16_gemm_wgmma_ws_kernel[grid](
-            xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-            M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
-            ZINT=zeros is not None and integer_zeros(zeros), HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps,
-            EXP=exp, EXP_REGS=WS_EXP_REGS, num_warps=warps, maxnreg=WS_MAXNREG)
-        return y
     _w4a16_gemm_wgmma_kernel[grid](
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
@@ -499,18 +467,11 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
                  has_bias: bool = True, zint: bool = False, r_p: int = 0) -> dict:
     """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
     shared memory and the MMA instructions are checked offline."""
-    from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bm, bn, stages, warps = check_config(config)
     descs = desc_types(bm, bn, r_p)
     rest = dict(Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps)
-    if expanders(config):
-        from .w4a16_gemm_wgmma_ws import _w4a16_gemm_wgmma_ws_kernel
-
-        consts.update(EXP=expanders(config), EXP_REGS=WS_EXP_REGS)
-        return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, dict(x_desc=descs["x_desc"], w_desc=descs["w_desc"],
-                                                                     **rest), consts, warps, maxnreg=WS_MAXNREG)
     types = dict(**descs, **rest)
     consts.update(HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)

@@ -1,13 +1,12 @@
 """Large-M W4A16 GEMM on warpgroup MMA with the expanded weight as the MMA's register operand (Gluon).
 
-Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the weight is expanded exactly as the reference
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref``; the weight is expanded exactly as the reference
 dequantizes it (bf16 ``(q - z) * s``), as in the plain kernel (``w4a16_gemm_wgmma.py``).
 
 Why: the plain kernel expands each K step's weights into a shared-memory tile that both MMA warpgroups then
-read, ~148 KB of shared-memory traffic per 2^21 multiply-adds, which session 15 measured as its bound
+read, ~148 KB of shared-memory traffic per 2^21 multiply-adds, measured as its bound on an H200
 (docs/kernels.md). Here the product is transposed, Y^T = W X^T: the weight is the MMA's A operand, taken
-from registers, so its expanded tile never touches shared memory (~104 KB per 2^21). Measured on the H200
-(session 16): 10-20 % faster than the plain kernel everywhere, and faster than dequantize + cuBLAS at
+from registers, so its expanded tile never touches shared memory (~104 KB per 2^21). Measured on the H200: 10-20 % faster than the plain kernel everywhere, and faster than dequantize + cuBLAS at
 M = 256 (0.59-0.75x on the large shapes) and M = 1024 (0.93-0.98x); slower at M = 4096.
 
 Each thread's A fragment for a k16 block is the pairs (k = 2t, 2t + 1) and (k = 8 + 2t, 9 + 2t) of rows
@@ -19,25 +18,25 @@ fmas give ``(q - z) * s`` exactly (integer zero points; or ``q * s`` without zer
 movement (``convert_layout(..., assert_trivial=True)``).
 
 The MMA reads its A registers while it runs, until the wait that retires it; ptxas does not keep later
-instructions from rewriting them (session 15's first version gave garbage for this reason). K steps
+instructions from rewriting them (a first version gave garbage for this reason). K steps
 therefore go in pairs on two A tensors, each a dependency of the wait that retires its MMA, and the CPU
 tests check the SASS for writes to in-flight A registers (``tests/lowering/sass_wgmma.py``).
 
-The EC ("in_gemm" structure, ``dispatch._ec_in_gemm``): with ``ec = (hg, B)`` B's rows [BNW, R_P] come in by
+The EC ("in_gemm" structure, ``dispatch/cuda.py:_ec_in_gemm``): with ``ec = (hg, B)`` B's rows [BNW, R_P] come in by
 TMA at the start, and after the K loop the kernel (launched with programmatic dependent launch behind the
 gate kernel that writes hg = alpha g h, when ``ec_wait``) executes ``griddepcontrol.wait``, loads its hg tile
 [BMX, R_P] and adds ``B hg^T`` as one more MMA step with both operands in shared memory. Before that wait it
-reads only what existed before the gate ran (x, the weight, its scales, B). Measured (session 16, call 6):
+reads only what existed before the gate ran (x, the weight, its scales, B). Measured:
 the fastest EC structure on 6 of the 8 shapes x M where the table runs this kernel, at 1.03-1.23x W4.
 
 Config (BNW, BMX, STAGES, WARPS[, PF[, SK]]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
 N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used), PF = 2
-brings them through the TMA ring with the step's words (``ring_row_params``; faster: session 22);
+brings them through the TMA ring with the step's words (``ring_row_params``; faster);
 SK = 1 runs the last partial wave of tiles stream-K (``sk_plan``, ``_ra_sk_unit``: measured slower, so neither
-is searched; docs/kernels.md session 21).
+is searched; docs/kernels.md).
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
 The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
-``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]])`` (``w4a16_triton.w4a16_gemm``).
+``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]])`` (``dispatch/route.py:gemm_route``).
 """
 from __future__ import annotations
 
@@ -47,6 +46,15 @@ import torch
 
 from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
+from .layout_cache import derived_cached, derived_peek  # noqa: F401
+from .ec_self import sm_count
+from ._triton import ACT_CODES, next_pow2
+from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
+from .w4a16_gemm_wgmma import _descriptor
+from . import ec_gemm_self
+from .w4a16_gemm_wgmma import _layout, desc_types
+from .w4a16_gemv_gluon import compile_gluon_sm90
+from .ec_gemm_self import SPLITS, split_ok
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -157,7 +165,7 @@ if HAS_WGMMA:
         alive until then), refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the
         next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
         expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: docs/kernels.md
-        session 16), else this step's are loaded here, where they are used; with ``RP`` they come with the step's
+        measured on an H200), else this step's are loaded here, where they are used; with ``RP`` they come with the step's
         words through the ring (``ring_row_params``) and are read from shared memory after its wait.
         ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``), 4 no
         row-parameter loads in the loop (step 0's scales and zero points throughout)."""
@@ -221,7 +229,7 @@ if HAS_WGMMA:
         c, s = _row_params(S, Z, offs_n, mask_n, k0 * _BK // G, NG, HAS_Z)  # step 0's: per-channel / PF read these
         acc = gl.zeros([BNW, BMX], gl.float32, layout=mma)
         # The MMA reads A from registers while it runs, and ptxas does not stop the next step's expansion from
-        # reusing them (seen in SASS: session 15's garbage). So steps go in pairs with two A tensors, and each
+        # reusing them (seen in SASS: a first version's garbage). So steps go in pairs with two A tensors, and each
         # is a dependency of the wait that retires its MMA (the next step's wait(1)): the pair never shares
         # registers. ``tests/lowering/test_gemm_wgmma.py`` checks the SASS for writes to in-flight A registers.
         keep = gl.zeros([BNW, _BK], gl.bfloat16, a_layout)
@@ -433,16 +441,16 @@ if HAS_WGMMA:
 
 
 # (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the
-# widest MMA): the 128 x 128 tile was 1.8x slower (call 1). The 4-warp 64 x 256 tile doubles the CTA count where the
+# widest MMA): the 128 x 128 tile was 1.8x slower . The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
-# the H200's 132 SMs idle: session 20). PF = 1 variants are the lab's (docs/kernels.md, session 16).
-# PF = 2 (row parameters through the TMA ring) first: same bits, and in session 22's call 1 (same process, M = 1024)
+# the H200's 132 SMs idle). PF = 1 variants are the lab's (docs/kernels.md).
+# PF = 2 (row parameters through the TMA ring) first: same bits, and in one run (same process, M = 1024, H200)
 # 128 x 256 x 4 went 146.1 -> 121.9 us on 4096x11008 and 226.7 -> 200.0 on 8192^2 (11008x4096: 150.8 -> 151.0,
 # where the 3-stage ring measured slower, 149.7 -> 159.0); PF = 0 stays searched beside it.
 _TILES = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
 RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64, 128, 4, 4, 2)] + _TILES
 # SK = 1 (a stream-K tail, ``sk_plan``) is not searched: measured slower than the plain tiles on every cell it
-# changes (session 21, calls 3-4: 11008x4096 M = 1024 +2-8 %, 8192^2 M = 1024 +10 %); the lab times it
+# changes; the lab times it
 # (``benchmarks/lab_gemm.py --ra 128,256,3,8,0,1``).
 
 
@@ -468,7 +476,7 @@ def sk_plan(tiles: int, sms: Optional[int], kt: int) -> tuple[int, int]:
     planned less well). Why: 11008x4096 at M = 1024 has 344 tiles of 128 x 256, 2.6 waves run as 3. The whole
     waves run as tiles; only the last partial wave's tiles are split by K steps evenly over min(sms, their
     steps) units (a tile split between units is summed by its first unit), so the last wave ends with every SM
-    busy. Only that tail: session 21 (call 3) first streamed the
+    busy. Only that tail: a first version streamed the
     last 1-2 waves' worth (CUTLASS's rule), and it was 2-24 % slower - units that start at scattered K offsets
     no longer read a weight tile in step with the other x blocks' units, so it came from HBM again (8192^2
     M = 1024, all 256 tiles streamed: +28 us, about 3 more reads of its 32 MB); a tail's tiles (11008x4096
@@ -528,13 +536,11 @@ def ring_row_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torc
     """The row parameters as the expansion uses them, [2 NG, N] bf16: row 2 g holds c = -(128 + z) (-128 s
     without zero points) and row 2 g + 1 s, of scale group g for every output row; made once per weight
     (``derived_cached``). Why (PF = 2): loaded from [N, NG] in the K loop, each step's 2-byte loads of 128 rows'
-    parameters touch 8-16 sectors per warp and wait an L2 round trip on the expansion's path (session 16's
+    parameters touch 8-16 sectors per warp and wait an L2 round trip on the expansion's path (an earlier version's
     long-scoreboard stalls); from this table one TMA box [2, BNW] brings a step's parameters with its words, on
     the same mbarrier. Exact: c is an integer below 256 (or s times a power of two), as the kernel computes it.
     Like the other derived weight layouts, a CUDA graph captured with it keeps its address: update the scales in
     place only before capturing (an in-place update remakes the table at the next eager call)."""
-    from .w4a16_triton import derived_cached
-
     def make():
         c = -(zeros.float() + 128.0) if zeros is not None else scales.float() * -128.0
         return torch.stack([c.t().to(torch.bfloat16), scales.t().to(torch.bfloat16)], 1).reshape(
@@ -585,8 +591,6 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if ec is not None and ec_wait and not x2.is_contiguous():
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait x2 must be contiguous (a copy made here would be a "
                          "kernel between the gate and this PDL launch, read before the wait)")
-    from .w4a16_triton import derived_peek
-
     if ec is not None and ec_wait and ring_params_wanted(config, G, K, N) and derived_peek(
             _RING_PARAMS, [scales, zeros]) is None:
         raise ValueError("w4a16_gemm_wgmma_ra: with ec_wait and PF = 2 the row-parameter table must exist before the "
@@ -598,7 +602,6 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units / sk_delay need a stream-K config (SK = 1; got {config}) "
                          f"without ec or diag")
     if sk and ec is None and not diag:
-        from .ec_self import sm_count
 
         tiles, sms = -(-M // bmx) * -(-N // bnw), sm_count(x2.device)
         if sk_units is None:
@@ -672,18 +675,12 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                 self_diag: int = 0) -> torch.Tensor:
     """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus 1-4 shrink roles
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
-    R % 8 == 0 (the caller pads it: ``dispatch._ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
+    R % 8 == 0 (the caller pads it: ``dispatch/cuda.py:_ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
     ``alpha g h`` into (tests read it; default a fresh one). ``split``: shrink roles per x block, each taking
     BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``deep``: each role's ring
     ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag``
     (timing only, wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
-    from ._triton import ACT_CODES, next_pow2
-    from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
-    from .ec_self import sm_count
-    from .w4a16_gemm_wgmma import _descriptor
-    from .w4a16_triton import derived_cached
-
     bnw, bmx, stages, warps, pf, _ = check_ra_config(config)  # (SK: the in-launch EC's tiles are data-parallel)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
     x2 = x2.contiguous()  # (once: the tiles' and the shrink roles' descriptors read the same copy)
@@ -732,7 +729,6 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
     xrd = xd if split == 1 else _descriptor(x2, [bmx // split, BK], gl.bfloat16)
-    from . import ec_gemm_self
 
     deep = ec_gemm_self.ROLE_DEEP if deep is None else bool(deep)
     ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split, deep)
@@ -755,15 +751,12 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
     (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block; a config with SK = 1 (no EC):
     the stream-K form."""
-    from .w4a16_gemm_wgmma import _layout, desc_types
-    from .w4a16_gemv_gluon import compile_gluon_sm90
 
     bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
     if sk and r_p:
         raise ValueError("compile_ra_sm90: stream-K (SK = 1) runs without an EC (r_p = 0)")
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
-    from .ec_gemm_self import SPLITS, split_ok
 
     if not split_ok(split, bmx):
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")

@@ -1,13 +1,13 @@
 """M = 1 W4A16 GEMV on tensor cores with no shared-memory round trip (Gluon: explicit layouts).
 
-Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the data flow is mirrored in PyTorch by
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref``; the data flow is mirrored in PyTorch by
 ``gemv_gluon_emulated`` (what the CPU tests check: Gluon kernels do not run in Triton's interpreter).
 
 Status: this register-fed kernel is not dispatched (on the H200 it runs at the CUDA-core kernel's
-speed: 8192^2 17.6 vs 17.2-17.6 us; docs/kernels.md, session 7); ``benchmarks/kernels.py --lab gemv
+speed: 8192^2 17.6 vs 17.2-17.6 us; docs/kernels.md); ``benchmarks/kernels.py --lab gemv
 --gluon`` times it. Its K-step arithmetic (``_mma_words``), index setup and epilogue (``_store_rows``)
 are shared with the TMA-fed kernel of ``w4a16_gemv_tma.py``, which *is* dispatched at M = 1 where it
-measured faster (session 11).
+measured faster.
 
 Every thread loads, in one 16-byte load per row and 128 columns, exactly the
 nibbles that its ``mma.sync.m16n8k16`` A fragments hold, so the dequantized registers *are* the MMA
@@ -21,7 +21,7 @@ operand:
 - x is the one non-zero column of the [BLOCK_K, 8] B operand (lanes of the first MMA column load
   it; the others are masked), and an MMA of a constant all-ones A with the same B gives sum x in
   the accumulator layout, so ``y = sum_tiles s * (D - (128 + z) * D_ones)`` is formed in fp32 with
-  no reduction across threads until the end. (The TMA kernel, session 14, puts x in all 8 columns -
+  no reduction across threads until the end. (The TMA kernel puts x in all 8 columns -
   every column of D is then y - and takes D_ones from sums of x computed once per CTA.)
 
 Every conversion between layouts is asserted trivial at compile time (``assert_trivial=True``).
@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from ._triton import HAS_TRITON
+from .layout_cache import derived_cached, derived_peek  # noqa: F401
 
 try:  # Gluon (Triton >= 3.5) and its Ampere-style mma.sync
     from triton.experimental import gluon
@@ -95,7 +96,7 @@ if HAS_GLUON:
         """One word -> its 8 nibbles as bf16 128 + q: 4 tensors [.., 2] (s = 0..3; h the trailing,
         register-contiguous dimension; nibble 4h + s), each pair (h = 0, 1) one bf16x2 register - the LOP3
         result itself. (Returning 8 16-bit values, split from and re-packed into those registers, cost
-        ~100 register moves per (4, 2, 2, 2, 2) K step in SASS: 490 -> 414 instructions, session 14.)"""
+        ~100 register moves per (4, 2, 2, 2, 2) K step in SASS: 490 -> 414 instructions, H200 build.)"""
         w2 = gl.join(w, w)  # [.., 2]: one asm instance per (word, h pair); it reads the first copy only
         return gl.inline_asm_elementwise(
             """{
@@ -229,7 +230,7 @@ GLUON_CONFIGS = [(8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1), (8, 1, 2, 1), (16, 2
 
 def repack_gluon(qweight: torch.Tensor) -> torch.Tensor:
     """spear-packed uint8 [N, K/2] -> int32 [N, K/8] in the layout the module docstring gives."""
-    from ..quant.format import unpack_int4
+    from ..quant.format import unpack_int4  # (quant/__init__ registers the ops, whose CUDA side imports this)
 
     N, K = qweight.shape[0], qweight.shape[1] * 2
     if K % CHUNK:
@@ -300,8 +301,6 @@ _PACKED: dict = {}
 
 
 def gluon_words(qweight: torch.Tensor) -> torch.Tensor:
-    from .w4a16_triton import derived_cached
-
     return derived_cached(_PACKED, [qweight], lambda: repack_gluon(qweight))
 
 

@@ -1,11 +1,11 @@
 """M = 1 W4A16 GEMV fed by a TMA ring: weight tiles stream into shared memory while the warps compute.
 
-Reference: ``lowering/w4a16.py:w4a16_linear_ref``; the arithmetic is the Gluon mma.sync kernel's
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref``; the arithmetic is the Gluon mma.sync kernel's
 (``w4a16_gemv_gluon.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments,
 ``s * (D - (128 + z) D_ones)`` per group), mirrored in PyTorch by ``tiles_emulated`` for the CPU tests
 (Gluon kernels do not run in Triton's interpreter). With x staged in shared memory (OPS_SMEM, every
 shipped config) x fills all 8 columns of the MMA's B operand (each column of D is then y) and D_ones is
-each 128-column entry's sum of x, computed once per CTA as x is staged - session 14: the column mask
+each 128-column entry's sum of x, computed once per CTA as x is staged - measured on an H200: the column mask
 and the all-ones MMA were 1 / 5 of the K step's instructions and on its critical path (-7.5 to -15 %).
 
 Why: every register-fed M = 1 kernel we built (CUDA-core, mma.sync, split-K, persistent) stalls at
@@ -14,12 +14,12 @@ program waits for its loads, then computes with nothing in flight, and registers
 program can have outstanding. Here one thread issues TMA copies of whole weight tiles into a ring of
 ``STAGES`` shared-memory buffers, so ``STAGES - 1`` tiles are in flight while all warps compute the
 current one, and the bytes in flight cost shared memory, not registers. What the H200 said (docs/kernels.md,
-session 11): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
+H200): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
 per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
 brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
-wait overhead). Session 12: K-split configs (two programs per row block) and a persistent variant (a few
+wait overhead). K-split configs (two programs per row block) and a persistent variant (a few
 programs per SM streaming many row blocks) were both slower (kept, measured, mostly out of the table).
-Session 14: after the leaner K step (above), 0.58x tinygemm at 28672x8192 and 0.63x at 8192x8192; an
+After the leaner K step (above), 0.58x tinygemm at 28672x8192 and 0.63x at 8192x8192; an
 L2 prefetch of the tiles past the ring was slower everywhere, like deeper rings (removed).
 
 Epilogue / prologue options used by the decode fusions (``passes/fuse_glu.py``, ``fuse_rmsnorm.py``):
@@ -38,8 +38,7 @@ Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV 
 takes this kernel at M = 1 for the shapes where ``benchmarks/kernels.py --lab gemv --tma`` measured it
 faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table, ``tma_config``);
 elsewhere the CUDA-core kernel runs. With a decode EC the same shapes take it with the EC epilogue
-(``w4a16_triton.gemv1_ec``, ``ec_cat.ec_gemv1_cat`` / ``ec_linear_glu_cuda``, where
-``ec_cat.ec_epilogue_ok``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
+(the "ec_pair_tma", "ec_cat_tma" and "ec_glu_tma" routes of ``dispatch/route.py``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
 bf16 scales and zero points (the shared-memory mode reads them as bf16 pairs), K % 128 == 0, G a
 multiple of 128 (or per-channel).
 """
@@ -49,10 +48,18 @@ from typing import Optional
 
 import torch
 
-from .. import envs
 from ..dispatch import table as _table
-from ._triton import next_pow2, sm_count
+from . import device as _device
+from ._triton import next_pow2
+from .device import sm_count
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
+from .layout_cache import derived_cached, derived_peek  # noqa: F401
+from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
+                                     norm_ok, tile_geometry, unpack_config)
+from .w4a16_gemv_gluon import gemv_gluon_emulated
+from .w4a16_gemv_gluon import word_layout
+from .w4a16_gemv_gluon import compile_gluon_sm90
+from .ec_self import SPIN
 
 HAS_TMA = False
 if HAS_GLUON:
@@ -70,28 +77,7 @@ if HAS_GLUON:
     except ImportError:  # pragma: no cover - depends on the installed Triton
         pass
 
-ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimension)
 
-# (WARPS, RB, CH, STAGES, OPS[, SPLIT]): K slices per CTA, row blocks of 16, 128-column chunks per warp
-# and step, ring depth, where each step's x and scales come from (OPS_GLOBAL loads them from global
-# memory before waiting for the step's tile, OPS_PREFETCH loads the next step's into registers during
-# this step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile by
-# TMA), SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid where
-# the row blocks alone fill half the GPU: measured slower everywhere in session 12, one config kept for
-# its tests), and PERSIST, persistent programs per SM (default 0: one program per row block; session
-# 12, ``_w4a16_gemv_tma_persistent_kernel``, written after that session's measurements of the others).
-OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
-TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
-               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 2, 3, 2), (4, 4, 2, 2, 2),
-               (4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 3, 2, 1, 4), (4, 2, 4, 2, 2, 1, 2), (8, 2, 2, 3, 2, 1, 1),
-               (2, 2, 2, 2, 2, 1, 4)]
-
-
-def tile_geometry(config: tuple) -> tuple[int, int, int]:
-    """(BN rows, STEP columns, TR rows of ROW words) of one CTA tile for a config."""
-    warps, rb, ch = config[:3]
-    bn, nb = 16 * rb, warps * ch
-    return bn, 128 * nb, nb * bn * 16 // ROW  # BN * 16 = 256 RB words: always whole rows
 
 
 def tile_layout_bases(warps: int, rb: int, ch: int) -> tuple[list, list, list]:
@@ -129,7 +115,7 @@ def repack_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: i
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is not None and t.dtype != torch.bfloat16:
             raise ValueError(f"repack_scale_tiles: {name} are {t.dtype}; the TMA kernel's shared-memory mode reads "
-                             "bf16 (scale, zero) pairs (tma_config_for declines other dtypes)")
+                             "bf16 (scale, zero) pairs (the route declines other dtypes)")
     bn, step, _ = tile_geometry(config)
     nb = step // 128
     N = scales.shape[0]
@@ -146,7 +132,6 @@ def repack_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: i
 def tiles_emulated(x2, tiles, scales, zeros, G: int, bias, N: int, config: tuple) -> torch.Tensor:
     """Undo ``repack_tiles`` and run the Gluon kernel's emulation: the CPU check that the tiling keeps
     every word where the kernel's layout expects it."""
-    from .w4a16_gemv_gluon import gemv_gluon_emulated
 
     bn, step, _ = tile_geometry(config)
     nb = step // 128
@@ -258,7 +243,7 @@ if HAS_TMA:
         bf16); the sum of squares is over all of K, so NORM needs the whole row (SPLIT = 1): a first
         pass reads x for it (L2-resident, 2K bytes), the second stages the normalised values. (Staging x
         and the weight raw in one pass and normalising in shared memory measured slower on the H200:
-        +0.45 us per GEMV, docs/kernels.md session 12.) Also returns each 128-column entry's sum of the staged
+        +0.45 us per GEMV, docs/kernels.md.) Also returns each 128-column entry's sum of the staged
         values, fp32 [KTS, NB] in shared memory: D_ones of every step (``_x_sums``), once per CTA instead
         of an all-ones MMA per step."""
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -538,7 +523,6 @@ if HAS_TMA:
 
 
 def _layouts(config: tuple):
-    from .w4a16_gemv_gluon import word_layout
 
     warps, rb, ch = config[:3]
     _, _, tr = tile_geometry(config)
@@ -555,7 +539,6 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     cubin) so registers, shared memory and the trivial layout conversions are checked offline. The
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
     shape like N = 200 compiles a slightly different variant)."""
-    from .w4a16_gemv_gluon import compile_gluon_sm90
 
     warps, rb, ch, stages, ops, split, persist = unpack_config(config)
     bn, step, tr = tile_geometry(config)
@@ -591,23 +574,6 @@ _SPLIT_WS: dict = {}
 _SPLIT_WS_ALL: list = []  # every workspace ever made: a CUDA graph may hold a pointer to an outgrown one
 
 
-def unpack_config(config: tuple) -> tuple:
-    """(WARPS, RB, CH, STAGES, OPS, SPLIT, PERSIST): SPLIT (K runs per row block) defaults to 1,
-    PERSIST (persistent programs per SM; 0 = one program per row block) to 0."""
-    if len(config) not in (5, 6, 7):
-        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]])")
-    vals = tuple(int(v) for v in config)
-    warps, rb, ch, stages, ops, split, persist = vals + (1, 0)[len(vals) - 5:]
-    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (warps, rb, ch))
-    if not pow2 or stages < 1 or ops not in (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM) or split not in (1, 2):
-        raise ValueError(f"TMA GEMV config {config}: WARPS, RB and CH must be powers of two, STAGES >= 1, OPS in "
-                         f"{{0, 1, 2}} and SPLIT 1 or 2 (two partials add up the same in either order)")
-    if persist < 0 or (persist and (ops != OPS_SMEM or split != 1)):
-        raise ValueError(f"TMA GEMV config {config}: PERSIST (programs per SM) must be >= 0, and a persistent "
-                         f"config stages x in shared memory (OPS {OPS_SMEM}) without a K-split")
-    return warps, rb, ch, stages, ops, split, persist
-
-
 def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K-split epilogue's fp32 row sums and int32 arrival counters, zeroed once per device and kept
     zero by the kernel (the last program of each row block resets its rows). Grown when a larger
@@ -633,48 +599,9 @@ def tma_key(N: int, K: int, G: int) -> _table.Gemv1TmaKey:
     return _table.Gemv1TmaKey(N, K, G)
 
 
-_CAPABLE: dict = {}  # device index -> sm_90+ (asked once: the M = 1 dispatch runs this per call)
-
-
 def _tma_capable(device: torch.device) -> bool:
     """TMA needs a Hopper-class GPU (sm_90+)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABLE:
-        _CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _CAPABLE[idx]
-
-
-def tma_config_for(N: int, K: int, G: int, dtype: torch.dtype, device: torch.device,
-                   table: Optional[dict] = None, param_dtypes: tuple = ()) -> Optional[tuple]:
-    """The TMA config for Y[1, N] = x W^T (x of ``dtype`` on ``device``), or None (the CUDA-core kernel
-    then runs): only where the tuned table has a measured win for (N, K, G) and the kernel can run
-    here (CUDA sm_90+, Gluon, bf16 activations and bf16 scales / zero points - ``param_dtypes`` - K
-    and G multiples of 128). ``SPEAR_NO_TMA_GEMV=1`` in the environment turns it off (the CUDA-core
-    kernel everywhere: for A/B measurements and as an escape hatch). Also what the inspection report
-    names (``passes/phase_dispatch.kernel_for``)."""
-    if envs.no_tma_gemv():
-        return None
-    if table is None:
-        from .w4a16_triton import tuned_table
-
-        table = tuned_table()
-    cfg = table.get(tma_key(N, K, G))
-    if cfg is None or not HAS_TMA or not gluon_ok(1, K, G, dtype) or not _tma_capable(device):
-        return None
-    if any(d != torch.bfloat16 for d in param_dtypes):
-        return None
-    return tuple(cfg)
-
-
-def tma_config(N: int, K: int, G: int, x2: torch.Tensor, params: tuple = (), table: Optional[dict] = None
-               ) -> Optional[tuple]:
-    """``tma_config_for`` for an activation ``x2`` [M, K] and the weight's scales / zero points
-    ``params`` (tensors or None): None unless M == 1."""
-    if x2.shape[0] != 1:
-        return None
-    return tma_config_for(N, K, G, x2.dtype, x2.device, table, tuple(p.dtype for p in params if p is not None))
+    return _device.is_sm90(device)
 
 
 def _descriptor(t: torch.Tensor, block: list):
@@ -686,8 +613,6 @@ def _descriptor(t: torch.Tensor, block: list):
 
 def tma_tiles(qweight: torch.Tensor, config: tuple):
     """(tiles, TMA descriptor) for a weight and config, built once per weight storage and version."""
-    from .w4a16_triton import derived_cached
-
     _, _, tr = tile_geometry(config)
 
     def build():
@@ -699,8 +624,6 @@ def tma_tiles(qweight: torch.Tensor, config: tuple):
 
 def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int, K: int, config: tuple):
     """(scale tiles, TMA descriptor), cached like ``tma_tiles`` (OPS_SMEM, groups only)."""
-    from .w4a16_triton import derived_cached
-
     bn, step, _ = tile_geometry(config)
 
     def build():
@@ -757,6 +680,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         ec.check(N, K, config, rows, x2)
     elif ec is not None:
         ec.check(N, config)
+
     if kt % split:
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
                          f"of {step} columns")
@@ -787,7 +711,6 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if ec is None:  # EC operands unused without HAS_EC: fixed dummies, so nothing else specialises the kernel
         ec_args, ec_consts = (scales, cnt, scales, scales, 1, 1, 1), {}
     elif getattr(ec, "self", False):  # EcSelf: slots in GH's place, the ticket in CNT's
-        from .ec_self import SPIN
 
         tick, slots = ec.workspace(rows, warps)
         cnt, plan, R = tick, ec.plan(rows, warps), ec.a.shape[0]
@@ -811,18 +734,6 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     )
     return y
 
-
-
-def ec_ok(config: tuple) -> bool:
-    """Whether a config can add the decode EC in its epilogue: no K-split, not persistent."""
-    _, _, _, _, _, split, persist = unpack_config(config)
-    return split == 1 and persist == 0
-
-
-def norm_ok(config: tuple) -> bool:
-    """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
-    _, _, _, _, ops, split, _ = unpack_config(config)
-    return ops == OPS_SMEM and split == 1
 
 
 def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:

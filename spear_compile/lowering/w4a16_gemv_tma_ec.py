@@ -1,6 +1,6 @@
 """The decode EC inside the TMA GEMV (``w4a16_gemv_tma``): its epilogue, behind the EC's producer grid.
 
-Reference: ``lowering/ec_linear.py:ec_linear_ref`` (y = W4 x + alpha B (g * A x), g the gate MLP of A x).
+Reference: ``ops/ec_ref.py:ec_linear_ref`` (y = W4 x + alpha B (g * A x), g the gate MLP of A x).
 
 Epilogue (``_ec_operands`` before the K loop, ``_ec_rows`` after it): each CTA adds
 ``alpha * sum_j b[n, j] gh[off[n] + j]`` to its rows, ``b`` being B's rows (or, for a concatenation of
@@ -8,7 +8,7 @@ ECs, each row's own part of the block-diagonal B: ``ec_cat.ec_rows``) and ``gh``
 
 g * h comes from the EC's producer grid (``ec_decode_triton.ec_produce``, launched just before); the
 GEMV is launched behind it by programmatic dependent launch (PDL) and executes ``griddepcontrol.wait``
-only before its epilogue. Measured on the H200 (docs/kernels.md, session 13): the epilogue itself
+only before its epilogue. Measured on the H200 (docs/kernels.md): the epilogue itself
 costs 0.4-1.4 us over the plain TMA GEMV; a torch.profiler trace shows the GEMV starting 1.7-2.2 us
 after the producer (the dependent launch's latency, although the producer triggers at once), which is
 most of the pair's remaining overhead. Producer CTAs inside the GEMV's own grid (one launch, a flag
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from ._triton import ACT_CODES
+from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
 from .w4a16_gemv_gluon import HAS_GLUON
+from .w4a16_gemv_tma_configs import ec_ok
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -113,7 +116,7 @@ if HAS_GLUON:
         layout would let those threads load a slot at different times and disagree (one this launch's
         piece, one stale), and the CTA-wide count of missing pieces, which reduces over one replica only,
         would call the slots complete while the gate took the stale copy - wrong rows in that CTA, seen on
-        the H200 (docs/kernels.md, session 18)."""
+        the H200 (docs/kernels.md)."""
         T: gl.constexpr = R_P if R_P > 32 * WARPS else 32 * WARPS
         cl: gl.constexpr = gl.BlockedLayout([1, NC_P], [32, 1], [WARPS, 1], [1, 0])
         offs_t = gl.arange(0, T, layout=gl.SliceLayout(1, cl))
@@ -206,8 +209,6 @@ class EcEpilogue:
         self.b, self.roff, self.gh, self.alpha, self.r, self.copies, self.wait = b, roff, gh, alpha, r, copies, wait
 
     def check(self, N: int, config: tuple) -> None:
-        from .w4a16_gemv_tma import ec_ok
-
         if not ec_ok(config):
             raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
         if self.b.dim() != 2 or self.b.shape[0] != N or not self.b.is_contiguous():
@@ -236,26 +237,17 @@ class EcSelf:
     self = True
 
     def __init__(self, ec: tuple, act: str = "silu", parts: int = 11):
-        from ._triton import ACT_CODES
-
         self.a, self.b, self.w1, self.b1, self.w2, self.b2, self.alpha = ec
         self.act, self.parts = ACT_CODES[act], parts
 
     def plan(self, rows: int, warps: int):
         """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
-        from .ec_self import self_plan, sm_count
-
         return self_plan(self.a.shape[0], self.a.shape[1], rows, 32 * warps, sm_count(self.a.device))
 
     def workspace(self, rows: int, warps: int):
-        from .ec_self import self_workspace
-
         return self_workspace(self.a, rows, self.plan(rows, warps))
 
     def check(self, N: int, K: int, config: tuple, rows: int, x2: torch.Tensor) -> None:
-        from .ec_self import check_self_operands
-        from .w4a16_gemv_tma import ec_ok
-
         if not ec_ok(config):
             raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
         R = self.a.shape[0]
@@ -272,29 +264,3 @@ class EcSelf:
         if self.plan(rows, config[0]) is None:
             raise ValueError(f"w4a16_gemv_tma: the one-launch EC's pieces of A {tuple(self.a.shape)} do not fit "
                              f"{rows} CTAs of {config[0]} warps (ec_self.self_plan): use the two-launch pair")
-
-
-def tma_self_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple,
-                  out=None, parts: int = 11) -> torch.Tensor:
-    """The decode EC in one launch of the TMA kernel (``EcSelf``); the other arguments are
-    ``w4a16_gemv_tma``'s."""
-    from .w4a16_gemv_tma import w4a16_gemv_tma
-
-    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, ec=EcSelf(ec, act, parts))
-
-
-def tma_ec_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple, b, roff,
-                norm=None, descs=None, glu: bool = False, out=None) -> torch.Tensor:
-    """The decode EC pair on the TMA kernel: the producer grid for ``ec = (A, B, W1, b1, W2, b2, alpha)``
-    (x RMS-normalised first with ``norm``), then ``w4a16_gemv_tma`` PDL-launched behind it with the EC
-    epilogue reading B's rows ``b`` (and row offsets ``roff``, see ``EcEpilogue``). The other arguments
-    are ``w4a16_gemv_tma``'s."""
-    from .ec_decode_triton import ec_produce
-    from .w4a16_gemv_tma import w4a16_gemv_tma
-    from .w4a16_triton import GH_COPIES
-
-    gh, pdl = ec_produce(x2, ec, act, norm)
-    epi = EcEpilogue(b, roff, gh, ec[6], ec[0].shape[0], GH_COPIES, wait=pdl)
-    return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out, descs=descs, glu=glu,
-                          norm=norm, ec=epi)
-

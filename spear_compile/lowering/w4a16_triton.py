@@ -1,6 +1,6 @@
 """Triton W4A16 kernels (CUDA; on CPU under ``TRITON_INTERPRET=1`` for tests).
 
-Reference: ``lowering/w4a16.py:w4a16_linear_ref`` (and ``ec_linear_ref`` for the fused EC).
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref`` (and ``ec_linear_ref`` for the fused EC).
 
 ``_w4a16_gemv1_kernel`` - M = 1 (decode), the fast path. It reads the weight in a GEMV
 layout made once per weight (``gemv_words``: int32 words, nibble i of word 4c + j holds
@@ -45,7 +45,12 @@ from typing import Optional
 import torch
 
 from ..dispatch import table as _table
+from ..dispatch.table import TunedTable
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
+from . import ec_self as _es
+from .layout_cache import derived_cached, derived_peek  # noqa: F401  (the kernels' operands are cached there)
+from .ec_self import SPIN, slot_rows
+from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
 
 GEMV_MAX_M = 4  # rows handled by the GEMV kernel; above this the tiled GEMM (tensor cores) is faster
 
@@ -96,7 +101,7 @@ if HAS_TRITON:
         0x4300) - exactly 128 + q - one FMA removes the 128 and one FMA multiplies by the
         (x_i, x_i+4) pair and accumulates: ~2.25 instructions per weight, about what the biased
         fp32 mode needs (LOP3 + FFMA), so it is only 5-6 % faster on the H200 while its error is
-        3.4x larger (docs/kernels.md, session 5): opt-in. The four products per half are
+        3.4x larger (docs/kernels.md): opt-in. The four products per half are
         summed in bf16 (4 roundings of 2^-9) and the two halves in fp32. Triton's interpreter
         cannot run PTX: there (not ASM) the same nibble pairing and x packing is evaluated in
         fp32, which is what CPU tests check.
@@ -167,7 +172,7 @@ if HAS_TRITON:
                       rstd=1.0, NORM: tl.constexpr = False):
         """Producer ``pid``'s split-K slice of ``h = A x`` ([R_P], fp32; rows >= R are zero). NORM: of the
         RMS-normalised x (``rstd`` = 1 / rms(x), weight NW), rounded as the model's RMSNorm rounds (fp32,
-        to x's dtype, times the weight, to x's dtype: ``w4a16_cat.rms_norm_ref``)."""
+        to x's dtype, times the weight, to x's dtype: ``ops/refs.py:rms_norm_ref``)."""
         offs_r = tl.arange(0, R_P)
         mask_r = offs_r < R
         chunk = tl.cdiv(tl.cdiv(K, P_H), BLOCK_KH) * BLOCK_KH
@@ -573,15 +578,9 @@ GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
 ]
 
-_TABLE = None  # this GPU's tuned configs (``dispatch.table.configs``), bound on first use
-
-
-def tuned_table():
-    """This GPU's tuned configs: a ``dispatch.table.TunedTable`` (typed keys, validated values)."""
-    global _TABLE
-    if _TABLE is None:
-        _TABLE = _table.configs()
-    return _TABLE
+def tuned_table() -> TunedTable:
+    """This GPU's tuned configs (``dispatch.table.configs``)."""
+    return _table.configs()
 
 
 def gemv_key(N: int, K: int, G: int, has_ec: bool) -> _table.GemvKey:
@@ -604,22 +603,6 @@ def gemv1tmaec_key(N: int, K: int, G: int) -> _table.Gemv1TmaEcKey:
     return _table.Gemv1TmaEcKey(N, K, G)
 
 
-def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
-    """Whether a single decode EC of this shape may take the TMA GEMV's EC pair: unless the lab measured
-    the CUDA-core PDL pair faster here (``gemv1tmaec`` entry 0)."""
-    return bool(tuned_table().get(gemv1tmaec_key(N, K, G), 1))
-
-
-def ec_pdl_config(N: int, K: int, G: int) -> tuple:
-    """The GEMV tile of the decode EC's PDL pair: the one measured for that pair if the table has it,
-    else the plain W4 tile of the shape (session 8: other tiles were slower with PDL on the single
-    linears; session 12: a re-picked plain tile moved the concatenated q/k/v EC GEMV by 40 us per step,
-    so the concatenated shapes get their own search), else the first config."""
-    table = tuned_table()
-    cfg = table.get(gemv1pdl_key(N, K, G)) or table.get(gemv1_key(N, K, G, False)) or GEMV1_CONFIGS[0]
-    return tuple(cfg)
-
-
 def gemm_key(M: int, N: int, K: int, G: int) -> _table.GemmKey:
     return _table.GemmKey(_m_bucket(M), N, K, G)
 
@@ -627,7 +610,7 @@ def gemm_key(M: int, N: int, K: int, G: int) -> _table.GemmKey:
 def _default_gemm(M: int) -> tuple:
     if INTERPRET:
         return GEMM_CONFIGS[0]
-    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (docs/kernels.md, session 4)
+    if M >= 256:  # dequantize + cuBLAS beat the Triton GEMM on all five benchmark shapes (docs/kernels.md)
         return DEQUANT_CUBLAS
     return (16, 64, 128, 4, 4) if M <= 16 else (64, 128, 64, 4, 4) if M <= 128 else (128, 128, 64, 8, 3)
 
@@ -669,7 +652,7 @@ def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
     Nibble i (bits 4i..4i+3) of word 4c + j holds column 32c + 4i + j, so the activations a
     thread needs for one nibble position of its four words are 4 contiguous values.
     """
-    from ..quant.format import unpack_int4
+    from ..quant.format import unpack_int4  # (quant/__init__ registers the ops, whose CUDA side imports this)
 
     N, K = qweight.shape[0], qweight.shape[1] * 2
     q = unpack_int4(qweight).view(N, K // 32, 8, 4).transpose(2, 3)  # [N, chunk, j, i]
@@ -678,55 +661,6 @@ def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
 
 
 _PACKED: dict = {}  # gemv_words' cache (see derived_cached)
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
-def _derived_key(sources: list) -> tuple:
-    key = tuple(None if t is None else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                                        tuple(t.stride()), t.dtype, str(t.device)) for t in sources)
-    return key, tuple(None if t is None else _version(t) for t in sources)
-
-
-def _derived_hit(cache: dict, key: tuple, versions: tuple):
-    hit = cache.get(key)
-    if hit is not None and not any(r.expired() for r in hit[0]) and hit[1] == versions:
-        return hit[2]
-    return None
-
-
-def derived_peek(cache: dict, sources: list):
-    """What ``derived_cached`` holds for ``sources`` if it is current, else None (nothing is made)."""
-    return _derived_hit(cache, *_derived_key(sources))
-
-
-def derived_cached(cache: dict, sources: list, make):
-    """``make()``, cached in ``cache`` under the identity of ``sources`` (tensors or None) while every
-    source's storage lives and its version is unchanged: an in-place update remakes it, and entries
-    whose sources were freed are dropped when a new one is made. Making one while a CUDA graph is
-    being captured raises: the re-layout would be recorded and re-run at every replay (session 13
-    found a benchmark timing 8192^2 at 98 us instead of 15 that way)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    key, versions = _derived_key(sources)
-    hit = _derived_hit(cache, key, versions)
-    if hit is not None:
-        return hit
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        shapes = [tuple(t.shape) for t in sources if t is not None]
-        raise RuntimeError(f"a W4A16 kernel's weight layout (derived from tensors of shapes {shapes}) is made on first "
-                           "use, and this first use is inside a CUDA graph capture, which would record the re-layout "
-                           "and re-run it at every replay: run the model (or op) once before capturing")
-    for k in [k for k, v in cache.items() if any(r.expired() for r in v[0])]:  # sources freed since
-        del cache[k]
-    out = make()
-    cache[key] = ([StorageWeakRef(t.untyped_storage()) for t in sources if t is not None], versions, out)
-    return out
 
 
 def gemv_words(qweight: torch.Tensor) -> torch.Tensor:
@@ -738,6 +672,26 @@ def gemv_words(qweight: torch.Tensor) -> torch.Tensor:
 def gemv1_ok(M: int, K: int, G: int, qweight: torch.Tensor) -> bool:
     """Whether the M = 1 kernel takes this weight: 32-column chunks that never straddle a group."""
     return M == 1 and K % 32 == 0 and (G >= K or G % 32 == 0) and qweight.is_contiguous()
+
+
+def check_x(kernel: str, x2: torch.Tensor, qweight: Optional[torch.Tensor], words: Optional[torch.Tensor] = None
+            ) -> None:
+    """What the launches assume of x: [M, K] with unit column stride (rows may be strided) and K equal to the
+    weight's (``qweight`` [N, K/2] packed bytes, or ``words`` [N, K/8] the M = 1 layout); fp16 / bf16 / fp32."""
+    if x2.dim() != 2:
+        raise ValueError(f"{kernel}: x must be [M, K], got shape {tuple(x2.shape)}")
+    if x2.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{kernel}: x dtype {x2.dtype}; expected float16, bfloat16 or float32")
+    if x2.shape[1] > 1 and x2.stride(1) != 1:
+        raise ValueError(f"{kernel}: x {tuple(x2.shape)} stride {x2.stride()} is not contiguous along K "
+                         "(pass x.contiguous())")
+    K = x2.shape[1]
+    if qweight is not None and qweight.shape[1] * 2 != K:
+        raise ValueError(f"{kernel}: x has K={K} columns but the packed weight {tuple(qweight.shape)} holds "
+                         f"K={qweight.shape[1] * 2}")
+    if words is not None and words.shape[1] * 8 != K:
+        raise ValueError(f"{kernel}: x has K={K} columns but the GEMV words {tuple(words.shape)} hold "
+                         f"K={words.shape[1] * 8}")
 
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
@@ -754,6 +708,10 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     ``words``: the GEMV layout itself (``qweight`` is then unused): the concatenated weights of
     ``w4a16_cat.py``."""
     M, K = x2.shape
+    if M != 1:
+        raise ValueError(f"w4a16_gemv1: x {tuple(x2.shape)} has M={M} rows; the M = 1 kernel takes one")
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    check_x("w4a16_gemv1", x2, qweight if words is None else None, words)
     words = gemv_words(qweight) if words is None else words
     N = words.shape[0]
     if nib is None:
@@ -777,7 +735,6 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
             slots, gh, tick = dummy, ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES], dummy
             parts = 8 | (16 if launch_pdl else 0) if ec_parts is None else ec_parts
         else:
-            from .ec_self import check_self_operands, self_plan, self_workspace, sm_count
 
             plan = self_plan(R, K, grid, 32 * warps, sm_count(x2.device))
             if plan is None:
@@ -791,7 +748,6 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         A = B = W1 = b1 = W2 = b2 = alpha = slots = gh = tick = dummy
         R = D = r_p = d_p = 1
         parts = 0
-    from .ec_self import SPIN, slot_rows
 
     _w4a16_gemv1_kernel[(grid,)](
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
@@ -819,7 +775,7 @@ def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> _table.Gemv1SelfRankKe
     """Tuned-table key of the one-launch decode EC's choice for one rank bucket (``next_pow2(R)``): the
     ``gemv1self`` value to use at that rank, or ``["pair"]`` where a two-launch pair measured faster there.
     Why per rank: ``gemv1self`` is measured at r = 64; at 11008x4096 the one launch took 15.2 / 15.8 us at
-    r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (session 23,
+    r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (H200,
     ``benchmarks/decode_ec_ranks.py``). Absent: the rank-free ``gemv1self`` entry decides."""
     return _table.Gemv1SelfRankKey(N, K, G, next_pow2(R))
 
@@ -828,109 +784,20 @@ def drop_gemv1self_ranks(N: int, K: int, G: int) -> None:
     """Remove every per-rank entry (``gemv1self_rank_key``) of this shape from the tuned table: what the labs
     do before they remake them, or when the rank-free entry they were measured against changes."""
     table = tuned_table()
-    for k in [k for k in table if isinstance(k, _table.Gemv1SelfRankKey) and (k.N, k.K, k.G) == (N, K, G)]:
-        table.pop(k)
+    for k in table.keys_of(_table.Gemv1SelfRankKey):
+        if (k.N, k.K, k.G) == (N, K, G):
+            table.pop(k)
 
 
-def gemv1self_choice(N: int, K: int, G: int, R: int) -> Optional[list]:
-    """The one-launch decode EC's table value for this shape and rank (``gemv1self_rank_key`` first, then
-    ``gemv1self_key``), or None where the table says a pair (or has nothing)."""
-    table = tuned_table()
-    choice = table.get(gemv1self_rank_key(N, K, G, R), table.get(gemv1self_key(N, K, G)))
-    return None if not choice or choice[0] == "pair" else choice
-
-
-# The one-launch EC on the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``) was switched off in session 18 when its
-# first launch on a fresh workspace gave wrong rows in some CTAs; found (calls 5-10, docs/kernels.md): its
-# slots were read in a replicated layout, the CTA-wide missing count looked at one copy and the gate took
-# another. Fixed in ``_self_slots`` / ``_self_collect``; with the fix 0 of 36 such launches were wrong (6-8
-# before). The switch stays as the way to turn the form off.
-TMA_SELF_ENABLED = True
-
-
-def _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K) -> Optional[torch.Tensor]:
-    """The one-launch decode EC where the tuned table measured it fastest for this shape and rank
-    (``gemv1self_choice``: the rank bucket's entry, else the rank-free one) and it can run here, else None."""
-    choice = gemv1self_choice(N, K, G, ec[0].shape[0])
-    if not choice or not ec[0].is_contiguous():
-        return None
-    cfg = tuple(int(v) for v in choice[1:])
-    if choice[0] == "cc":
-        if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, cfg[0]), cfg[2], x2.device):
-            return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=cfg, out=out, words=words)
-    elif choice[0] == "tma" and TMA_SELF_ENABLED and words is None and ec[1].is_contiguous():
-        from .w4a16_gemv_tma import ec_ok, tile_geometry, tma_config_for, tma_key
-
-        # tma_config_for's checks (sm_90+, Gluon, bf16, K and G multiples of 128) on a one-entry table
-        params = tuple(p.dtype for p in (scales, zeros) if p is not None)
-        if not ec_ok(cfg) or tma_config_for(N, K, G, x2.dtype, x2.device, {tma_key(N, K, G): list(cfg)},
-                                            params) is None:
-            return None
-        if self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, tile_geometry(cfg)[0]), cfg[0], x2.device):
-            from .w4a16_gemv_tma_ec import tma_self_gemv
-
-            return tma_self_gemv(x2, qweight, scales, zeros, G, bias, ec, act, cfg, out=out)
-    return None
-
-
-def self_plan_ok(R: int, K: int, grid: int, warps: int, device: torch.device) -> bool:
-    """Whether the one-launch EC's pieces fit ``grid`` programs of ``warps`` warps on ``device``
-    (``ec_self.self_plan``)."""
-    from .ec_self import self_plan, sm_count
-
-    return self_plan(R, K, grid, 32 * warps, sm_count(device)) is not None
-
-
-def gemv1_ec(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str = "silu",
-             out: Optional[torch.Tensor] = None, words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] = M = 1 W4 GEMV + the EC ``ec``. On Hopper: the one-launch form (``ec_self.py``) where the
-    tuned table measured it fastest for the shape, else the producer launch + a PDL-launched GEMV - the
-    TMA kernel with the EC in its epilogue where the tuned table runs the shape on it
-    (``ec_cat.ec_tma_config``), else the CUDA-core kernel. Elsewhere (no PDL) the one launch on the
-    CUDA-core kernel, or the pair in stream order where A's pieces do not fit its programs.
-    ``words``: the GEMV layout itself (``qweight`` unused; ``w4a16_cat``'s concatenations, which take the
-    TMA route themselves)."""
-    from .ec_decode_triton import pdl_ok, w4a16_gemv1_ec_pdl
-
-    N = words.shape[0] if words is not None else qweight.shape[0]
-    K = x2.shape[1]
-    if pdl_ok(x2.device):
-        y = _gemv1_ec_self(x2, qweight, scales, zeros, G, bias, ec, act, out, words, N, K)
-        if y is not None:
-            return y
-        if words is None and ec[1].is_contiguous() and tma_ec_measured_ok(N, K, G):
-            from .ec_cat import ec_tma_config
-
-            cfg = ec_tma_config(x2, N, G, (scales, zeros), None, ec[0].shape[0])
-            if cfg is not None:
-                from .w4a16_gemv_tma_ec import tma_ec_gemv
-
-                return tma_ec_gemv(x2, qweight, scales, zeros, G, bias, ec, act, cfg, ec[1], None, out=out)
-        cfg = ec_pdl_config(N, K, G)
-        return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
-    cfg = tuple(tuned_table().get(gemv1_key(N, K, G, True), GEMV1_CONFIGS[0]))
-    if not self_plan_ok(ec[0].shape[0], K, triton.cdiv(N, cfg[0]), cfg[2], x2.device) or not ec[0].is_contiguous():
-        # A too large for this grid's registers: the pair, in plain stream order
-        return w4a16_gemv1_ec_pdl(x2, qweight, scales, zeros, G, bias, ec, act=act, config=cfg, out=out, words=words)
-    return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, ec=ec, act=act, config=cfg, out=out, words=words)
-
-
-def w4a16_gemv(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
-               config: Optional[tuple] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[M, N] for M <= GEMV_MAX_M, optionally with the EC fused (ec = (A, B, W1, b1, W2, b2, alpha))."""
+def w4a16_gemv_small(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
+                     config: Optional[tuple] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[M, N] for M <= GEMV_MAX_M through ``_w4a16_gemv_kernel``, optionally with the EC fused (ec = (A, B,
+    W1, b1, W2, b2, alpha)). config = (BLOCK_N, BLOCK_K, num_warps, num_stages), else the tuned one."""
     M, K = x2.shape
     N = qweight.shape[0]
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
-    if config is None and gemv1_ok(M, K, G, qweight):
-        if ec is not None:
-            return gemv1_ec(x2, qweight, scales, zeros, G, bias, ec, act, out=out)
-        from .w4a16_gemv_tma import tma_config, w4a16_gemv_tma
-
-        cfg = tma_config(N, K, G, x2, params=(scales, zeros))
-        if cfg is not None:  # measured faster than the CUDA-core kernel for this shape on this GPU
-            return w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
-        return w4a16_gemv1(x2, qweight, scales, zeros, G, bias, out=out)
+    check_x("w4a16_gemv", x2, qweight)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
     bk, tg = _tiles(bk, G, K)
@@ -985,82 +852,16 @@ def wgmma_key(M: int, N: int, K: int, G: int) -> _table.GemmWgKey:
     return _table.GemmWgKey(_m_bucket(M), N, K, G)
 
 
-def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
-    """(BM, BN, STAGES, WARPS) of the warpgroup-MMA GEMM for this shape: the table's GEMM choice when it is
-    that kernel, else its fastest measured config (``gemmwg`` keys), else the first config."""
-    from .w4a16_gemm_wgmma import WGMMA_CONFIGS
-
-    cfg = gemm_config(M, N, K, G)
-    if cfg[0] == WGMMA:
-        return tuple(cfg[1:])
-    return tuple(tuned_table().get(wgmma_key(M, N, K, G), WGMMA_CONFIGS[0]))
-
-
-def wgmma_choices() -> list:
-    """Table values for every config of the warpgroup-MMA GEMM, where this Triton has it (else none)."""
-    from .w4a16_gemm_wgmma import HAS_WGMMA, WGMMA_CONFIGS
-
-    return [(WGMMA,) + c for c in WGMMA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
-
-
 def wgmma_ra_key(M: int, N: int, K: int, G: int) -> _table.GemmRaKey:
     return _table.GemmRaKey(_m_bucket(M), N, K, G)
-
-
-def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures
-    built on it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
-    (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
-    that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024
-    flipped between runs: session 19)."""
-    cfg = gemm_config(M, N, K, G)
-    if cfg[0] == WGMMA_RA:
-        return tuple(cfg[1:])
-    got = tuned_table().get(wgmma_ra_key(M, N, K, G))
-    return tuple(got) if got is not None else None
 
 
 def ec_self_key(M: int, N: int, K: int, G: int) -> _table.EcSelfKey:
     return _table.EcSelfKey(_m_bucket(M), N, K, G)
 
 
-def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF]) of the "in_gemm_self" EC structure's launch: its own fastest measured config
-    (``ecself`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else ``wgmma_ra_config``. Why its own:
-    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (session
-    22): W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
-    128 x 256 tile of the run before."""
-    got = tuned_table().get(ec_self_key(M, N, K, G))
-    return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
-
-
-def wgmma_ra_choices() -> list:
-    """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
-    where this Triton has it (else none)."""
-    from .w4a16_gemm_wgmma import HAS_WGMMA
-    from .w4a16_gemm_wgmma_ra import RA_CONFIGS
-
-    return [(WGMMA_RA,) + c for c in RA_CONFIGS] if HAS_WGMMA and not INTERPRET else []
-
-
-def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
-    """The GEMM config the tuned table (or the default for this M) gives this shape."""
-    return tuple(tuned_table().get(gemm_key(M, N, K, G), _default_gemm(M)))
-
-
 def ec_structure_key(M: int, N: int, K: int, G: int) -> _table.EcStructKey:
     return _table.EcStructKey(_m_bucket(M), N, K, G)
-
-
-def ec_structure(M: int, N: int, K: int, G: int) -> str:
-    """The prefill EC structure (``dispatch.ec_overlapped``) measured fastest for this shape on
-    this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
-    for this shape to be dequantize + cuBLAS; otherwise "side" is returned. ("in_gemm" carries its own
-    GEMM, ``wgmma_config``.)"""
-    choice = tuned_table().get(ec_structure_key(M, N, K, G), "side")
-    if choice.startswith("c_operand") and not is_dequant_cublas(gemm_config(M, N, K, G)):
-        return "side"
-    return choice
 
 
 def is_dequant_cublas(config: tuple) -> bool:
@@ -1068,33 +869,14 @@ def is_dequant_cublas(config: tuple) -> bool:
     return config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0])
 
 
-def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[M, N] for any M: the tiled in-loop-dequant Triton GEMM, or (when the tuned table says
-    it is faster for this M, as for large M where cuBLAS's tensor-core pipeline wins)
-    one dequantize pass plus cuBLAS, or on Hopper a warpgroup-MMA GEMM that dequantizes in its K loop
-    (``w4a16_gemm_wgmma``, or ``w4a16_gemm_wgmma_ra`` with the weight as the MMA's register operand; where
-    the chosen kernel's constraints do not hold, this M's default runs instead)."""
+def w4a16_gemm_triton(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple] = None,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y[M, N] through the tiled in-loop-dequant Triton GEMM. config = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages), else M's default. (Which GEMM runs a shape is ``dispatch.route.gemm_route``'s choice.)"""
     M, K = x2.shape
     N = qweight.shape[0]
-    config = config or gemm_config(M, N, K, G)
-    if config[0] == WGMMA:
-        from . import w4a16_gemm_wgmma as wg
-
-        if wg.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
-            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
-        config = _default_gemm(M)  # (a table entry measured for bf16; this call's dtypes or shape differ)
-    elif config[0] == WGMMA_RA:
-        from . import w4a16_gemm_wgmma_ra as ra
-
-        if ra.takes(x2, N, G, scales, zeros, bias) and (out is None or out.is_contiguous()):
-            return ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, G, bias, config=tuple(config[1:]), out=out)
-        config = _default_gemm(M)  # (measured for bf16, integer zeros, sm_90; this call, device or out differ)
-    if is_dequant_cublas(config):
-        from .dequant_cublas import dequant_cublas
-
-        return dequant_cublas(x2, qweight, scales, zeros, G, bias, out=out,
-                              chunks=int(config[1]) if config[0] == DEQUANT_CUBLAS_PIPE[0] else 1)
+    check_x("w4a16_gemm", x2, qweight)
+    config = tuple(config or _default_gemm(M))
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = config
     bk, tg = _tiles(bk, G, K)
@@ -1109,3 +891,21 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
 
 
 _m_bucket = _table.m_bucket
+
+
+def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, block_w: int = 64):
+    """Offline sm_90 compile of the CUDA-core GEMV with the one-launch EC (``_w4a16_gemv1_kernel``,
+    SELF), for tests that read its layouts (the slot read must hold no replicated copies: ``ec_collect``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {p: "*bf16" for p in ("X", "S", "Z", "BIAS", "Y", "A", "B", "W1", "B1", "W2", "B2")}
+    sig.update(QW="*i32", ALPHA="*fp32", SLOTS="*i64", GH="*fp32", TICK="*i64")
+    sig.update({p: "i32" for p in "N K KW NG R D NC OWNERS MAG7 MAG11 MAG15 MAG19 MAG23".split()})
+    consts = dict(G=128, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=True, NIB=0, ASM=True, PER_CHANNEL=False,
+                  HAS_Z=True, HAS_BIAS=False, HAS_EC=True, EC_PARTS=11, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
+                  SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=_es.slot_rows(r_p, warps, nc_p))
+    sig.update({c: "constexpr" for c in consts})
+    src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

@@ -2,7 +2,8 @@
 
 A pass is constructed per graph with the :class:`PassContext`, runs once over a
 post-grad ATen graph, and reports ``matched_count``. Its ``uuid`` part is the hash of
-its source file, so editing a pass invalidates Inductor's FX graph cache.
+its source file and of the route and table code its decisions read, so editing any of them
+invalidates Inductor's FX graph cache.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import inspect
 
 import torch.fx as fx
 
+from ..dispatch import route as _route
+from ..dispatch import table as _table
 from .context import PassContext
 
 
@@ -30,5 +33,10 @@ class SpearPass:
 
     @classmethod
     def source_hash(cls) -> str:
-        src = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
-        return hashlib.sha256(src.encode()).hexdigest()
+        """The pass's own source, with the code every rewrite decision depends on: the route (which
+        kernel runs a node) and the tuned table's module with its schema version."""
+        h = hashlib.sha256()
+        for mod in (inspect.getmodule(cls), _route, _table):
+            h.update(inspect.getsource(mod).encode())  # type: ignore[arg-type]
+        h.update(f"table schema {_table.SCHEMA_VERSION}".encode())
+        return h.hexdigest()

@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..dispatch.route import Route, cat_problem_of, route
+
 W4A16 = torch.ops.spear.w4a16_linear.default
 EC_LINEAR = torch.ops.spear.ec_linear.default
 SPEAR_OPS = (W4A16, EC_LINEAR)
@@ -124,7 +126,7 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     If an EC is registered for ``weight_node``'s real tensor, the backend has added its
     parameters as extra graph inputs; the node becomes ``spear::ec_linear`` reading them.
     """
-    from ..quant.ops import check_ec_shapes, out_features
+    from ..ops.schemas import check_ec_shapes, out_features
 
     x_val = kwargs["x"].meta["val"]
     K = x_val.shape[-1]
@@ -143,3 +145,19 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     record(new, source_form=source_form, weight=weight_name, ec_rank=ec_rank, N=int(N), K=int(K),
            group_size=kwargs["group_size"], layout=kwargs["layout"])
     return new
+
+
+def cat_route(kw: dict, op: str, norm: bool) -> Optional[Route]:
+    """The route of a decode concatenation / GLU op (``op``: w4a16_cat, w4a16_glu, ec_cat, ec_glu) over the
+    parts in ``kw`` (a ``w4a16_linear_cat`` / ``ec_linear_cat``'s bound arguments, or the op's own), asked
+    from the graph's fake values as the runtime asks it; None where a value is missing."""
+    x = kw["x"].meta.get("val")
+    vals = {k: [getattr(n, "meta", {}).get("val") if n is not None else None for n in kw.get(k) or ()]
+            for k in ("qweights", "scales", "zeros", "biases", "As", "Bs", "W1s")}
+    if x is None or any(v is None for v in vals["qweights"] + vals["scales"]):
+        return None
+    ec = op.startswith("ec")
+    p = cat_problem_of(op, x, vals["qweights"], vals["scales"], vals["zeros"], kw["group_size"], vals["biases"],
+                       vals["As"] if ec else None, vals["Bs"] if ec else None, vals["W1s"] if ec else None,
+                       layout=kw["layout"], norm=norm, M=1)
+    return route(p)

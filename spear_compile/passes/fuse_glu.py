@@ -23,7 +23,7 @@ GEMV writes half the values. On a GPU the pass rewrites only where that epilogue
 table's TMA kernel for the concatenated shape, ``lowering.w4a16_cat.glu_config_for``); elsewhere
 Inductor's fused act-mul kernel is at least as good. With ECs the same kernel adds each row's EC before
 the product (``lowering/w4a16_gemv_tma_ec.py``), PDL-launched behind the ECs' producer grid, where that
-runs (``ec_cat.ec_epilogue_ok``). On the CPU the op is the reference either way
+runs ("ec_glu_tma"). On the CPU the op is the reference either way
 (the same work as the unfused graph), so the rewrite is made there too, which keeps it tested.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from .base import SpearPass
-from .common import bind, call_op, copy_meta, record
+from .common import bind, call_op, cat_route, copy_meta, record
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 EC_CAT = torch.ops.spear.ec_linear_cat.default
@@ -163,7 +163,8 @@ class FuseGLU(SpearPass):
         info = dict(cat.meta.get("spear", {}))
         kernel = "pytorch reference"
         if kw["x"].meta["val"].device.type == "cuda":
-            kernel = KERNEL + (", each row's EC added first (PDL behind the ECs' producer grid)" if has_ec else "")
+            rt = cat_route({**kw, "norm_weight": None}, "ec_glu" if has_ec else "w4a16_glu", norm=False)
+            kernel = rt.describe() if rt is not None else KERNEL
         info["members"] = [{**m, "fused_into": glu.name, "kernel": kernel, "glu": True}
                            for m in info.get("members", [])]
         record(glu, **{**info, "source_form": "fused_glu", "kernel": kernel})
@@ -172,38 +173,10 @@ class FuseGLU(SpearPass):
         return True
 
     def _epilogue_runs(self, kw: dict, F: int, has_ec: bool) -> bool:
-        """CPU: always (the reference either way); GPU: where the GLU epilogue kernel takes the shape (with
-        ECs, ``has_ec``: where it also adds them, ``ec_epilogue_ok``). ``kw``: the concatenation's bound
-        arguments."""
-        dev = kw["x"].meta["val"].device
-        if dev.type != "cuda":
+        """CPU: always (the reference either way); GPU: where ``route`` runs the GLU op on the TMA kernel's
+        GLU epilogue (with ECs, ``has_ec``: where that kernel also adds them). ``kw``: the concatenation's
+        bound arguments."""
+        if kw["x"].meta["val"].device.type != "cuda":
             return True
-        cfg = tma_config_of(kw, F, glu=True)
-        if has_ec:
-            from ..lowering.ec_cat import ec_epilogue_ok
-            from .phase_dispatch import ec_rank
-
-            return ec_epilogue_ok(cfg, dev, norm=kw["norm_weight"] is not None, rc=ec_rank(*kw["As"]))
-        return cfg is not None
-
-
-def tma_config_of(kw: dict, rows: int, glu: bool) -> Optional[tuple]:
-    """The TMA config a decode ``w4a16_linear_cat`` (``rows`` = its outputs) or, with ``glu``, a
-    ``w4a16_linear_glu`` (``rows`` = F) will run on the GPU of its fake x, asked as the runtime asks it:
-    ``w4a16_cat.gemv1_cat_ok`` from the fake values (contiguous weights, whole 32-column chunks, zero
-    points all or none), then the tuned table (``glu_config_for`` / ``tma_config_for``). None where
-    the op would fall back: a rewrite there would only trade Inductor's fused kernel for eager ones."""
-    from ..lowering.w4a16_cat import glu_config_for
-    from ..lowering.w4a16_gemv_tma import tma_config_for
-    from ..lowering.w4a16_triton import gemv1_ok
-    from .phase_dispatch import _dtypes
-
-    x = kw["x"].meta["val"]
-    K, G = int(x.shape[-1]), kw["group_size"]
-    qs = [q.meta.get("val") for q in kw["qweights"]]
-    if not all(q is not None and gemv1_ok(1, K, G, q) for q in qs) or len({z is None for z in kw["zeros"]}) != 1:
-        return None
-    params = _dtypes(*kw["scales"], *kw["zeros"])
-    if glu:
-        return glu_config_for(rows, K, G, x.dtype, x.device, params)
-    return tma_config_for(rows, K, G, x.dtype, x.device, param_dtypes=params)
+        rt = cat_route(kw, "ec_glu" if has_ec else "w4a16_glu", norm=kw["norm_weight"] is not None)
+        return rt is not None and rt.kernel in ("glu_tma", "ec_glu_tma")

@@ -18,8 +18,8 @@ Why: at decode the RMSNorm is a one-CTA reduction kernel of ~2.2 us on an H200, 
 in front of GEMVs whose CTAs each stage all of x in shared memory anyway (the TMA kernel, OPS = 2):
 each CTA sums the squares of x as it reads it and stages the normalised values
 (``lowering/w4a16_gemv_tma._stage_x``), and the norm kernel disappears. On a GPU the pass rewrites
-only where that kernel runs (the tuned table's TMA config for the shape, x staged in shared memory,
-no K-split); elsewhere Inductor's norm kernel stays. For ``ec_linear_cat`` (q/k/v or gate/up with ECs)
+only where ``dispatch.route`` runs the op with the norm on that kernel (the tuned table's TMA config for
+the shape, x staged in shared memory, no K-split); elsewhere Inductor's norm kernel stays. For ``ec_linear_cat`` (q/k/v or gate/up with ECs)
 both kernels of the decode EC normalise x themselves: the EC's producer grid and the TMA GEMV that
 adds the EC in its epilogue (``lowering/ec_decode_triton.py``), so the GEMV still waits for the
 producer only before its epilogue. On the CPU the op is the reference either way,
@@ -34,7 +34,8 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import bind, positional, record
-from .fuse_glu import EC_CAT, EC_GLU, GLU, MUL, W4A16_CAT, _is, _strip_convert, tma_config_of
+from .common import cat_route
+from .fuse_glu import EC_CAT, EC_GLU, GLU, MUL, W4A16_CAT, _is, _strip_convert
 
 ATEN = torch.ops.aten
 TARGETS = (W4A16_CAT, GLU, EC_CAT, EC_GLU)
@@ -109,18 +110,10 @@ class FuseRMSNorm(SpearPass):
         return count
 
     def _prologue_runs(self, node: fx.Node, kw: dict) -> bool:
-        """CPU: always (the reference either way); GPU: where the TMA kernel stages x for the shape (for
-        an EC concatenation: where that kernel adds the EC in its epilogue behind a PDL producer, as
-        ``ec_cat.ec_tma_config`` asks at run time)."""
-        dev = kw["x"].meta["val"].device
-        if dev.type != "cuda":
+        """CPU: always (the reference either way); GPU: where ``route`` runs the op with the RMSNorm on the
+        TMA kernel (x staged in shared memory; for an EC op, that kernel adding the EC behind a PDL producer)."""
+        if kw["x"].meta["val"].device.type != "cuda":
             return True
-        from ..lowering.ec_cat import ec_epilogue_ok
-        from ..lowering.w4a16_gemv_tma import norm_ok
-
-        cfg = tma_config_of(kw, int(node.meta["val"].shape[-1]), glu=node.target in (GLU, EC_GLU))
-        if node.target in (EC_CAT, EC_GLU):
-            from .phase_dispatch import ec_rank
-
-            return ec_epilogue_ok(cfg, dev, norm=True, rc=ec_rank(*kw["As"]))
-        return cfg is not None and norm_ok(cfg)
+        op = {W4A16_CAT: "w4a16_cat", GLU: "w4a16_glu", EC_CAT: "ec_cat", EC_GLU: "ec_glu"}[node.target]
+        rt = cat_route(kw, op, norm=True)
+        return rt is not None and rt.kernel in ("cat_tma", "glu_tma", "ec_cat_tma", "ec_glu_tma")

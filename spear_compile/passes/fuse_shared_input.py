@@ -29,15 +29,12 @@ import torch
 import torch.fx as fx
 
 from .base import SpearPass
-from .common import EC_LINEAR, META_KEY, W4A16, bind, call, call_op, copy_meta, record
+from .common import EC_LINEAR, META_KEY, W4A16, bind, call, call_op, cat_route, copy_meta, record
 from .phase_dispatch import m_range
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 EC_CAT = torch.ops.spear.ec_linear_cat.default
 SLICE = torch.ops.aten.slice.Tensor
-KERNEL = "one {gemv} over the weights concatenated with the other linears of this input"
-EC_KERNEL = ("one {gemv} with EC epilogue over the weights concatenated with the other EC linears of this "
-             "input, their ECs as one block-diagonal EC")
 
 
 class FuseSharedInput(SpearPass):
@@ -88,15 +85,9 @@ class FuseSharedInput(SpearPass):
         dim = cat.meta["val"].dim() - 1
         x_val = x.meta["val"]
         K = int(x_val.shape[-1])
-        from .phase_dispatch import _dtypes, ec_gemv_name, ec_rank, gemv_name
-
-        total = sum(int(n.meta["val"].shape[-1]) for n, _ in members)
-        params = _dtypes(*[kw["scales"] for _, kw in members], *[kw["zeros"] for _, kw in members])
-        if has_ec:
-            kernel = EC_KERNEL.format(gemv=ec_gemv_name(total, K, G, x_val, params,
-                                                        ec_rank(*[kw["A"] for _, kw in members])))
-        else:
-            kernel = KERNEL.format(gemv=gemv_name(total, K, G, x_val, params))
+        rt = cat_route(bind(cat), "ec_cat" if has_ec else "w4a16_cat", norm=False)
+        kernel = rt.describe() if rt is not None else "unknown (no fake values)"
+        reasons = rt.all_reasons() if rt is not None else []
         off, sizes, weights, members_info = 0, [], [], []
         for n, _ in members:
             N = int(n.meta["val"].shape[-1])
@@ -112,5 +103,5 @@ class FuseSharedInput(SpearPass):
             sizes.append(N)
         # the inspection report lists each member linear from here (the nodes themselves are gone)
         record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=K,
-               group_size=G, kernel=kernel, members=members_info)
+               group_size=G, kernel=kernel, route_reasons=reasons, members=members_info)
         return len(members)

@@ -6,8 +6,9 @@ the decode fusions: linears that share an input, silu(gate) * up into the gate /
 in front of those GEMVs into their x staging, residual adds into the GEMV epilogue.
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
-``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source, the
-compile config, and what the decode passes ask at compile time on a GPU - the tuned table
+``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source with the route's
+(``SpearPass.source_hash``), the compile config, and what the decode passes ask at compile time on a
+GPU - the tuned table with its schema version
 of this GPU and ``SPEAR_NO_TMA_GEMV`` / ``SPEAR_NO_TMA_EC`` (``fuse_glu`` / ``fuse_rmsnorm`` rewrite only where
 the TMA kernel runs; every kill switch of ``envs.py``) - so a cached artifact is never reused after any of them changes. (EC
 parameters are graph inputs, never baked-in constants, so their values need no key.)
@@ -20,6 +21,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import envs
+from ..dispatch import table as _table
 
 from .base import SpearPass
 from .context import PassContext
@@ -61,8 +63,6 @@ class SpearPassManager(CustomGraphPass):
         for cls in PASSES:
             h.update(cls.source_hash().encode())
         h.update(self.ctx.config.fingerprint().encode())
-        from ..lowering.w4a16_triton import tuned_table
-
-        h.update(tuned_table().fingerprint().encode())  # (covers the table's schema version)
+        h.update(_table.configs().fingerprint().encode())  # (covers the table's schema version)
         h.update(envs.fingerprint().encode())
         return h.hexdigest()

@@ -13,7 +13,8 @@ Rewrites to: the same node with ``lowering`` and ``crossover`` set:
 M is the product of the activation's leading dims. The range comes from
 ``bound_sympy`` over the ShapeEnv's ``var_to_range``, so ``mark_dynamic(x, 0, min=64)``
 or a guard learnt during tracing narrows it. The decision and its reason are recorded
-in ``node.meta["spear"]`` for the inspection report.
+in ``node.meta["spear"]`` for the inspection report, with the kernel ``dispatch.route`` gives the node
+(``kernel``) and the route's reasons (``route_reasons``).
 
 Example graph:
     before: %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='auto')
@@ -31,6 +32,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..dispatch import table as _table
+from ..dispatch.route import Problem, Route, problem_of, route
 from .base import SpearPass
 from .common import SPEAR_OPS, W4A16, bind, positional, record
 
@@ -57,57 +60,40 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
     return str(expr), int(lo), hi_f
 
 
-def gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = ()) -> str:
-    """The M = 1 GEMV that runs an [N, K] weight without an EC: the TMA-fed Gluon kernel where the
-    tuned table measured it faster on this GPU (and the scales / zero points, ``param_dtypes``, are
-    bf16), else the CUDA-core Triton kernel."""
-    from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
-
-    if (N is not None and G is not None and HAS_GLUON
-            and tma_config_for(N, K, G, x_val.dtype, x_val.device, param_dtypes=param_dtypes)):
-        return "gluon TMA-ring GEMV (M = 1; measured faster than the triton GEMV for this shape)"
-    return "triton GEMV (M = 1)"
-
-
-def ec_gemv_name(N: Optional[int], K: int, G: Optional[int], x_val: torch.Tensor, param_dtypes: tuple = (),
-                 rc: Optional[int] = None, single: bool = False) -> str:
-    """The M = 1 GEMV that runs an [N, K] weight with a decode EC (``rc``: its largest rank): the TMA-fed
-    Gluon kernel with the EC in its epilogue where its config allows it and PDL runs
-    (``ec_cat.ec_tma_config``) - for a ``single`` EC also unless the lab measured the CUDA-core pair
-    faster for the shape (``w4a16_triton.tma_ec_measured_ok``) - else the CUDA-core Triton kernel."""
-    from ..lowering.ec_cat import ec_epilogue_ok
-    from ..lowering.w4a16_gemv_tma import HAS_GLUON, tma_config_for
-    from ..lowering.w4a16_triton import tma_ec_measured_ok
-
-    cfg = (tma_config_for(N, K, G, x_val.dtype, x_val.device, param_dtypes=param_dtypes)
-           if N is not None and G is not None and HAS_GLUON else None)
-    if ec_epilogue_ok(cfg, x_val.device, norm=False, rc=rc) and not (single and not tma_ec_measured_ok(N, K, G)):
-        return "gluon TMA-ring GEMV"
-    return "triton GEMV"
+def node_problem(kwargs: dict, op: str, M: int) -> Optional[Problem]:
+    """The ``route`` problem of a spear linear node at M rows, from the graph's fake values (None where the
+    graph carries none). Zero points are taken as integral (their values are not known at compile time)."""
+    vals = {k: getattr(kwargs.get(k), "meta", {}).get("val") for k in
+            ("x", "qweight", "scales", "zeros", "bias", "A", "B", "W1")}
+    x, q, s = vals["x"], vals["qweight"], vals["scales"]
+    if x is None or q is None or s is None:
+        return None
+    ec = (vals["A"], vals["B"], vals["W1"]) if op == "ec" and vals["A"] is not None else None
+    p = problem_of(op, x, q, s, vals["zeros"], kwargs["group_size"], vals["bias"], ec, layout=kwargs["layout"],
+                   lowering=kwargs.get("lowering", "auto"), crossover=kwargs.get("crossover", 16), M=M)
+    return p.replace(zeros_probe=None)
 
 
-def kernel_for(x_val: torch.Tensor, layout: str, lowering: str, has_ec: bool, N: Optional[int] = None,
-               G: Optional[int] = None, param_dtypes: tuple = (), rc: Optional[int] = None) -> str:
-    """Which implementation will run this node (for the inspection report); N and G (the weight's
-    rows and group size) name the M = 1 GEMV exactly."""
-    from ..lowering._triton import HAS_TRITON
+def node_route(kwargs: dict, op: str, M: int) -> Optional[Route]:
+    p = node_problem(kwargs, op, M)
+    return route(p) if p is not None else None
 
-    if not (x_val.device.type == "cuda" and HAS_TRITON and layout == "spear"
-            and x_val.dtype in (torch.float16, torch.bfloat16)):
-        return "pytorch reference"
-    from ..lowering.ec_decode_triton import pdl_ok
 
-    gemm = ("triton GEMM (M < 256) / dequant + cuBLAS / wgmma in-loop-dequant GEMM (shared-memory or "
-            "register-operand weight)")
-    producers = "EC producer launch + PDL-launched" if pdl_ok(x_val.device) else "in-kernel EC producers +"
-    K = int(x_val.shape[-1])
-    fused = (f"{producers} {ec_gemv_name(N, K, G, x_val, param_dtypes, rc, single=True)} with EC epilogue" if has_ec
-             else f"{gemv_name(N, K, G, x_val, param_dtypes)} / {gemm}")
-    over = (f"{gemm} (per the tuned table) + EC in the structure measured per shape: shrink and gate on a "
-            "side stream, or first and into the GEMM's C operand, or as one more K step of the wgmma GEMM "
-            "(PDL-launched behind the gate on the register-operand one)"
-            if has_ec else gemm)
-    return {"fused": fused, "overlapped": over}.get(lowering, f"runtime branch: {fused} | {over}")
+def kernel_for(kwargs: dict, op: str, lowering: str, lo: int, hi: float, crossover: int) -> tuple[str, list]:
+    """(which kernel runs the node, the route's reasons), for the inspection report: the route at the
+    node's static M; for a runtime branch the routes below and at the crossover."""
+    kw = {**kwargs, "lowering": lowering, "crossover": crossover}
+    if lo == hi:
+        rt = node_route(kw, op, max(1, int(lo)))
+        return (rt.describe(), rt.all_reasons()) if rt else ("unknown (no fake values)", [])
+    small = node_route(kw, op, max(1, int(lo)))
+    big = node_route(kw, op, max(crossover, int(lo)))
+    if small is None or big is None:
+        return "unknown (no fake values)", []
+    if lowering == "overlapped":
+        return f"per M: {big.describe()} at M = {max(crossover, int(lo))}", big.all_reasons()
+    return (f"runtime branch: {small.describe()} at M = {max(1, int(lo))} | {big.describe()} at M = "
+            f"{max(crossover, int(lo))}", small.all_reasons() + big.all_reasons())
 
 
 def decide(lo: int, hi: float, crossover: int) -> tuple[str, str]:
@@ -164,10 +150,9 @@ class PhaseDispatch(SpearPass):
             node.kwargs = {}
             record(node, M=expr, M_range=[lo, None if hi == math.inf else int(hi)], lowering=lowering, reason=reason,
                    crossover=crossover, crossover_source=source,
-                   kernel=kernel_for(kwargs["x"].meta["val"], kwargs["layout"], lowering, node.target is not W4A16,
-                                     N=_rows(kwargs), G=kwargs.get("group_size"),
-                                     param_dtypes=_dtypes(kwargs.get("scales"), kwargs.get("zeros")),
-                                     rc=ec_rank(kwargs.get("A"))))
+                   **dict(zip(("kernel", "route_reasons"),
+                              kernel_for(kwargs, "w4a16" if node.target is W4A16 else "ec", lowering, lo, hi,
+                                         crossover))))
             count += 1
         return count
 
@@ -177,11 +162,9 @@ class PhaseDispatch(SpearPass):
             return cfg.crossover_m, "configured"
         x = kwargs["x"].meta["val"]
         if x.device.type == "cuda":
-            from ..lowering.tuning import measured_crossover
-
             N = node.meta["val"].shape[-1]
             K = x.shape[-1]
-            m = measured_crossover(int(N), int(K), x.device)
+            m = _table.crossover(int(N), int(K), x.device)
             if m is not None:
                 return m, "measured"
         return cfg.default_crossover_m, "default"

@@ -68,7 +68,7 @@ class QuantizedWeight:
         check_spear_weight(self.qweight, self.scales, self.zeros, self.group_size, self.in_features, "QuantizedWeight")
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        from ..lowering.w4a16 import dequantize_ref
+        from ..ops.w4a16_ref import dequantize_ref
 
         w = dequantize_ref(self.qweight, self.scales, self.zeros, self.group_size, "spear")
         return w if dtype is None else w.to(dtype)

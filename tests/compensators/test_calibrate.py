@@ -198,7 +198,7 @@ def test_train_quant_starts_at_the_base_and_writes_back_what_it_trained(dtype, m
 
     ref, q, seqs = _setup()
     ref.to(dtype), q.to(dtype)
-    from spear_compile.lowering.w4a16 import dequantize_ref
+    from spear_compile.ops.w4a16_ref import dequantize_ref
 
     for m in spear.quantized_linears(q).values():  # (q - z) * s in fp32, whatever the buffers' dtype
         w = dequantize_ref(m.qweight, m.scales, m.zeros, m.group_size, "spear", dtype=torch.float32)

@@ -1,7 +1,7 @@
 """SASS check for register-operand warpgroup MMAs (used by the wgmma kernels' compile tests).
 
 An HGMMA whose A operand comes from registers reads them while it runs, until the ``WARPGROUP.DEPBAR``
-that retires it; ptxas does not stop later instructions from writing them before that (session 15's
+that retires it; ptxas does not stop later instructions from writing them before that (an earlier version's
 register-operand kernel gave garbage on the GPU for this reason, docs/kernels.md). ``inflight_writes``
 lists every write to an in-flight HGMMA's A registers: in the K loop taken as a cycle (a group issued in one
 step is retired by the ``DEPBAR.LE gsb0, 0x1`` after the next step's issue: the second barrier on), and in

@@ -7,9 +7,11 @@ call that relies on the first having reset the counter.
 import pytest
 import torch
 
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.lowering import device as capability
 
-from .test_triton_kernels import DEV, _close, _ec, _weight
+from spear_compile.ops.ec_ref import ec_linear_ref
+
+from tests.helpers import DEV, close_to as _close, ec_operands as _ec, packed_weight as _weight
 
 ED = pytest.importorskip("spear_compile.lowering.ec_decode_triton")
 
@@ -34,7 +36,7 @@ def test_ec_pdl_matches_reference_and_resets_counter(dtype, R, D, producers, act
 
 def _gh_ref(x, ec, act):
     """g * h of the EC on x [1, K] in fp32 (what the producer grid publishes)."""
-    from spear_compile.lowering.ec_linear import _ACTS
+    from spear_compile.ops.ec_ref import _ACTS
 
     A, B, W1, b1, W2, b2, alpha = (t.float() for t in ec)
     h = x.float() @ A.t()
@@ -47,7 +49,7 @@ def _gh_ref(x, ec, act):
 def test_producer_normalises_x_as_the_model_does(dtype, producers):
     """ec_produce with an RMSNorm prologue publishes g * h of rms_norm_ref(x) (each producer sums the
     squares of all of x itself); without the norm, of x. A mutant that skipped the norm fails."""
-    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.ops.refs import rms_norm_ref
     from spear_compile.lowering.w4a16_triton import GH_COPIES
 
     K, R = 320, 5
@@ -90,7 +92,7 @@ def test_spear_no_pdl_keeps_the_kernels_and_drops_only_the_dependent_launch(monk
     the pair's GEMV is PDL-launched behind its producer (``pdl_launch_ok``)."""
     from spear_compile.lowering import ec_decode_triton as E
 
-    monkeypatch.setattr(E, "pdl_ok", lambda device: True)
+    monkeypatch.setattr(capability, "pdl", lambda device: True)
     dev = torch.device("cpu")
     monkeypatch.delenv("SPEAR_NO_PDL", raising=False)
     assert E.pdl_launch_ok(dev)

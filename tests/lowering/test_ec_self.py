@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from spear_compile.lowering._triton import HAS_TRITON
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.ops.ec_ref import ec_linear_ref
 
-from .test_triton_kernels import DEV, _close, _ec, _weight
+from tests.helpers import DEV, close_to as _close, ec_operands as _ec, packed_weight as _weight
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is a test dependency; install .[test]")
 
@@ -152,11 +152,11 @@ def test_slot_read_holds_no_replicated_copies_on_sm90():
     """The slots are read (compiled for sm_90, offline) in a layout whose coverage fits the tensor in every
     dimension: each thread loads distinct slots, so the missing count sees every loaded word. With the old
     [R_P, NC_P] read, 8 warps and R_P = 16, NC_P = 2 gave coverage [128, 2] over a [16, 2] tensor: eight
-    threads per slot, counted once (the race of docs/kernels.md, session 18)."""
-    from tests.lowering.test_gemv_gluon import run_compiled
+    threads per slot, counted once (the race of docs/kernels.md)."""
+    from tests.helpers import run_compiled
 
     code = ("import re\n"
-            "from spear_compile.lowering.ec_self import compile_gemv1_self_sm90\n"
+            "from spear_compile.lowering.w4a16_triton import compile_gemv1_self_sm90\n"
             "for warps, r_p, nc_p in ((8, 16, 2), (4, 64, 2), (4, 64, 16), (8, 64, 4), (2, 8, 1), (8, 16, 32),\n"
             "                         (4, 16, 64), (1, 16, 8)):\n"
             "    ttg = compile_gemv1_self_sm90(warps, r_p, nc_p).asm['ttgir']\n"

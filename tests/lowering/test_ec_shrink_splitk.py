@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spear_compile.lowering._triton import HAS_TRITON
-from spear_compile.lowering.ec_linear import ec_delta_ref
+from spear_compile.ops.ec_ref import ec_delta_ref
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is a test dependency; install .[test]")
 
@@ -93,7 +93,7 @@ def test_splitk_program_fits_beside_a_register_operand_gemm_cta():
     """Compiled for sm_90 (offline ptxas): at most 96 registers per thread (4 warps: 12,288, what an SM has
     left beside the GEMM's 256-thread, 208-register CTA) and at most 16 KB of shared memory, so the GEMM
     launched behind it by PDL is not kept off the SMs that hold a shrink program."""
-    from tests.lowering.test_gemv_gluon import run_compiled
+    from tests.helpers import run_compiled
 
     code = ("import re\n"
             "from spear_compile.lowering.ec_shrink_splitk import compile_sm90\n"

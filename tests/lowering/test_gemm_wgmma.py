@@ -9,8 +9,10 @@ the kernel runs against an fp64 product of the reference's dequantized weight.
 import pytest
 import torch
 
-from spear_compile.lowering.w4a16 import dequantize_ref
+from spear_compile.ops.w4a16_ref import dequantize_ref
 from spear_compile.quant.format import pack_int4
+from spear_compile.dispatch import cuda as DC
+from spear_compile.dispatch import route as RT
 
 wg = pytest.importorskip("spear_compile.lowering.w4a16_gemm_wgmma")
 pytestmark = pytest.mark.skipif(not wg.HAS_WGMMA, reason="needs Triton with Gluon's Hopper ops (>= 3.5)")
@@ -68,8 +70,7 @@ def _compile_in_fresh_process(config, kw, module="w4a16_gemm_wgmma", fn="compile
 
 
 @pytest.mark.parametrize("config,kw", [((128, 128, 5, 8), {}), ((64, 128, 4, 4), dict(per_channel=True, has_z=False)),
-                                       ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True)),
-                                       ((256, 128, 4, 8, 4), dict(zint=True))])
+                                       ((256, 128, 4, 8), dict(zint=True)), ((256, 128, 4, 16), dict(zint=True))])
 def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     import os
     import re
@@ -81,10 +82,7 @@ def test_compiles_for_sm90_without_spills_or_layout_conversions(config, kw):
     asm = _compile_in_fresh_process(config, kw)
     # one m64nBNk16 per 16 columns of the step and per 64 rows of x a warpgroup holds
     assert asm["ptx"].count("wgmma.mma_async") == wg.BK // 16 * config[0] // (16 * config[3])
-    warps = wg.expanders(config) or config[3]  # the warps that expand (the warp-specialised variant's own)
-    assert asm["ptx"].count("prmt.b32") == 4 * (config[1] * wg.BK // 8) // (32 * warps)  # 4 per word
-    if wg.expanders(config):  # the MMA warpgroups and the expanders re-split the register file
-        assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+%d;" % wg.WS_EXP_REGS, asm["ptx"])
+    assert asm["ptx"].count("prmt.b32") == 4 * (config[1] * wg.BK // 8) // (32 * config[3])  # 4 per word
     assert "convert_layout" not in asm["ttgir"]
     ptxas = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")  # shipped in Triton's wheel
     assert os.path.exists(ptxas), ptxas
@@ -156,6 +154,7 @@ def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
 def test_table_value_for_the_register_operand_kernel_falls_back_where_it_cannot_run():
     """A tuned-table entry ("wgmma_ra", ...) on a device or input it cannot take (on CPU: the device; on a
     GPU: fractional zero points) runs this M's default GEMM and still gives the reference result."""
+    from spear_compile.dispatch import cuda as D
     from spear_compile.lowering import w4a16_triton as T
     from spear_compile.lowering._triton import INTERPRET
 
@@ -163,13 +162,13 @@ def test_table_value_for_the_register_operand_kernel_falls_back_where_it_cannot_
     x, qw, s, z, b = _case(64, 640, 128, M=3, device=dev)
     assert not wg.integer_zeros(z)
     w = dequantize_ref(qw, s, z, 128, "spear", torch.bfloat16).double()
-    y = T.w4a16_gemm(x, qw, s, z, 128, b, config=(T.WGMMA_RA, 128, 256, 3, 8))
+    y = D.w4a16_gemm(x, qw, s, z, 128, b, config=(T.WGMMA_RA, 128, 256, 3, 8))
     ref = x.double() @ w.t() + b.double()
     assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 1e-2
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("config", wg.WGMMA_CONFIGS + wg.WS_CONFIGS)
+@pytest.mark.parametrize("config", wg.WGMMA_CONFIGS)
 @pytest.mark.parametrize("M,N,K,G,zeros,bias", [(200, 264, 640, 128, True, True), (1, 64, 128, 64, False, False),
                                                (1024, 1024, 1024, 1024, True, False), (333, 520, 4096, 128, True, True),
                                                (300, 136, 512, 128, "int", True)])
@@ -203,8 +202,8 @@ def test_in_gemm_structure_gives_the_reference_wherever_it_runs(structure):
     on a GPU it runs the wgmma kernel (sm_90+) or the side-stream structure: the reference's numbers
     either way."""
     from spear_compile.lowering._triton import INTERPRET
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     dev = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
     x, qw, s, z, b = _case(24, 128, 64, M=5, device=dev)
@@ -217,8 +216,8 @@ def test_in_gemm_structure_gives_the_reference_wherever_it_runs(structure):
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("R", [64, 20])  # 20: B's rows are padded to 16 bytes for the TMA copy
 def test_ec_added_as_one_more_k_step_matches_the_reference_on_gpu(R, monkeypatch):
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     calls = []
     real = wg.w4a16_gemm_wgmma
@@ -252,14 +251,14 @@ def test_register_operand_kernel_takes_the_ec_step_behind_the_gate_on_gpu(R, con
     numbers, also with PDL off (plain stream order). "in_gemm_sk": behind the split-K shrink + gate."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.lowering import w4a16_triton as T
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     calls = []
     real = ra.w4a16_gemm_wgmma_ra
     monkeypatch.setattr(ra, "w4a16_gemm_wgmma_ra", lambda *a, **k: calls.append((k.get("ec"), k.get("ec_wait")))
                         or real(*a, **k))
-    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + config)
+    monkeypatch.setattr(RT, "gemm_route", lambda p, why=None, choice=None: RT.Route("gemm_wgmma_ra", tuple(config)))
     x, qw, s, z, b = _case(264, 640, 128, M=300, device="cuda")
     z = z.round()
     ec = _ec_case(264, 640, R, "cuda")
@@ -309,7 +308,7 @@ def test_register_operand_expansion_takes_each_lanes_byte():
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
-    of the K loop writes the A registers of an MMA that is still running (the bug of session 15's version)."""
+    of the K loop writes the A registers of an MMA that is still running (the bug of an earlier version)."""
     import re
 
     from .sass_wgmma import compile_sass, hgmma_loop, inflight_writes, ra_loops
@@ -413,7 +412,7 @@ def test_stream_k_units_cover_every_step_once_and_owners_add_exactly_the_partial
 
 def test_inflight_register_check_flags_an_overwritten_a_operand():
     """The SASS check itself: a write to an HGMMA's A registers before the DEPBAR that retires it is flagged
-    (a one-step loop reloading them: session 15's wrong kernel; a two-register write after the loop before
+    (a one-step loop reloading them: an earlier wrong kernel; a two-register write after the loop before
     the final wait); two steps on two register sets, or a write after a full wait, are not."""
     from .sass_wgmma import inflight_writes
 
@@ -455,7 +454,7 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
 
     runs = [(c, lambda c=c: ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=c))
             for c in ra.RA_CONFIGS + [(128, 256, 3, 8, 1), (64, 256, 4, 4, 1)]]
-    runs.append(("table", lambda: T.w4a16_gemm(x, qw, s, z, G, b, config=(T.WGMMA_RA,) + ra.RA_CONFIGS[0])))
+    runs.append(("table", lambda: DC.w4a16_gemm(x, qw, s, z, G, b, config=(T.WGMMA_RA,) + ra.RA_CONFIGS[0])))
     outs = {}
     for config, run in runs:
         n_tables = len(tables)
@@ -537,7 +536,7 @@ def test_in_launch_ec_says_which_ecs_it_cannot_take():
     assert "K = 256" in self_takes(A, B, W1, 256)
     assert "contiguous" in self_takes(torch.zeros(128, 64, dtype=torch.bfloat16).t(), B, W1, 128)
     assert "hidden units" in self_takes(A, B, torch.zeros(32, 64), 128)
-    assert self_takes(A, B, torch.zeros(8, 64), 128) is None  # SPEAR's default gate (GPU-tested: session 20)
+    assert self_takes(A, B, torch.zeros(8, 64), 128) is None  # SPEAR's default gate (GPU-tested)
 
 
 def test_in_launch_ec_splits_shrink_roles_only_where_they_fit_the_first_wave():
@@ -563,7 +562,7 @@ def _self_run(monkeypatch, config):
     calls = []
     real = ra.w4a16_gemm_wgmma_ra_ec_self
     monkeypatch.setattr(ra, "w4a16_gemm_wgmma_ra_ec_self", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(T, "gemm_config", lambda *a: (T.WGMMA_RA,) + config)
+    monkeypatch.setattr(RT, "gemm_route", lambda p, why=None, choice=None: RT.Route("gemm_wgmma_ra", tuple(config)))
     return calls
 
 
@@ -574,11 +573,11 @@ def _self_run(monkeypatch, config):
 def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatch):
     """"in_gemm_self": the output tiles plus one shrink role per x block in one launch. The output within bf16
     rounding of the reference, the EC's own part (y minus the W4 GEMM) within 2 % of ``ec_delta_ref`` (plus
-    the two bf16 roundings; session 19 call 2 measured 0.015 on alpha g h values up to 4, one bf16 ulp), bit
+    the two bf16 roundings; measured 0.015 on an H200 on alpha g h values up to 4, one bf16 ulp), bit
     for bit the same over repeated launches on changing inputs (tags: a stale block is never read)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_delta_ref, ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_delta_ref, ec_linear_ref
 
     calls = _self_run(monkeypatch, config)
     N, K = 264, 640
@@ -604,10 +603,10 @@ def test_in_launch_ec_matches_the_reference_on_gpu(R, config, M, act, monkeypatc
 @pytest.mark.parametrize("D,K", [(5, 640), (8, 640), (16, 128)])  # K = 128: two K steps, fewer than the ring's stages
 def test_in_launch_ec_kernel_with_other_gate_widths_and_short_k_on_gpu(D, K):
     """The kernel entry point with gates narrower than 16 (SPEAR's default is 8) and a K loop shorter than the
-    ring: the reference's numbers (first run in session 20, call 1: passed; the dispatch then admitted every
+    ring: the reference's numbers (its first GPU run: passed; the dispatch then admitted every
     width up to 16)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     N, M, R = 264, 300, 20
     x, qw, s, z, b = _case(N, K, 128 if K > 128 else K, M=M, device="cuda")
@@ -637,7 +636,7 @@ def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M, deep):
     the tiles' or (``deep``, where it fits) split times deeper: the reference's numbers, and the same alpha g h
     within one bf16 ulp whatever the split (each h element is one K-ordered sum)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     N, K, R = 264, 640, 64
     x, qw, s, z, b = _case(N, K, 128, M=M, device="cuda")
@@ -664,8 +663,8 @@ def test_in_launch_ec_over_several_waves_and_in_a_cuda_graph_on_gpu(monkeypatch)
     """A grid of several waves (8 x 44 tiles + 8 shrink roles on 132 SMs): no deadlock (shrink roles are the
     first CTAs to start), the reference's numbers; captured in a CUDA graph and replayed on new inputs, the
     eager launch's bits."""
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     calls = _self_run(monkeypatch, (128, 256, 4, 8))
     N, K, M = 5632, 1024, 2048
@@ -693,8 +692,8 @@ def test_in_launch_ec_over_several_waves_and_in_a_cuda_graph_on_gpu(monkeypatch)
 def test_in_launch_ec_leaves_ecs_it_cannot_take_to_in_gemm_on_gpu(monkeypatch):
     """Rank 96 (> 64, the shrink MMA's rows): "in_gemm_self" runs "in_gemm" instead - the reference's numbers,
     no in-launch call."""
-    from spear_compile.lowering.dispatch import ec_overlapped
-    from spear_compile.lowering.ec_linear import ec_linear_ref
+    from spear_compile.dispatch.cuda import ec_overlapped
+    from spear_compile.ops.ec_ref import ec_linear_ref
 
     calls = _self_run(monkeypatch, (128, 256, 3, 8))
     x, qw, s, z, b = _case(264, 640, 128, M=300, device="cuda")

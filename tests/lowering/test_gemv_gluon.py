@@ -8,28 +8,13 @@ reference, and the kernel is compiled for sm_90 to check that every layout conve
 import pytest
 import torch
 
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 from spear_compile.quant import pack_int4
+from tests.helpers import gemv_case as _case, exact_gemv as _exact, run_compiled  # noqa: F401
 
 gg = pytest.importorskip("spear_compile.lowering.w4a16_gemv_gluon")
 pytestmark = pytest.mark.skipif(not gg.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _case(N, K, G, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (N, K), generator=gen)
-    s = (torch.rand(N, K // G, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
-    z = (torch.rand(N, K // G, generator=gen) * 15).to(torch.bfloat16)
-    b = torch.randn(N, generator=gen).to(torch.bfloat16)
-    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-    return x, q, pack_int4(q), s, z, b
-
-
-def _exact(x, q, s, z, G, b):
-    zz = z.double().repeat_interleave(G, 1) if z is not None else 0.0
-    W = (q.double() - zz) * s.double().repeat_interleave(G, 1)
-    return x.double() @ W.T + (b.double() if b is not None else 0.0)
 
 
 def test_repack_places_each_column_where_the_mma_fragment_wants_it():
@@ -61,18 +46,6 @@ def test_ok_and_errors():
     assert not gg.gluon_ok(2, 4096, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="K=200"):
         gg.repack_gluon(torch.zeros(4, 100, dtype=torch.uint8))
-
-
-def run_compiled(code: str) -> None:
-    """Run ``code`` (which prints "ok") in a separate process without Triton's interpreter (on for
-    these tests), which cannot compile for a GPU."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 def test_kernel_compiles_for_sm90_with_free_layout_conversions():

@@ -9,9 +9,17 @@ runs against fp64 and the reference.
 import pytest
 import torch
 
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops import refs
 
-from .test_gemv_gluon import _case, _exact, run_compiled
+from spear_compile.dispatch import route as R
+
+from spear_compile.lowering import device as capability
+
+from tests.helpers import use_tuned_table
+
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
+
+from tests.helpers import exact_gemv as _exact, gemv_case as _case, run_compiled
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,24 +166,33 @@ def test_kernel_matches_reference_on_gpu(G, config):
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
 
 
-def test_tma_config_selects_only_measured_shapes_that_can_run_here(monkeypatch):
-    """The dispatch takes the TMA kernel only from a tuned-table entry, and never where it cannot run
+def test_tma_route_takes_only_measured_shapes_that_can_run_here(monkeypatch):
+    """The route takes the TMA kernel only from a tuned-table entry, and never where it cannot run
     (no sm_90+ GPU, fp16 activations, non-bf16 scales, K or G not multiples of 128, M > 1)."""
-    table = {gt.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]}
-    x = torch.zeros(1, 1024, dtype=torch.bfloat16, device=DEV)
-    sb = torch.zeros(256, 8, dtype=torch.bfloat16)
+    from spear_compile.dispatch import route as R
+    from tests.helpers import use_tuned_table
+
+    use_tuned_table(monkeypatch, {gt.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]})
+    bf = torch.bfloat16
+    p = R.Problem(op="w4a16", M=1, N=256, K=1024, G=128, dtype=bf, param_dtypes=(bf, bf), device=torch.device("cuda"))
+    kernel = lambda **kw: R.route(p.replace(**kw)).kernel  # noqa: E731
     monkeypatch.setattr(gt, "_tma_capable", lambda device: False)
-    assert gt.tma_config(256, 1024, 128, x, table=table) is None
+    if not R._triton.HAS_TRITON:
+        pytest.skip("needs Triton")
+    assert kernel() == "gemv1"
     monkeypatch.setattr(gt, "_tma_capable", lambda device: True)  # the rest as on a Hopper GPU
-    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb), table=table) == (4, 2, 2, 2, 2)
-    assert gt.tma_config(256, 2048, 128, x, table=table) is None  # no entry for this shape
-    assert gt.tma_config(256, 1024, 64, x, table=table) is None
-    assert gt.tma_config(256, 1024, 128, x.half(), table=table) is None
-    assert gt.tma_config(256, 1024, 128, x.repeat(2, 1), table=table) is None
-    assert gt.tma_config(256, 1024, 128, x, params=(sb.half(), None), table=table) is None
-    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb.float()), table=table) is None
+    assert kernel() == ("gemv1_tma" if gt.HAS_TMA else "gemv1")
+    if not gt.HAS_TMA:
+        return
+    assert R.route(p).config == (4, 2, 2, 2, 2)
+    assert kernel(K=2048) == "gemv1"  # no entry for this shape
+    assert kernel(G=64) == "gemv1"
+    assert kernel(dtype=torch.float16) == "gemv1"
+    assert kernel(M=2) == "gemm"
+    assert kernel(param_dtypes=(torch.float16,)) == "gemv1"
+    assert kernel(param_dtypes=(bf, torch.float32)) == "gemv1"
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
-    assert gt.tma_config(256, 1024, 128, x, params=(sb, sb), table=table) is None
+    assert kernel() == "gemv1"
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
@@ -185,6 +202,7 @@ def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, mon
     """w4a16_gemv and the concatenated GEMV (q/k/v-style parts, one without a bias) take the TMA
     kernel for a shape with a table entry and match the reference; without the entry they do not."""
     from spear_compile.lowering import w4a16_cat as C
+    from spear_compile.dispatch import cuda as D
     from spear_compile.lowering import w4a16_triton as T
 
     K = 1280
@@ -201,16 +219,16 @@ def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, mon
     table = dict(T.tuned_table())
     table[gt.tma_key(96, K, Gs)] = [4, 2, 2, 2, 2]
     table[gt.tma_key(256, K, Gs)] = [8, 2, 1, 2, 2]
-    monkeypatch.setattr(T, "_TABLE", table)
-    y = T.w4a16_gemv(x, qs[0], ss[0], zs[0], Gs, bs[0])
+    table = use_tuned_table(monkeypatch, table)
+    y = D.w4a16_gemv(x, qs[0], ss[0], zs[0], Gs, bs[0])
     ref = w4a16_linear_ref(x, qs[0], ss[0], zs[0], Gs, bs[0])
     assert calls == [(4, 2, 2, 2, 2)]
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
-    y = C.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs)
+    y = D.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs)
     ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)
     assert calls[-1] == (8, 2, 1, 2, 2) and len(calls) == 2
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
-    T.w4a16_gemv(x, qs[1], ss[1], zs[1], Gs, None)  # 40 rows: no entry, the CUDA-core kernel
+    D.w4a16_gemv(x, qs[1], ss[1], zs[1], Gs, None)  # 40 rows: no entry, the CUDA-core kernel
     assert len(calls) == 2
 
 
@@ -220,7 +238,7 @@ def _glu_pair(F, K, G, seed=0):
 
 
 def _glu_ref(x, qs, ss, zs, G):
-    from spear_compile.lowering.w4a16_cat import glu_of
+    from spear_compile.ops.refs import glu_of
 
     return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, G, None) for q, s, z in zip(qs, ss, zs)], -1))
 
@@ -284,13 +302,13 @@ def test_glu_op_takes_the_epilogue_only_where_the_table_says_so(monkeypatch):
     ref = _glu_ref(x, qs, ss, zs, G)
     table = dict(T.tuned_table())
     table.pop(gt.tma_key(2 * F, K, G), None)
-    monkeypatch.setattr(T, "_TABLE", table)
+    table = use_tuned_table(monkeypatch, table)
     y0 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
     assert calls == []
     table[gt.tma_key(2 * F, K, G)] = [4, 2, 2, 2, 2]
     y1 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
     assert calls == [True]
-    assert C.glu_config(x, qs, ss, zs, G) == (4, 2, 2, 2, 2)
+    assert R.glu_config(R.cat_problem_of("w4a16_glu", x, qs, ss, zs, G))[0] == (4, 2, 2, 2, 2)
     for y in (y0, y1):
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
@@ -309,7 +327,7 @@ def test_rmsnorm_prologue_matches_norm_then_gemv_on_gpu(config, glu):
     x = x * 3.0
     w = (torch.rand(K) + 0.5).to(torch.bfloat16)
     x, w, qs, ss, zs = x.cuda(), w.cuda(), [q.cuda() for q in qs], [s.cuda() for s in ss], [z.cuda() for z in zs]
-    xn = C.rms_norm_ref(x, w, 1e-5)
+    xn = refs.rms_norm_ref(x, w, 1e-5)
     if glu:
         descs, _, s, z = C.concatenated_glu_tma(qs, ss, zs, G, config)
         ref = _glu_ref(xn, qs, ss, zs, G)
@@ -344,5 +362,5 @@ def test_persistent_programs_take_several_row_blocks_on_gpu(config, monkeypatch)
     descs, _, s2, z2 = C.concatenated_glu_tma(qs, ss, zs, G, config)
     for norm in (None, (w, 1e-5)):
         y = gt.w4a16_gemv_tma(x, None, s2, z2, G, None, config=config, descs=descs, glu=True, norm=norm)
-        ref = _glu_ref(C.rms_norm_ref(x, w, 1e-5) if norm else x, qs, ss, zs, G)
+        ref = _glu_ref(refs.rms_norm_ref(x, w, 1e-5) if norm else x, qs, ss, zs, G)
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -10,23 +10,24 @@ under a CUDA graph.
 import pytest
 import torch
 
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.ops import refs
 
-from .test_gemv_gluon import _case
+from spear_compile.dispatch import route as R
+
+from spear_compile.lowering import device as capability
+
+from tests.helpers import use_tuned_table
+
+from spear_compile.ops.ec_ref import ec_linear_ref
+
+from tests.helpers import gemv_case as _case
+from tests.helpers import bf16_ec as _ec, rel_err as _rel  # noqa: F401
+from spear_compile.dispatch import cuda as DC
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 pytestmark = pytest.mark.skipif(not gt.HAS_TMA, reason="needs Triton with Gluon and its Hopper TMA ops (>= 3.5)")
 on_hopper = pytest.mark.skipif(not HOPPER, reason="runs the kernel: TMA and PDL need CUDA sm_90+")
-
-
-def _ec(N, K, R, D, seed):
-    gen = torch.Generator().manual_seed(seed)
-    A = torch.randn(R, K, generator=gen) / K ** 0.5
-    B = torch.randn(N, R, generator=gen) * 0.3
-    W1, b1 = torch.randn(D, R, generator=gen) / R ** 0.5, torch.randn(D, generator=gen) * 0.1
-    W2, b2 = torch.randn(R, D, generator=gen) / D ** 0.5, torch.randn(R, generator=gen)
-    return [t.to(torch.bfloat16) for t in (A, B, W1, b1, W2, b2)] + [torch.tensor(1.25 + 0.25 * seed)]
 
 
 def _parts(K, G, dev="cuda"):
@@ -40,14 +41,10 @@ def _parts(K, G, dev="cuda"):
 
 
 def _ref(x, qs, ss, zs, G, bs, ecl, norm):
-    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.ops.refs import rms_norm_ref
 
     xn = rms_norm_ref(x, *norm) if norm is not None else x
     return torch.cat([ec_linear_ref(xn, q, s, z, G, b, *ec) for q, s, z, b, *ec in zip(qs, ss, zs, bs, *ecl)], -1)
-
-
-def _rel(y, ref):
-    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def test_ec_epilogue_routing(monkeypatch):
@@ -55,27 +52,28 @@ def test_ec_epilogue_routing(monkeypatch):
     and with an RMSNorm only where the config stages x in shared memory."""
     from spear_compile.lowering import ec_decode_triton as ED
     from spear_compile.lowering import ec_cat as E
+    from spear_compile.dispatch import cuda as D
     from spear_compile.lowering import w4a16_triton as T
 
     K, N = 1280, 256
     x = torch.zeros(1, K, dtype=torch.bfloat16)
     monkeypatch.setattr(gt, "_tma_capable", lambda device: True)
-    monkeypatch.setattr(ED, "pdl_ok", lambda device: True)
+    monkeypatch.setattr(capability, "pdl", lambda device: True)
     for cfg, plain, normed in (([4, 2, 2, 2, 2], True, True), ([8, 2, 1, 3, 0], True, False),
                                ([4, 2, 2, 2, 2, 2], False, False), ([4, 2, 2, 3, 2, 1, 2], False, False)):
-        monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): cfg})
-        assert (E.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
-        assert (E.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
-    monkeypatch.setattr(T, "_TABLE", {gt.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
-    assert E.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
+        use_tuned_table(monkeypatch, {gt.tma_key(N, K, 128): cfg})
+        assert (R.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
+        assert (R.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
+    use_tuned_table(monkeypatch, {gt.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
+    assert R.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")  # the escape hatch / A/B switch
-    assert E.ec_tma_config(x, N, 128, (), None) is None
+    assert R.ec_tma_config(x, N, 128, (), None) is None
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "0")
-    assert E.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
-    assert E.ec_tma_config(x, N, 128, (), None, rc=E.EC_RC_MAX) == (4, 2, 2, 2, 2)
-    assert E.ec_tma_config(x, N, 128, (), None, rc=E.EC_RC_MAX + 1) is None  # its operands would spill
-    monkeypatch.setattr(ED, "pdl_ok", lambda device: False)
-    assert E.ec_tma_config(x, N, 128, (), None) is None
+    assert R.ec_tma_config(x, N, 128, (), None) == (4, 2, 2, 2, 2)
+    assert R.ec_tma_config(x, N, 128, (), None, rc=R.EC_RC_MAX) == (4, 2, 2, 2, 2)
+    assert R.ec_tma_config(x, N, 128, (), None, rc=R.EC_RC_MAX + 1) is None  # its operands would spill
+    monkeypatch.setattr(capability, "pdl", lambda device: False)
+    assert R.ec_tma_config(x, N, 128, (), None) is None
 
 
 def test_ec_epilogue_host_checks():
@@ -95,7 +93,6 @@ def test_ec_epilogue_host_checks():
         EcEpilogue(**ok).check(64, (4, 2, 2, 2, 2, 2))
 
 
-
 @on_hopper
 @pytest.mark.parametrize("G", [128, None])
 @pytest.mark.parametrize("config", [(4, 2, 2, 2, 2), (4, 2, 4, 2, 2), (8, 2, 1, 3, 0)])
@@ -112,15 +109,15 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
-    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, Gs): list(config)}))
+    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, Gs): list(config)}})
     ref = _ref(x, qs, ss, zs, Gs, bs, ecl, nw)
     for _ in range(2):  # the second launch relies on the producer's counter having been reset
-        y = E.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
+        y = DC.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
         assert _rel(y, ref) < 1e-2
     takes_tma = not (norm and config[4] != gt.OPS_SMEM)
     assert len(calls) == (2 if takes_tma else 0) and all(c is not None and c.wait for c in calls)
     assert int(T.ec_workspace(x.device, 32)[1].abs().sum()) == 0  # the last producer reset its counter
-    no_ec = torch.cat([torch.ops.spear.w4a16_linear(x if nw is None else C.rms_norm_ref(x, *nw), q, s, z, Gs, b)
+    no_ec = torch.cat([torch.ops.spear.w4a16_linear(x if nw is None else refs.rms_norm_ref(x, *nw), q, s, z, Gs, b)
                        for q, s, z, b in zip(qs, ss, zs, bs)], -1)
     assert _rel(no_ec, ref) > 5e-2  # the EC term is large enough that dropping it would fail
 
@@ -134,15 +131,15 @@ def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
     K, G = 1280, 128
     x, qs, ss, zs, bs, ecl = _parts(K, G)
     w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
-    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2],
-                                                              gt.tma_key(96, K, G): [4, 2, 2, 2, 2]}))
+    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2],
+                                                              gt.tma_key(96, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
     y = torch.ops.spear.ec_linear_cat(x.view(1, 1, K), qs, ss, zs, G, bs, *ecl, "silu", "spear", w, 1e-5)
     assert y.shape == (1, 1, 256) and _rel(y.view(1, -1), _ref(x, qs, ss, zs, G, bs, ecl, (w, 1e-5))) < 1e-2
     ec0 = tuple(v[0] for v in ecl)
-    y = T.gemv1_ec(x, qs[0], ss[0], zs[0], G, bs[0], ec0)
+    y = DC.gemv1_ec(x, qs[0], ss[0], zs[0], G, bs[0], ec0)
     assert _rel(y, ec_linear_ref(x, qs[0], ss[0], zs[0], G, bs[0], *ec0)) < 1e-2
     assert len(calls) == 2 and calls[1].roff is None
 
@@ -156,23 +153,22 @@ def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
     K, G = 1280, 128
     x, qs, ss, zs, bs, ecl = _parts(K, G)
     nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5)
-    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2]}))
+    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
     xs = x.clone()
-    E.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
+    DC.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)  # warm-up: caches and compilation
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = E.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)
+        y = DC.ec_gemv1_cat(xs, qs, ss, zs, G, bs, *ecl, norm=nw)
     for seed in range(3):
         xs.copy_(torch.randn(1, K, generator=torch.Generator().manual_seed(seed)).to(xs) * 2)
         g.replay()
         torch.cuda.synchronize()
         assert _rel(y, _ref(xs, qs, ss, zs, G, bs, ecl, nw)) < 1e-2
     assert len(calls) == 2 and all(c is not None and c.wait for c in calls)  # warm-up and capture: the TMA pair
-
 
 
 def test_glu_ec_rows_follow_the_interleaved_weights():
@@ -196,7 +192,7 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
     """spear::ec_linear_glu on CUDA where the table runs [2F, K] on the TMA kernel: GLU epilogue with each
     row's EC (and the RMSNorm prologue), twice, against the op's reference."""
     from spear_compile.lowering import w4a16_triton as T
-    from spear_compile.lowering.w4a16_cat import glu_of, rms_norm_ref
+    from spear_compile.ops.refs import glu_of, rms_norm_ref
 
     F, K, G = 144, 1280, 128
     cases = [_case(F, K, G, seed=s) for s in (1, 2)]
@@ -204,7 +200,7 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
     qs, ss, zs = ([c[i].cuda() for c in cases] for i in (2, 3, 4))
     ecl = [list(v) for v in zip(*[[t.cuda() for t in _ec(F, K, r, 4, seed=s)] for s, r in enumerate((8, 5))])]
     w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
-    monkeypatch.setattr(T, "_TABLE", dict(T.tuned_table(), **{gt.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}))
+    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma",
@@ -223,7 +219,7 @@ def test_tma_ec_gemv_launches_the_producer_then_the_gemv_behind_it(monkeypatch):
     activation and the norm; the GEMV waits for it exactly when the producer was launched for PDL and
     gets B's rows, offsets, alpha and the rank."""
     from spear_compile.lowering import ec_decode_triton as ED
-    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_ec_gemv
+    from spear_compile.dispatch.cuda import tma_ec_gemv
 
     A, B, alpha = torch.zeros(5, 64), torch.zeros(32, 5), torch.ones(())
     ec = (A, B, None, None, None, None, alpha)

@@ -9,10 +9,14 @@ fallback path (``parts=10``), and replays of a CUDA graph.
 import pytest
 import torch
 
-from spear_compile.lowering.ec_linear import ec_linear_ref
+from spear_compile.lowering import device as capability
 
-from .test_gemv_gluon import _case, run_compiled
-from .test_gemv_tma_ec import _ec, _rel
+from tests.helpers import use_tuned_table
+
+from spear_compile.ops.ec_ref import ec_linear_ref
+
+from tests.helpers import gemv_case as _case, run_compiled
+from tests.helpers import bf16_ec as _ec, rel_err as _rel
 
 gt = pytest.importorskip("spear_compile.lowering.w4a16_gemv_tma")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -85,48 +89,47 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     (the latter only where TMA can run); without it, the pairs."""
     from spear_compile.lowering import ec_decode_triton as ED
     from spear_compile.lowering import w4a16_gemv_tma_ec as TE
+    from spear_compile.dispatch import cuda as D
+    from spear_compile.dispatch import route as R
     from spear_compile.lowering import w4a16_triton as T
 
     N, K, G = 256, 1024, 128
     calls = []
-    monkeypatch.setattr(ED, "pdl_ok", lambda dev: True)
+    monkeypatch.setattr(capability, "pdl", lambda dev: True)
     monkeypatch.setattr(T, "w4a16_gemv1", lambda *a, **k: calls.append(("cc", k.get("config"))) or "cc")
-    monkeypatch.setattr(TE, "tma_self_gemv", lambda *a, **k: calls.append(("tma", a[8])) or "tma")
+    monkeypatch.setattr(D, "tma_self_gemv", lambda *a, **k: calls.append(("tma", a[8])) or "tma")
     monkeypatch.setattr(ED, "w4a16_gemv1_ec_pdl", lambda *a, **k: calls.append(("pair", None)) or "pair")
-    monkeypatch.setattr(T, "tma_ec_measured_ok", lambda *a: False)
+    monkeypatch.setattr(R, "tma_ec_measured_ok", lambda *a: False)
     q, s, z = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // G, dtype=torch.bfloat16), None
     ec = tuple(_ec(N, K, 8, 4, 0))
     x = torch.zeros(1, K, dtype=torch.bfloat16)
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0]})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
-    monkeypatch.setattr(T, "TMA_SELF_ENABLED", False)  # the switch: the pair instead
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
-    monkeypatch.setattr(T, "TMA_SELF_ENABLED", True)
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 1, 2]})  # persistent
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"  # (the EC epilogue needs one CTA per row block)
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="persistence"):  # (the EC epilogue needs one CTA per row block)
+        use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 1, 2]})  # persistent
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: False)  # no TMA here: the pair
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
-    monkeypatch.setattr(T, "_TABLE", {})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    use_tuned_table(monkeypatch, {})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
     # a per-rank entry overrides the rank-free one for its rank bucket only (ec has rank 8)
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
     generic = ["tma", 4, 2, 2, 2, 2]
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 8): ["pair"]})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 16): ["pair"]})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma"
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
-    assert T.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 8): ["pair"]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 16): ["pair"]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma"
+    use_tuned_table(monkeypatch, {T.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
+    assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
     # the key format, pinned independently of the helper: an EC of rank 5 reads bucket 8
     ec5 = tuple(_ec(N, K, 5, 4, 0))
-    monkeypatch.setattr(T, "_TABLE", {"gemv1selfr|256|1024|128|8": ["cc", 8, 512, 4, 0]})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec5) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
-    monkeypatch.setattr(T, "_TABLE", {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0], "gemv1selfr|256|1024|128|8": ["pair"]})
-    assert T.gemv1_ec(x, q, s, z, G, None, ec5) == "pair"
+    use_tuned_table(monkeypatch, {"gemv1selfr|256|1024|128|8": ["cc", 8, 512, 4, 0]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec5) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0], "gemv1selfr|256|1024|128|8": ["pair"]})
+    assert D.gemv1_ec(x, q, s, z, G, None, ec5) == "pair"
 
 
 def _setup(N, K, G, R=16, D=8, seed=0):
@@ -141,7 +144,7 @@ def _setup(N, K, G, R=16, D=8, seed=0):
                                      (1024, 1024, 128, 64)])
 def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
     from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
-    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
+    from spear_compile.dispatch.cuda import tma_self_gemv
 
     x, q, s, z, b, ec = _setup(N, K, G, R)
     rows = -(-N // gt.tile_geometry(config)[0])
@@ -166,7 +169,7 @@ def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
 
 @on_hopper
 def test_one_launch_tma_ec_replays_in_a_cuda_graph():
-    from spear_compile.lowering.w4a16_gemv_tma_ec import tma_self_gemv
+    from spear_compile.dispatch.cuda import tma_self_gemv
 
     N, K, G = 2048, 2048, 128
     x, q, s, z, b, ec = _setup(N, K, G, 64)

@@ -10,37 +10,15 @@ import torch
 
 from spear_compile import QuantConfig
 from spear_compile.lowering._triton import HAS_TRITON
-from spear_compile.lowering.ec_linear import ec_delta_ref, ec_linear_ref
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops.ec_ref import ec_delta_ref, ec_linear_ref
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 from spear_compile.quant import quantize_rtn
+from tests.helpers import DEV, close_to as _close, ec_operands as _ec, packed_weight as _weight  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is a test dependency; install .[test]")
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # relative to max |ref|
-
-
-def _close(out, ref, dtype):
-    err = (out.float() - ref.float()).abs().max().item()
-    scale = ref.float().abs().max().item() + 1e-6
-    assert err / scale < TOL[dtype], f"max err {err:.3g} vs scale {scale:.3g}"
-
-
-def _weight(N, K, G, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    qw = quantize_rtn(torch.randn(N, K, generator=gen) * 0.05, QuantConfig(group_size=G), out_dtype=dtype)
-    bias = torch.randn(N, generator=gen).to(dtype)
-    return [t.to(DEV) for t in (qw.qweight, qw.scales, qw.zeros, bias)] + [qw.group_size]
-
-
-def _ec(N, K, R, D, dtype, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    A = torch.randn(R, K, generator=gen) / K ** 0.5
-    B = torch.randn(N, R, generator=gen) * 0.1
-    W1, b1 = torch.randn(D, R, generator=gen) / R ** 0.5, torch.randn(D, generator=gen) * 0.1
-    W2, b2 = torch.randn(R, D, generator=gen) / D ** 0.5, torch.randn(R, generator=gen)
-    alpha = torch.tensor(1.25)
-    return tuple(t.to(DEV, dtype) for t in (A, B, W1, b1, W2, b2)) + (alpha.to(DEV),)
+from tests.helpers import TOL  # noqa: E402,F401
+from spear_compile.dispatch import cuda as DC
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -48,7 +26,7 @@ def _ec(N, K, R, D, dtype, seed=1):
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("with_bias,with_zero", [(True, True), (False, False)])
 def test_gemv_matches_reference(dtype, G, M, with_bias, with_zero):
-    from spear_compile.lowering.w4a16_triton import w4a16_gemv
+    from spear_compile.dispatch.cuda import w4a16_gemv
 
     qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
     bias = bias if with_bias else None
@@ -63,7 +41,7 @@ def test_gemv_matches_reference(dtype, G, M, with_bias, with_zero):
 @pytest.mark.parametrize("G", [64, None])
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_gemm_matches_reference(dtype, G, M):
-    from spear_compile.lowering.w4a16_triton import w4a16_gemm
+    from spear_compile.dispatch.cuda import w4a16_gemm
 
     qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
     x = torch.randn(M, 320, generator=torch.Generator().manual_seed(M)).to(DEV, dtype)
@@ -77,6 +55,7 @@ def test_gemm_matches_reference(dtype, G, M):
                                    "dequant_cublas_pipe"])
 def test_explicit_configs(G, which):
     """Tiles spanning several groups (NT > 1) and the dequantize + cuBLAS path."""
+    from spear_compile.dispatch import cuda as D
     from spear_compile.lowering import w4a16_triton as T
 
     dtype = torch.float16
@@ -84,23 +63,23 @@ def test_explicit_configs(G, which):
     M = 2 if which.startswith("gemv") else 5
     x = torch.randn(M, 320, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     if which == "gemv_multi_group_tiles":
-        y = T.w4a16_gemv(x, qweight, scales, zeros, Gs, bias, config=(8, 256, 4, 1))
+        y = D.w4a16_gemv(x, qweight, scales, zeros, Gs, bias, config=(8, 256, 4, 1))
     elif which == "gemm_multi_group_tiles":
-        y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=(16, 32, 128, 4, 1))
+        y = D.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=(16, 32, 128, 4, 1))
     elif which == "dequant_cublas":
-        y = T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS)
+        y = D.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS)
         torch.testing.assert_close(T.w4_dequantize(qweight, scales, zeros, Gs, dtype),
                                    spear_dequant(qweight, scales, zeros, Gs, dtype), rtol=0, atol=0)
     else:  # row slices (123 rows: 64 + 59) give the same numbers as one pass
         y = torch.full((M, 123), float("nan"), dtype=dtype, device=DEV)
-        T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS_PIPE, out=y)
-        torch.testing.assert_close(y, T.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS),
+        D.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS_PIPE, out=y)
+        torch.testing.assert_close(y, D.w4a16_gemm(x, qweight, scales, zeros, Gs, bias, config=T.DEQUANT_CUBLAS),
                                    rtol=0, atol=0)
     _close(y, w4a16_linear_ref(x, qweight, scales, zeros, Gs, bias), dtype)
 
 
 def spear_dequant(qweight, scales, zeros, G, dtype):
-    from spear_compile.lowering.w4a16 import dequantize_ref
+    from spear_compile.ops.w4a16_ref import dequantize_ref
 
     return dequantize_ref(qweight, scales, zeros, G, "spear", dtype=dtype)
 
@@ -110,7 +89,8 @@ def spear_dequant(qweight, scales, zeros, G, dtype):
 @pytest.mark.parametrize("M", [1, 3])
 def test_fused_ec_gemv_matches_reference_and_leaves_workspace_clean(dtype, R, D, M):
     from spear_compile.lowering._triton import next_pow2
-    from spear_compile.lowering.w4a16_triton import GEMV_MAX_M, ec_workspace, w4a16_gemv
+    from spear_compile.dispatch.cuda import w4a16_gemv
+    from spear_compile.lowering.w4a16_triton import GEMV_MAX_M, ec_workspace
 
     qweight, scales, zeros, bias, Gs = _weight(123, 320, 64, dtype)
     ec = _ec(123, 320, R, D, dtype)
@@ -224,7 +204,8 @@ def test_gemv_words_layout_and_cache():
 
 def test_gemv_falls_back_for_unchunkable_shapes():
     """K not a multiple of 32 (or G not) goes to the M > 1 kernel, still correct."""
-    from spear_compile.lowering.w4a16_triton import gemv1_ok, w4a16_gemv
+    from spear_compile.dispatch.cuda import w4a16_gemv
+    from spear_compile.lowering.w4a16_triton import gemv1_ok
 
     dtype = torch.float16
     qweight, scales, zeros, bias, Gs = _weight(40, 48, None, dtype)
@@ -238,16 +219,20 @@ def test_cat_gemv1_equals_its_parts_and_caches_the_concatenation(G, dtype):
     """w4a16_linear_cat's M = 1 path: one GEMV over concatenated words/scales/zeros/biases (a part
     without a bias contributes zeros) equals the parts' references; the concatenation is reused
     while the weights are unchanged and rebuilt after an in-place update."""
+    from spear_compile.dispatch import cuda as D
+    from spear_compile.dispatch import route as R
     from spear_compile.lowering import w4a16_cat as C
 
     w = [_weight(n, 320, G, dtype, seed=n) for n in (40, 24, 59)]
     qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [w[0][3], None, w[2][3]]
     Gs = w[0][4]
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
-    assert C.gemv1_cat_ok(x, qs, zs, Gs) and not C.gemv1_cat_ok(x, qs, [zs[0], None, zs[2]], Gs)
+    ok = [R.gemv1_can_implement(R.cat_problem_of("w4a16_cat", x, qs, ss, z3, Gs, bs))[0]
+          for z3 in (zs, [zs[0], None, zs[2]])]
+    assert ok == [True, False]  # the M = 1 kernel takes the parts; zero points on some parts only: not
     ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)
     y = torch.full((1, 123), float("nan"), dtype=dtype, device=DEV)
-    C.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs, out=y)
+    D.w4a16_cat_gemv1(x, qs, ss, zs, Gs, bs, out=y)
     _close(y, ref, dtype)
     first = C.concatenated(qs, ss, zs, bs)
     assert C.concatenated(qs, ss, zs, bs) is first  # cached
@@ -262,7 +247,7 @@ def test_cat_gemv1_equals_its_parts_and_caches_the_concatenation(G, dtype):
 def test_ec_in_the_gemm_c_operand_matches_reference(dtype, G, with_bias):
     """The prefill EC as E = alpha * hg B^T (+ bias), then E += x W^T (``structure="c_operand"``):
     the same function as the reference and as the side-stream structure."""
-    from spear_compile.lowering.dispatch import ec_overlapped
+    from spear_compile.dispatch.cuda import ec_overlapped
 
     qweight, scales, zeros, bias, Gs = _weight(123, 320, G, dtype)
     bias = bias if with_bias else None
@@ -313,7 +298,7 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     over the concatenated weights: the reference and the fused M = 1 kernel (interpreted on CPU; the
     block-diagonal rank 56 pads to 64) give what the parts give separately."""
     from spear_compile.lowering import ec_cat as E
-    from spear_compile.lowering.w4a16_triton import w4a16_gemv
+    from spear_compile.dispatch.cuda import w4a16_gemv
 
     K, G = 256, 64
     parts = [(40, 16, 8), (24, 8, 4), (59, 32, 16)]  # (N, R, D)
@@ -329,6 +314,6 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     _close(w4a16_gemv(x, q, s, z, G, b, ec=cat_ec), ref, dtype)
     assert E.concatenated_ecs(*[list(t) for t in zip(*ecs)]) is cat_ec  # cached
     # spear::ec_linear_cat's CUDA path end to end (concatenated words + block-diagonal EC), interpreted here
-    y = E.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
+    y = DC.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
                        *[list(t) for t in zip(*ecs)])
     _close(y, ref, dtype)

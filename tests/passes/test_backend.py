@@ -82,11 +82,11 @@ def test_uuid_changes_with_config_and_is_stable():
 def test_uuid_covers_what_the_decode_passes_ask_on_a_gpu(monkeypatch):
     """fuse_glu / fuse_rmsnorm decide from the tuned table and SPEAR_NO_TMA_GEMV: a change to either
     must not reuse a cached graph compiled under the other answer."""
-    from spear_compile.lowering import w4a16_triton as T
+    from tests.helpers import use_tuned_table
 
-    monkeypatch.setattr(T, "_TABLE", {})
+    use_tuned_table(monkeypatch, {})
     base = SpearPassManager(PassContext(CompileConfig())).uuid()
-    monkeypatch.setattr(T, "_TABLE", {"gemv1tma|22016|4096|128": [2, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {"gemv1tma|22016|4096|128": [2, 2, 2, 2, 2]})
     with_table = SpearPassManager(PassContext(CompileConfig())).uuid()
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
     assert len({base, with_table, SpearPassManager(PassContext(CompileConfig())).uuid()}) == 3

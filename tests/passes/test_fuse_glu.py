@@ -133,7 +133,7 @@ def test_a_lossy_conversion_chain_is_not_matched():
 def test_the_cuda_entry_checks_its_parts():
     """The registered CUDA implementation replaces the op's body, so it checks the parts itself (its
     fallback branch runs on CPU tensors, which is what this calls)."""
-    from spear_compile.lowering.w4a16_cat import w4a16_linear_glu_cuda
+    from spear_compile.dispatch.cuda import w4a16_linear_glu_cuda
     from spear_compile.quant import quantize_rtn
 
     parts = [quantize_rtn(torch.randn(n, 64) * 0.05, spear.QuantConfig(group_size=32)) for n in (16, 8)]
@@ -145,33 +145,57 @@ def test_the_cuda_entry_checks_its_parts():
                               "spear", torch.ones(32), 1e-5)
 
 
-def test_gpu_rewrite_condition_asks_what_the_runtime_asks(monkeypatch):
-    """tma_config_of (fuse_glu's and fuse_rmsnorm's condition on a GPU): the table's config only where
-    the M = 1 kernel takes every part (contiguous weights) and the zero points are all or none."""
+def _gpu_parts(monkeypatch, F=256, K=1024, G=128, config=(4, 2, 2, 2, 2)):
+    """Fake CUDA values of a gate / up pair (nodes as the passes see them) on a faked Hopper GPU whose
+    tuned table runs the concatenated shape on the TMA kernel in ``config``."""
     from types import SimpleNamespace
 
-    from spear_compile.lowering import w4a16_cat, w4a16_gemv_tma
-    from spear_compile.passes.fuse_glu import tma_config_of
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(w4a16_cat, "glu_config_for", lambda *a, **k: ("glu",) + a[:3])
-    monkeypatch.setattr(w4a16_gemv_tma, "tma_config_for", lambda *a, **k: ("cat",) + a[:3])
+    from spear_compile.lowering import device as capability
+    from spear_compile.lowering import w4a16_gemv_tma as GT
+    from tests.helpers import use_tuned_table
+
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    monkeypatch.setattr(capability, "is_sm90", lambda device: True)
+    monkeypatch.setattr(capability, "pdl", lambda device: True)
+    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): list(config)})
     node = lambda t: SimpleNamespace(meta={"val": t})  # noqa: E731
-    q, s = torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.bfloat16)
-    kw = {"x": node(torch.zeros(1, 1, 64, dtype=torch.bfloat16)), "group_size": 32,
-          "qweights": [node(q), node(q)], "scales": [node(s), node(s)], "zeros": [node(s), node(s)]}
-    assert tma_config_of(kw, 16, glu=True) == ("glu", 16, 64, 32)
-    assert tma_config_of(kw, 32, glu=False) == ("cat", 32, 64, 32)
-    assert tma_config_of({**kw, "zeros": [node(s), None]}, 16, glu=True) is None
-    assert tma_config_of({**kw, "qweights": [node(q), node(torch.zeros(32, 16, dtype=torch.uint8).t())]}, 16,
-                         glu=True) is None
+    with FakeTensorMode():
+        x = torch.empty(1, 1, K, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(F, K // 2, dtype=torch.uint8, device="cuda")
+        qt = torch.empty(K // 2, F, dtype=torch.uint8, device="cuda").t()
+        s = torch.empty(F, K // G, dtype=torch.bfloat16, device="cuda")
+        A = [torch.empty(r, K, dtype=torch.bfloat16, device="cuda") for r in (4, 8, 80)]
+        B = [torch.empty(F, r, dtype=torch.bfloat16, device="cuda") for r in (4, 8, 80)]
+        W1 = torch.empty(4, 4, dtype=torch.bfloat16, device="cuda")
+    kw = {"x": node(x), "group_size": G, "layout": "spear", "qweights": [node(q), node(q)],
+          "scales": [node(s), node(s)], "zeros": [node(s), node(s)], "biases": [None, None], "norm_weight": None,
+          "As": [node(A[0]), node(A[1])], "Bs": [node(B[0]), node(B[1])], "W1s": [node(W1), node(W1)]}
+    return kw, node, {"qt": qt, "A": A, "B": B}
+
+
+def test_gpu_rewrite_condition_asks_the_route(monkeypatch):
+    """fuse_glu's and fuse_rmsnorm's condition on a GPU is ``route`` of the op they would make, from the
+    graph's fake values: the TMA kernel only where the M = 1 kernel takes every part (contiguous weights)
+    and the zero points are all or none."""
+    from spear_compile.passes.common import cat_route
+
+    kw, node, t = _gpu_parts(monkeypatch)
+    assert cat_route(kw, "w4a16_glu", norm=False).kernel == "glu_tma"
+    assert cat_route(kw, "w4a16_cat", norm=True).kernel == "cat_tma"
+    assert cat_route({**kw, "zeros": [kw["zeros"][0], None]}, "w4a16_glu", norm=False).kernel == "glu_of"
+    rt = cat_route({**kw, "qweights": [kw["qweights"][0], node(t["qt"])]}, "w4a16_glu", norm=False)
+    assert rt.kernel == "glu_of" and any("not contiguous" in r for r in rt.parts[0].all_reasons())
 
 
 def test_gate_up_with_ecs_become_one_ec_glu_op_and_match_eager():
     """gate / up with ECs (an ec_linear_cat after fuse_shared_input) -> spear::ec_linear_glu; the decode
     step equals eager; off with fuse_glu=False; the op is glu_of(ec_linear_cat) exactly and checks its parts."""
-    from spear_compile.lowering.w4a16_cat import glu_of
+    from spear_compile.ops.refs import glu_of
     from spear_compile.quant import quantize_rtn
-    from tests.passes.test_fuse_shared_input import _ec, _llama_with_ecs
+    from tests.helpers import llama_with_ecs as _llama_with_ecs, random_ec as _ec
 
     m = _llama_with_ecs()
     x = torch.randn(1, 1, 64)
@@ -237,28 +261,23 @@ def test_a_norm_already_in_the_cat_stays_with_the_glu_op():
 
 def test_gpu_rewrite_conditions_with_ecs_ask_the_ec_epilogue(monkeypatch):
     """On a GPU, fuse_glu (gate/up with ECs) and fuse_rmsnorm (EC concatenations and EC GLU ops) rewrite
-    only where the TMA kernel adds the ECs: they ask ec_cat.ec_epilogue_ok with the table's config, the
-    largest EC rank and whether a norm is fused; without ECs the plain condition holds."""
+    only where ``route`` runs the op on the TMA kernel adding the ECs: not above its EC_RC_MAX columns per
+    row, and with a norm only where the config stages x in shared memory."""
     from types import SimpleNamespace
 
-    from spear_compile.lowering import ec_cat
     from spear_compile.passes import fuse_glu, fuse_rmsnorm
     from spear_compile.passes.context import PassContext
 
-    asked = []
-    monkeypatch.setattr(ec_cat, "ec_epilogue_ok",
-                        lambda cfg, dev, norm, rc=None: asked.append((cfg, norm, rc)) or rc <= 8)
-    monkeypatch.setattr(fuse_glu, "tma_config_of", lambda kw, rows, glu: ("cfg", rows, glu))
-    monkeypatch.setattr(fuse_rmsnorm, "tma_config_of", lambda kw, rows, glu: ("cfg", rows, glu))
-    node = lambda t: SimpleNamespace(meta={"val": t})  # noqa: E731
-    x = node(SimpleNamespace(device=torch.device("cuda")))
-    kw = {"x": x, "norm_weight": None, "As": [node(torch.zeros(4, 64)), node(torch.zeros(8, 64))]}
     ctx = PassContext(spear.CompileConfig())
-    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 16, has_ec=True)
-    assert asked[-1] == (("cfg", 16, True), False, 8)
-    assert not fuse_glu.FuseGLU(ctx)._epilogue_runs({**kw, "As": [node(torch.zeros(16, 64))]}, 16, has_ec=True)
-    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 16, has_ec=False) and len(asked) == 2  # plain: not asked
-    out = node(torch.zeros(1, 1, 32))
-    for target, glu in ((fuse_glu.EC_CAT, False), (fuse_glu.EC_GLU, True)):
+    kw, node, t = _gpu_parts(monkeypatch)
+    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 256, has_ec=True)
+    wide = {**kw, "As": [node(t["A"][2]), node(t["A"][1])], "Bs": [node(t["B"][2]), node(t["B"][1])]}
+    assert not fuse_glu.FuseGLU(ctx)._epilogue_runs(wide, 256, has_ec=True)  # rank 80 > 64 columns per row
+    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 256, has_ec=False)
+    out = node(torch.zeros(1, 1, 512))
+    for target in (fuse_glu.EC_CAT, fuse_glu.EC_GLU, fuse_glu.W4A16_CAT, fuse_glu.GLU):
         assert fuse_rmsnorm.FuseRMSNorm(ctx)._prologue_runs(SimpleNamespace(target=target, meta=out.meta), kw)
-        assert asked[-1] == (("cfg", 32, glu), True, 8)
+    kw, node, t = _gpu_parts(monkeypatch, config=(4, 2, 2, 2, 1))  # x not staged in shared memory: no norm
+    for target in (fuse_glu.EC_CAT, fuse_glu.EC_GLU, fuse_glu.W4A16_CAT, fuse_glu.GLU):
+        assert not fuse_rmsnorm.FuseRMSNorm(ctx)._prologue_runs(SimpleNamespace(target=target, meta=out.meta), kw)
+    assert fuse_glu.FuseGLU(ctx)._epilogue_runs(kw, 256, has_ec=True)  # (no norm: the GLU epilogue runs)

@@ -114,7 +114,7 @@ def test_alpha_and_lossy_conversions_are_respected(form, fused):
 
 
 def test_ops_check_and_apply_the_norm():
-    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.ops.refs import rms_norm_ref
     from spear_compile.quant import quantize_rtn
 
     parts = [quantize_rtn(torch.randn(16, 64) * 0.05, spear.QuantConfig(group_size=32)) for _ in range(2)]
@@ -137,7 +137,7 @@ def test_ops_check_and_apply_the_norm():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reference_norm_is_the_models(dtype):
     """rms_norm_ref (what the fused ops and the GPU prologue compute) against LlamaRMSNorm's form."""
-    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.ops.refs import rms_norm_ref
 
     torch.manual_seed(0)
     norm = HFNorm(64, eps=1e-5).to(dtype)
@@ -150,10 +150,10 @@ def test_norm_moves_into_the_ec_concatenation_and_matches_eager():
     """q/k/v and gate/up with ECs (spear::ec_linear_cat, and ec_linear_glu after fuse_glu): both norms move
     into them; the compiled decode step equals eager; the op applies the norm (its reference is the
     parts on rms_norm_ref(x))."""
-    from spear_compile.lowering.w4a16_cat import rms_norm_ref
+    from spear_compile.ops.refs import rms_norm_ref
     from spear_compile.quant import quantize_rtn
     from tests.helpers import spear_ops_after
-    from tests.passes.test_fuse_shared_input import _ec, _llama_with_ecs
+    from tests.helpers import llama_with_ecs as _llama_with_ecs, random_ec as _ec
 
     m = _llama_with_ecs()
     x = torch.randn(1, 1, 64)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from spear_compile import QuantConfig, QuantFormatError
-from spear_compile.lowering.w4a16 import dequantize_ref
+from spear_compile.ops.w4a16_ref import dequantize_ref
 from spear_compile.quant import pack_int4, quantize_rtn, unpack_int4
 from spear_compile.quant.format import check_spear_weight
 

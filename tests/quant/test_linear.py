@@ -7,8 +7,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import spear_compile as spear
 from spear_compile import QuantConfig, QuantFormatError, QuantLinear
-from spear_compile.lowering.ec_linear import ec_linear_ref
-from spear_compile.lowering.w4a16 import w4a16_linear_ref
+from spear_compile.ops.ec_ref import ec_linear_ref
+from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])

@@ -1,8 +1,9 @@
-"""Warp-specialised variant of the large-M W4A16 wgmma GEMM (``w4a16_gemm_wgmma.py``).
+"""A study, not shipped: a warp-specialised variant of the large-M W4A16 wgmma GEMM
+(``spear_compile/lowering/w4a16_gemm_wgmma.py``).
 
 Why: in the single-partition kernel the same warps expand the 4-bit words and wait on the MMAs, and one
-CTA barrier per K step ties them together; its diagnostic variants (docs/kernels.md, session 15)
-measured expansion and MMAs each at about cuBLAS's time but adding up instead of overlapping. Here they
+CTA barrier per K step ties them together; its diagnostic variants (docs/kernels.md)
+measured expansion and MMAs each at about cuBLAS's time but adding up instead of overlapping (H200). Here they
 are different warps, handing tiles over through mbarriers:
 
 * default partition, the MMA warpgroups (WARPS warps, BM rows of x): per step waits for the x tile (TMA)
@@ -22,7 +23,14 @@ from registers; not in the tuned search (``WS_CONFIGS``).
 """
 from __future__ import annotations
 
-from .w4a16_gemm_wgmma import HAS_WGMMA
+
+
+from spear_compile.lowering import w4a16_gemm_wgmma as wg
+from spear_compile.lowering.w4a16_gemm_wgmma import HAS_WGMMA
+
+WS_CONFIGS = [(256, 128, 4, 8, 4)]  # (BM, BN, STAGES, WARPS, EXPANDERS): 4 expander warps beside 8 MMA warps
+WS_MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64 K register file
+WS_EXP_REGS = 96  # the expanders' share after setmaxnreg (the MMA warpgroups get the rest: 200)
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -30,7 +38,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .w4a16_gemm_wgmma import _BK, _dequant, _group_params, _request_step, _store_tile
+    from spear_compile.lowering.w4a16_gemm_wgmma import _BK, _dequant, _group_params, _request_step, _store_tile
 
     NDQ = gl.constexpr(3)  # expanded buffers: the expanders may run two steps ahead of the MMAs
 
@@ -115,3 +123,39 @@ if HAS_WGMMA:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, BN, 16])
         _store_tile(acc, Y, BIAS, M, N, off_m, off_n, BM, BN, mma, HAS_BIAS)
+
+
+def check_ws_config(config: tuple) -> tuple:
+    """(BM, BN, STAGES, WARPS, EXP): the plain kernel's config plus 4 expander warps (8 MMA warps, BN = 128)."""
+    if len(config) != 5 or int(config[4]) != 4 or int(config[3]) != 8 or int(config[1]) != 128:
+        raise ValueError(f"warp-specialised wgmma GEMM config {config}: takes 4 expander warps beside 8 MMA warps "
+                         f"and BN = 128")
+    return wg.check_config(tuple(config[:4])) + (4,)
+
+
+def w4a16_gemm_wgmma_ws(x2, qweight, scales, zeros, G: int, bias, config: tuple = WS_CONFIGS[0], out=None):
+    """Y = x2 W^T through the warp-specialised kernel (no EC operand; the plain kernel's constraints)."""
+    bm, bn, stages, warps, exp = check_ws_config(tuple(config))
+    M, N, K, per_channel = wg.check_call("w4a16_gemm_wgmma_ws", x2, qweight, scales, zeros, G, bias, out)
+    y, xd, wd, _, _, _ = wg.launch_operands("w4a16_gemm_wgmma_ws", x2, qweight, out, None, M, N, bm, bn)
+    grid = (-(-M // bm) * -(-N // bn),)
+    _w4a16_gemm_wgmma_ws_kernel[grid](
+        xd, wd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
+        ZINT=zeros is not None and wg.integer_zeros(zeros), HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps,
+        EXP=exp, EXP_REGS=WS_EXP_REGS, num_warps=warps, maxnreg=WS_MAXNREG)
+    return y
+
+
+def compile_ws_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
+                    has_bias: bool = True, zint: bool = False) -> dict:
+    """Offline sm_90 compile of the warp-specialised kernel (as ``w4a16_gemm_wgmma.compile_sm90``)."""
+    from spear_compile.lowering.w4a16_gemv_gluon import compile_gluon_sm90
+
+    bm, bn, stages, warps, exp = check_ws_config(tuple(config))
+    descs = wg.desc_types(bm, bn)
+    rest = dict(Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")
+    consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, ZINT=zint, HAS_BIAS=has_bias, STAGES=stages,
+                  WARPS=warps, EXP=exp, EXP_REGS=WS_EXP_REGS)
+    return compile_gluon_sm90(_w4a16_gemm_wgmma_ws_kernel, dict(x_desc=descs["x_desc"], w_desc=descs["w_desc"],
+                                                                 **rest), consts, warps, maxnreg=WS_MAXNREG)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .w4a16 import w4a16_linear_ref
+from .w4a16_ref import w4a16_linear_ref
 
 _ACTS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}
 

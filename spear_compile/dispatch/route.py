@@ -1,0 +1,660 @@
+"""``route(problem) -> Route``: the one place a kernel is chosen.
+
+A ``Problem`` states what is to be computed (op, M, N, K, group size, dtypes, EC rank, fusion, device,
+and the tensor facts the kernels depend on: contiguity, zero points present and integral, bias);
+``route`` returns the ``Route`` that runs it: the kernel, its config and the reasons of every choice
+made on the way (including each kernel that was considered and why it could not run). The CUDA op
+implementations (``dispatch/cuda.py``) launch what ``route`` returns; the passes ask it before they
+rewrite (``fuse_glu``, ``fuse_rmsnorm``) and to name the kernel (``phase_dispatch``); the inspection
+report shows the route and its reasons. It reads the tuned table (``dispatch/table.py``) and the
+kernels' constraints, and launches nothing.
+
+Kernels (``Route.kernel``):
+
+* ``reference``: the PyTorch reference (CPU, fp32 activations, non-spear layouts, no Triton);
+* W4 only: ``gemv1`` (CUDA-core M = 1 GEMV), ``gemv1_tma`` (TMA-fed Gluon GEMV), ``gemv`` (M > 1
+  GEMV, shapes ``gemv1`` does not take), ``gemm`` (Triton tiled GEMM), ``dequant_cublas`` (dequantize,
+  then cuBLAS; config ``(chunks,)``), ``gemm_wgmma`` / ``gemm_wgmma_ra`` (Hopper warpgroup-MMA GEMM
+  with the weight as the shared-memory / register operand);
+* decode EC (M = 1): ``ec_self`` (the EC in the CUDA-core GEMV's launch), ``ec_self_tma`` (in the TMA
+  GEMV's launch), ``ec_pair_tma`` (producer grid + PDL-launched TMA GEMV adding the EC in its
+  epilogue), ``ec_pair`` (producer grid + CUDA-core GEMV, PDL-launched where PDL runs); small M:
+  ``ec_gemv`` (the M > 1 GEMV with in-kernel producers);
+* prefill EC: ``ec_side`` (W4 GEMM ``Route.parts[0]`` beside the shrink + gate on a side stream),
+  ``ec_c_operand`` (the EC first, into the C operand of dequantize + cuBLAS), ``ec_in_gemm`` (the
+  EC's expand as one more K step of ``gemm_wgmma``), ``ec_in_gemm_ra`` (of ``gemm_wgmma_ra``,
+  PDL-launched behind the gate), ``ec_in_gemm_self`` (shrink and gate in the register-operand GEMM's
+  own launch). ``Route.options`` carries the variants (``high_priority``, ``splitk``, ``pdl``);
+* concatenations (``fuse_shared_input`` / ``fuse_glu``): ``cat_gemv1`` / ``cat_tma``, ``glu_tma``,
+  ``ec_cat_tma`` / ``ec_cat_gemv1`` (then ``parts[0]`` is the EC GEMV's route), ``ec_glu_tma``,
+  ``parts`` (each part on its own route, ``Route.parts``) and ``glu_of`` (the concatenation's route in
+  ``parts[0]``, then act(gate) * up).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..lowering import _triton
+from ..lowering import device as capability
+from ..lowering import ec_gemm_self as _egs
+from ..lowering import ec_self as _es
+from ..lowering import w4a16_gemm_wgmma as _wg
+from ..lowering import w4a16_gemm_wgmma_ra as _ra
+from ..lowering import w4a16_gemv_gluon as _gl
+from ..lowering import w4a16_gemv_tma as _gt
+from ..lowering import w4a16_triton as _t
+from .. import envs
+from . import table as _table
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+W4_GEMV_MAX_M = 1  # without an EC the GEMVs beat the small-M GEMM only at M = 1 (H200, bf16)
+EC_RC_MAX = 64  # the most EC columns per row the TMA epilogue takes (its [BN, RC] operands live in registers)
+OVERLAP_STRUCTURES = ("auto",) + _table.STRUCTURES
+OPS = ("w4a16", "ec", "w4a16_cat", "w4a16_glu", "ec_cat", "ec_glu")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is computed. ``N``: output rows (the concatenation's total for ``*_cat``, F per half for
+    ``*_glu``); ``parts``: the rows of each part of a concatenation; ``rank``: the EC's rank (the largest
+    part's for concatenations; ``ranks``: every part's, summed for the block-diagonal EC); ``lowering``
+    / ``crossover``: the phase-dispatch decision. The tensor facts default to what the passes' fake
+    values cannot contradict; the CUDA implementations fill them from the tensors (``from_tensors``)."""
+
+    op: str
+    M: int
+    N: int
+    K: int
+    G: int
+    dtype: torch.dtype = torch.bfloat16
+    param_dtypes: tuple = ()  # scales' and zero points' dtypes (present ones)
+    bias_dtype: Optional[torch.dtype] = None
+    device: torch.device = torch.device("cpu")
+    layout: str = "spear"
+    lowering: str = "auto"
+    crossover: int = 16
+    has_zeros: bool = True
+    zeros_consistent: bool = True  # concatenations: all parts have zero points or none does
+    weight_contiguous: bool = True
+    params_contiguous: bool = True  # scales and zero points
+    zeros_integer: Optional[bool] = None  # None: not known (fake values): taken as integral
+    out_contiguous: bool = True
+    parts: tuple = ()
+    rank: Optional[int] = None  # EC rank (None: no EC)
+    rank_total: Optional[int] = None  # the block-diagonal EC's rank (concatenations)
+    gate_width: Optional[int] = None  # the EC gate's hidden width D
+    ec_dtypes: tuple = ()  # (A, B) dtypes
+    a_contiguous: bool = True
+    b_contiguous: bool = True
+    norm: bool = False
+    act: str = "silu"
+    words: bool = False  # the CUDA-core GEMV's layout is given (a concatenation's), not made from the weight
+    zeros_probe: Optional[Callable] = field(default=None, compare=False, repr=False)  # zeros_integer, if asked
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Problem: op={self.op!r}; expected one of {OPS}")
+
+    @property
+    def has_ec(self) -> bool:
+        return self.rank is not None
+
+    def replace(self, **kw) -> "Problem":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Route:
+    """The kernel that runs a problem, its config, why (``reasons``, in the order the choices were made),
+    its sub-routes (``parts``) and launch variants (``options``)."""
+
+    kernel: str
+    config: tuple = ()
+    reasons: tuple = ()
+    parts: tuple = ()
+    options: tuple = ()  # sorted (name, value) pairs
+
+    def option(self, name: str, default=None):
+        return dict(self.options).get(name, default)
+
+    def describe(self) -> str:
+        """One line: kernel[config] (options) <- parts."""
+        s = self.kernel + (f"{list(self.config)}" if self.config else "")
+        if self.options:
+            s += " (" + ", ".join(f"{k}={v}" for k, v in self.options) + ")"
+        if self.parts:
+            s += " <- " + " + ".join(p.describe() for p in self.parts)
+        return s
+
+    def all_reasons(self) -> list:
+        out = list(self.reasons)
+        for p in self.parts:
+            out += [f"  {r}" for r in p.all_reasons()]
+        return out
+
+
+def _route(kernel, config=(), reasons=(), parts=(), **options) -> Route:
+    return Route(kernel, tuple(config), tuple(reasons), tuple(parts), tuple(sorted(options.items())))
+
+
+# ---------------------------------------------------------------- can_implement, per kernel
+# Each returns (ok, reason): the reason says why not (or what it runs with).
+
+def triton_ok(p: Problem) -> tuple:
+    if not _triton.HAS_TRITON:
+        return False, "Triton is not installed"
+    if p.device.type != "cuda":
+        return False, f"activations on {p.device.type}"
+    if p.layout != "spear":
+        return False, f"layout {p.layout!r} (the Triton kernels read the spear packing)"
+    if p.dtype not in TRITON_DTYPES:
+        return False, f"activations {p.dtype} (the Triton kernels take fp16 / bf16)"
+    return True, "CUDA, spear layout, fp16 / bf16"
+
+
+def gemv1_can_implement(p: Problem) -> tuple:
+    """The M = 1 CUDA-core GEMV: whole 32-column chunks that never straddle a group, a contiguous weight."""
+    if p.M != 1:
+        return False, f"M = {p.M} (needs M = 1)"
+    if p.K % 32 or not (p.G >= p.K or p.G % 32 == 0):
+        return False, f"K = {p.K}, G = {p.G} (needs K % 32 == 0 and G >= K or G % 32 == 0)"
+    if not p.weight_contiguous:
+        return False, "the packed weight is not contiguous"
+    if not p.zeros_consistent:
+        return False, "zero points on some parts only"
+    return True, "M = 1, 32-column chunks inside groups"
+
+
+def tma_config(p: Problem, rows: int) -> tuple:
+    """(the tuned TMA config for ``rows`` x K, or None; reason): the TMA GEMV runs a shape only where the
+    table measured it faster than the CUDA-core GEMV, and only on sm_90+ with Gluon, bf16 activations and
+    parameters, K and G multiples of 128."""
+    if envs.no_tma_gemv():
+        return None, "SPEAR_NO_TMA_GEMV is set"
+    cfg = _table.configs().get(_table.Gemv1TmaKey(rows, p.K, p.G))
+    if cfg is None:
+        return None, f"no measured TMA win for {rows}x{p.K} g{p.G}"
+    if not _gt.HAS_TMA:
+        return None, "this Triton has no Gluon TMA"
+    if not _gl.gluon_ok(1, p.K, p.G, p.dtype):
+        return None, f"{p.dtype}, K = {p.K}, G = {p.G} (the TMA GEMV needs M = 1, bf16, K and G multiples of 128)"
+    if not _gt._tma_capable(p.device):
+        return None, "not a sm_90+ GPU"
+    if any(d != torch.bfloat16 for d in p.param_dtypes):
+        return None, f"scales / zero points {p.param_dtypes} (needs bf16)"
+    return tuple(cfg), f"TMA GEMV measured faster for {rows}x{p.K} g{p.G}: config {list(cfg)}"
+
+
+def pdl_ok(p: Problem) -> bool:
+    return capability.pdl(p.device)
+
+
+def ec_epilogue_ok(cfg: Optional[tuple], p: Problem, norm: bool, rc: Optional[int]) -> tuple:
+    """Whether the TMA GEMV in ``cfg`` adds a decode EC in its epilogue here (PDL runs, the config has no
+    K-split and is not persistent, with ``norm`` stages x in shared memory, at most EC_RC_MAX columns)."""
+    if cfg is None:
+        return False, "no TMA config"
+    if envs.no_tma_ec():
+        return False, "SPEAR_NO_TMA_EC is set"
+    if rc is not None and rc > EC_RC_MAX:
+        return False, f"EC rank {rc} > {EC_RC_MAX} columns per row"
+    if not pdl_ok(p):
+        return False, "no PDL here (needs sm_90+)"
+    if not _gt.ec_ok(cfg):
+        return False, f"TMA config {list(cfg)} has a K-split or is persistent"
+    if norm and not _gt.norm_ok(cfg):
+        return False, f"TMA config {list(cfg)} does not stage x in shared memory without a K-split (RMSNorm)"
+    return True, f"the TMA GEMV {list(cfg)} adds the EC in its epilogue"
+
+
+def wgmma_can_implement(p: Problem) -> tuple:
+    """The shared-memory-operand wgmma GEMM: sm_90+, bf16 activations and parameters, aligned shapes."""
+    if not _wg.hopper(p.device):
+        return False, "not a sm_90+ GPU"
+    dts = tuple(p.param_dtypes) + ((p.bias_dtype,) if p.bias_dtype is not None else ())
+    if not _wg.wgmma_ok(p.M, p.N, p.K, p.G, p.dtype, dts):
+        return False, f"{p.dtype}, params {dts}, N = {p.N}, K = {p.K}, G = {p.G} (needs bf16 and 64-aligned K, G)"
+    if not p.params_contiguous:
+        return False, "scales / zero points not contiguous"
+    return True, "sm_90+, bf16, aligned"
+
+
+def wgmma_ra_can_implement(p: Problem) -> tuple:
+    """The register-operand wgmma GEMM: as ``wgmma``, integer zero points (or none), M N < 2^31."""
+    ok, why = wgmma_can_implement(p)
+    if not ok:
+        return ok, why
+    if p.M * p.N >= _ra.MAX_OUT_ELEMENTS:
+        return False, f"M N = {p.M * p.N} >= 2^31"
+    zi = p.zeros_integer if p.zeros_integer is not None else (p.zeros_probe() if p.zeros_probe else None)
+    if p.has_zeros and zi is False:
+        return False, "zero points are not small integers"
+    return True, why
+
+
+def self_plan_ok(p: Problem, R: int, grid: int, warps: int) -> bool:
+    """Whether the one-launch EC's pieces of A fit ``grid`` programs of ``warps`` warps here."""
+    return _es.self_plan(R, p.K, grid, 32 * warps, _es.sm_count(p.device)) is not None
+
+
+# ---------------------------------------------------------------- the routes
+
+
+def _gemv1_config(p: Problem, N: int, ec: bool) -> tuple:
+    return tuple(_table.configs().get(_table.Gemv1Key(N, p.K, p.G, int(ec)), _t.GEMV1_CONFIGS[0]))
+
+
+def _w4_gemv(p: Problem, why: list) -> Route:
+    ok, r = gemv1_can_implement(p)
+    if ok:
+        cfg, r2 = tma_config(p, p.N)
+        if cfg is not None:
+            return _route("gemv1_tma", cfg, why + [r2])
+        return _route("gemv1", _gemv1_config(p, p.N, False), why + [f"TMA GEMV: {r2}", "CUDA-core M = 1 GEMV"])
+    cfg = tuple(_table.configs().get(_table.GemvKey(p.N, p.K, p.G, 0), _t.GEMV_CONFIGS[0]))
+    return _route("gemv", cfg, why + [f"M = 1 GEMV: {r}", "the M > 1 GEMV"])
+
+
+def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] = None) -> Route:
+    """The W4 GEMM: the table's choice for (M bucket, N, K, G) (or ``choice``, a table value), else M's
+    default; where the chosen kernel cannot run here, M's default."""
+    why = list(why or [])
+    key = _table.GemmKey(_table.m_bucket(p.M), p.N, p.K, p.G)
+    cfg = _table.configs().get(key) if choice is None else list(choice)
+    src = f"tuned table {key}" if choice is None else f"given {list(choice)}"
+    if cfg is None:
+        cfg, src = list(_t._default_gemm(p.M)), f"M = {p.M} default (nothing measured)"
+    cfg = tuple(cfg)
+    if cfg[0] in (_t.WGMMA, _t.WGMMA_RA):
+        check = wgmma_can_implement if cfg[0] == _t.WGMMA else wgmma_ra_can_implement
+        ok, r = check(p)
+        if ok and p.out_contiguous:
+            return _route("gemm_" + cfg[0], cfg[1:], why + [f"{src}: {cfg[0]} ({r})"])
+        why.append(f"{src}: {cfg[0]}, which cannot run here ({r if not ok else 'out not contiguous'})")
+        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
+    if _t.is_dequant_cublas(cfg):
+        chunks = int(cfg[1]) if cfg[0] == _t.DEQUANT_CUBLAS_PIPE[0] else 1
+        return _route("dequant_cublas", (chunks,), why + [f"{src}: dequantize + cuBLAS in {chunks} slice(s)"])
+    return _route("gemm", cfg, why + [f"{src}: Triton GEMM"])
+
+
+def _w4_route(p: Problem, why: list) -> Route:
+    if p.M <= W4_GEMV_MAX_M:
+        return _w4_gemv(p, why + [f"M = {p.M} <= {W4_GEMV_MAX_M}: a GEMV"])
+    return gemm_route(p, why + [f"M = {p.M} > {W4_GEMV_MAX_M}: a GEMM"])
+
+
+def use_fused(lowering: str, M: int, crossover: int) -> bool:
+    """Whether the fused (GEMV-epilogue) EC runs for M rows under this lowering decision."""
+    if M > _t.GEMV_MAX_M:
+        return False
+    if lowering == "fused":
+        return True
+    if lowering == "overlapped":
+        return False
+    return M < crossover  # "dispatch" / "auto": the runtime branch
+
+
+def _self_choice(p: Problem, N: int) -> tuple:
+    t = _table.configs()
+    R = p.rank
+    rk, gk = _table.Gemv1SelfRankKey(N, p.K, p.G, _triton.next_pow2(R)), _table.Gemv1SelfKey(N, p.K, p.G)
+    choice = t.get(rk, t.get(gk))
+    if not choice:
+        return None, "no one-launch EC measured fastest for the shape"
+    if choice[0] == "pair":
+        return None, f"{rk}: a two-launch pair measured faster at this rank"
+    return choice, f"{rk if rk in t else gk}: the one-launch EC on {choice[0]}"
+
+
+def ec_decode_route(p: Problem, N: Optional[int] = None, why: Optional[list] = None) -> Route:
+    """The M = 1 EC GEMV (``words``: a concatenation's CUDA-core layout, which takes no TMA route here)."""
+    N = p.N if N is None else N
+    why = list(why or [])
+    R = p.rank
+    if pdl_ok(p):
+        choice, r = _self_choice(p, N)
+        why.append(r)
+        if choice is not None and p.a_contiguous:
+            cfg = tuple(int(v) for v in choice[1:])
+            if choice[0] == "cc":
+                if self_plan_ok(p, R, -(-N // cfg[0]), cfg[2]):
+                    return _route("ec_self", cfg, why)
+                why.append("its pieces of A do not fit the grid")
+            elif choice[0] == "tma" and not p.words and p.b_contiguous:
+                ok = _gt.ec_ok(cfg) and _tma_runs(p)  # (the TMA kernel's own constraints, on this config)
+                if ok and self_plan_ok(p, R, -(-N // _gt.tile_geometry(cfg)[0]), cfg[0]):
+                    return _route("ec_self_tma", cfg, why)
+                why.append("the one-launch TMA form cannot run here")
+        elif choice is not None:
+            why.append("A is not contiguous")
+        if not p.words and p.b_contiguous:
+            if tma_ec_measured_ok(N, p.K, p.G):
+                cfg, r2 = tma_config(p, N)
+                ok, r3 = ec_epilogue_ok(cfg, p, p.norm, R)
+                if ok:
+                    return _route("ec_pair_tma", cfg, why + [r2, r3], pdl=capability.pdl_launch(p.device))
+                why.append(f"TMA EC pair: {r3 if cfg is not None else r2}")
+            else:
+                why.append("gemv1tmaec: the CUDA-core pair measured faster for the shape")
+        t = _table.configs()
+        cfg = tuple(t.get(_table.Gemv1PdlKey(N, p.K, p.G)) or t.get(_table.Gemv1Key(N, p.K, p.G, 0))
+                    or _t.GEMV1_CONFIGS[0])
+        return _route("ec_pair", cfg, why + ["producer grid + CUDA-core GEMV"], pdl=capability.pdl_launch(p.device))
+    cfg = _gemv1_config(p, N, True)
+    why.append("no PDL here")
+    if not self_plan_ok(p, R, -(-N // cfg[0]), cfg[2]) or not p.a_contiguous:
+        return _route("ec_pair", cfg, why + ["A does not fit the one launch: the pair in stream order"], pdl=False)
+    return _route("ec_self", cfg, why + ["the EC in the CUDA-core GEMV's launch"])
+
+
+def _tma_runs(p: Problem) -> bool:
+    """The TMA kernel's own constraints (sm_90+, Gluon, bf16 activations and parameters, aligned K, G) for
+    a config given by the one-launch entry."""
+    if envs.no_tma_gemv() or not _gt.HAS_TMA or not _gl.gluon_ok(1, p.K, p.G, p.dtype):
+        return False
+    return _gt._tma_capable(p.device) and all(d == torch.bfloat16 for d in p.param_dtypes)
+
+
+def ec_overlapped_route(p: Problem, structure: str = "auto", why: Optional[list] = None) -> Route:
+    """The prefill EC in the structure measured fastest for the shape (or ``structure``)."""
+    why = list(why or [])
+    if structure not in OVERLAP_STRUCTURES:
+        raise ValueError(f"ec_overlapped: structure={structure!r}; expected one of {OVERLAP_STRUCTURES}")
+    gemm = gemm_route(p)
+    if structure == "auto":
+        key = _table.EcStructKey(_table.m_bucket(p.M), p.N, p.K, p.G)
+        structure = _table.configs().get(key, "side")
+        why.append(f"{key}: {structure}" if key in _table.configs() else "no structure measured: side")
+        raw = tuple(_table.configs().get(_table.GemmKey(_table.m_bucket(p.M), p.N, p.K, p.G), _t._default_gemm(p.M)))
+        if structure.startswith("c_operand") and not _t.is_dequant_cublas(raw):
+            why.append(f"c_operand needs the table's GEMM to be dequantize + cuBLAS, not {raw[0]}: side")
+            structure = "side"
+    if structure.startswith("c_operand"):
+        return _route("ec_c_operand", (), why, high_priority=structure == "c_operand_hi")
+    if structure.startswith("in_gemm"):
+        r = _in_gemm(p, gemm, splitk=structure == "in_gemm_sk", self_=structure == "in_gemm_self", why=why)
+        if r is not None:
+            return r
+        if p.device.type != "cuda":
+            return _route("ec_c_operand", (), why + ["(CPU) the C-operand structure"], high_priority=False)
+        structure = "side"
+        why.append("no wgmma GEMM can take it: side")
+    return _route("ec_side", (), why, parts=(gemm,), high_priority=structure == "side_hi")
+
+
+def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> Optional[Route]:
+    ok, r = wgmma_can_implement(p)
+    if not ok or p.rank > 128:
+        why.append(f"in_gemm: {r if not ok else f'rank {p.rank} > 128'}")
+        return None
+    use_ra = gemm.kernel == "gemm_wgmma_ra"
+    if self_:
+        t = _table.configs()
+        b = _table.m_bucket(p.M)
+        got = t.get(_table.EcSelfKey(b, p.N, p.K, p.G))
+        if got is None:
+            got = list(gemm.config) if use_ra else t.get(_table.GemmRaKey(b, p.N, p.K, p.G))
+        ra_ok, r2 = wgmma_ra_can_implement(p)
+        if got is not None and ra_ok and _self_takes(p) is None:
+            return _route("ec_in_gemm_self", tuple(got), why)
+        why.append(f"in_gemm_self: {'no measured config' if got is None else r2 if not ra_ok else _self_takes(p)}")
+    shrink = "splitk" if splitk and p.a_contiguous else "cublas"
+    if use_ra:
+        return _route("ec_in_gemm_ra", gemm.config, why + ["the register-operand GEMM takes the expand"],
+                      shrink=shrink, pdl=capability.pdl_launch(p.device))
+    b = _table.m_bucket(p.M)
+    cfg = (gemm.config if gemm.kernel == "gemm_wgmma"
+           else tuple(_table.configs().get(_table.GemmWgKey(b, p.N, p.K, p.G), _wg.WGMMA_CONFIGS[0])))
+    return _route("ec_in_gemm", cfg, why + ["the shared-memory-operand wgmma GEMM takes the expand"], shrink=shrink)
+
+
+def _self_takes(p: Problem) -> Optional[str]:
+    """``ec_gemm_self.self_takes`` on the problem's facts (B is padded to bf16 by the dispatch)."""
+    a_dtype = p.ec_dtypes[0] if p.ec_dtypes else torch.bfloat16
+    if a_dtype != torch.bfloat16:
+        return f"A {a_dtype} (needs bf16)"
+    if p.gate_width is not None and p.gate_width > _egs.D_MAX:
+        return f"gate of {p.gate_width} hidden units (needs at most {_egs.D_MAX})"
+    if p.rank > _egs.R_SHRINK or not p.a_contiguous:
+        return f"A [{p.rank}, K] (needs a contiguous [R <= {_egs.R_SHRINK}, K])"
+    return None
+
+
+def _ec_route(p: Problem, why: list) -> Route:
+    if use_fused(p.lowering, p.M, p.crossover):
+        why = why + [f"lowering {p.lowering!r} at M = {p.M}: the fused decode EC"]
+        ok, r = gemv1_can_implement(p)
+        if ok:
+            return ec_decode_route(p, why=why)
+        cfg = tuple(_table.configs().get(_table.GemvKey(p.N, p.K, p.G, 1), _t.GEMV_CONFIGS[0]))
+        return _route("ec_gemv", cfg, why + [f"M = 1 GEMV: {r}", "the M > 1 GEMV with in-kernel producers"])
+    return ec_overlapped_route(p, why=why + [f"lowering {p.lowering!r} at M = {p.M}: the overlapped EC"])
+
+
+def _cat_route(p: Problem, why: list) -> Route:
+    ok, r = gemv1_can_implement(p)
+    if ok:
+        cfg, r2 = tma_config(p, p.N)
+        if cfg is not None and (not p.norm or _gt.norm_ok(cfg)):
+            return _route("cat_tma", cfg, why + [r2])
+        why = why + [f"TMA GEMV: {r2 if cfg is None else 'cannot stage the RMSNorm'}"]
+        return _route("cat_gemv1", _gemv1_config(p, p.N, False), why)
+    return _parts_route(p, why + [f"one GEMV: {r}"])
+
+
+def _parts_route(p: Problem, why: list) -> Route:
+    op = "ec" if p.has_ec else "w4a16"
+    parts = tuple(route(p.replace(op=op, N=n, parts=(), norm=False)) for n in (p.parts or (p.N,)))
+    return _route("parts", (), why + ["each part on its own route, concatenated"], parts=parts)
+
+
+def glu_config(p: Problem) -> tuple:
+    """(the TMA config whose GLU epilogue runs a gate / up pair of F = p.N rows each, or None; reason)."""
+    if len(p.parts) != 2 or p.parts[1] != p.N:
+        return None, "not two halves of F rows"
+    ok, r = gemv1_can_implement(p)
+    if not ok:
+        return None, r
+    cfg, r = tma_config(p, 2 * p.N)
+    if cfg is None:
+        return None, r
+    if _gt.unpack_config(cfg)[5] != 1 or p.N % (_gt.tile_geometry(cfg)[0] // 2):
+        return None, f"TMA config {list(cfg)} has a K-split or rows that do not divide F = {p.N}"
+    return cfg, r
+
+
+def _glu_route(p: Problem, why: list) -> Route:
+    cfg, r = glu_config(p)
+    if cfg is not None and p.act == "silu" and (not p.norm or _gt.norm_ok(cfg)):
+        return _route("glu_tma", cfg, why + [r, "silu(gate) * up in the TMA GEMV's epilogue"])
+    cat = route(p.replace(op="w4a16_cat", N=2 * p.N))
+    return _route("glu_of", (), why + [f"GLU epilogue: {r if cfg is None else 'not this act / norm'}"], parts=(cat,))
+
+
+def _ec_cat_route(p: Problem, why: list) -> Route:
+    ok, r = gemv1_can_implement(p)
+    if ok:
+        cfg, r2 = tma_config(p, p.N)
+        ok2, r3 = ec_epilogue_ok(cfg, p, p.norm, p.rank)
+        if ok2:
+            return _route("ec_cat_tma", cfg, why + [r2, r3], pdl=capability.pdl_launch(p.device))
+        inner = ec_decode_route(p.replace(rank=p.rank_total or p.rank, words=True, norm=False), why=[])
+        return _route("ec_cat_gemv1", (), why + [f"TMA EC epilogue: {r3 if cfg is not None else r2}"],
+                      parts=(inner,))
+    return _parts_route(p, why + [f"one GEMV: {r}"])
+
+
+def _ec_glu_route(p: Problem, why: list) -> Route:
+    cfg, r = glu_config(p)
+    ok, r2 = ec_epilogue_ok(cfg, p, p.norm, p.rank)
+    if ok:
+        return _route("ec_glu_tma", cfg, why + [r, r2], pdl=capability.pdl_launch(p.device))
+    cat = route(p.replace(op="ec_cat", N=2 * p.N))
+    return _route("glu_of", (), why + [f"GLU epilogue: {r if cfg is None else r2}"], parts=(cat,))
+
+
+_OPS: dict[str, Callable] = {"w4a16": _w4_route, "ec": _ec_route, "w4a16_cat": _cat_route, "w4a16_glu": _glu_route,
+                             "ec_cat": _ec_cat_route, "ec_glu": _ec_glu_route}
+
+
+def route(p: Problem) -> Route:
+    """The route that runs ``p`` (see the module docstring for the kernels)."""
+    ok, r = triton_ok(p)
+    if not ok:
+        return _route("reference", (), [r])
+    return _OPS[p.op](p, [])
+
+
+# ---------------------------------------------------------------- problems from tensors
+
+
+def _dtypes(*ts) -> tuple:
+    return tuple(t.dtype for t in ts if t is not None)
+
+
+def problem_of(op: str, x2: torch.Tensor, qweight, scales, zeros, G: int, bias=None, ec: Optional[tuple] = None,
+               layout: str = "spear", lowering: str = "auto", crossover: int = 16, out=None,
+               N: Optional[int] = None, M: Optional[int] = None) -> Problem:
+    """The problem of one linear's call (``ec``: (A, B, W1, b1, W2, b2, alpha)). Whether the zero points
+    are small integers is looked at only if a route asks (the register-operand GEMM; cached per tensor)."""
+    K = x2.shape[-1]
+    if M is None:
+        M = x2.shape[0] if x2.dim() == 2 else int(x2.numel() // K)
+    probe = (lambda: _wg.integer_zeros(zeros)) if zeros is not None and x2.is_cuda else None
+    kw = {}
+    if ec is not None:
+        A, B, W1 = ec[0], ec[1], ec[2]
+        kw = dict(rank=int(A.shape[0]), gate_width=int(W1.shape[0]) if W1 is not None and W1.dim() == 2 else None,
+                  ec_dtypes=(A.dtype, B.dtype), a_contiguous=A.is_contiguous(), b_contiguous=B.is_contiguous())
+    return Problem(op=op, M=int(M), N=int(N if N is not None else qweight.shape[0]), K=int(K), G=int(G),
+                   dtype=x2.dtype, param_dtypes=_dtypes(scales, zeros),
+                   bias_dtype=bias.dtype if bias is not None else None, device=x2.device, layout=layout,
+                   lowering=lowering, crossover=int(crossover), has_zeros=zeros is not None,
+                   weight_contiguous=qweight.is_contiguous() if qweight is not None else True,
+                   params_contiguous=scales.is_contiguous() and (zeros is None or zeros.is_contiguous()),
+                   zeros_probe=probe, out_contiguous=out is None or out.is_contiguous(), **kw)
+
+
+def cat_problem_of(op: str, x2: torch.Tensor, qweights, scales, zeros, G: int, biases=(), As=None, Bs=None,
+                   W1s=None, layout: str = "spear", norm: bool = False, act: str = "silu",
+                   M: Optional[int] = None) -> Problem:
+    """The problem of a concatenation (``op``: w4a16_cat / w4a16_glu / ec_cat / ec_glu)."""
+    K = int(x2.shape[-1])
+    M = int(x2.numel() // K) if M is None else M
+    rows = tuple(int(q.shape[0]) for q in qweights)
+    kw = {}
+    if As is not None:
+        kw = dict(rank=max(int(b.shape[1]) for b in Bs), rank_total=sum(int(a.shape[0]) for a in As),
+                  ec_dtypes=(As[0].dtype, Bs[0].dtype), a_contiguous=True, b_contiguous=True,
+                  gate_width=sum(int(w.shape[0]) for w in W1s) if W1s is not None else None)
+    glu = op.endswith("glu")
+    return Problem(op=op, M=M, N=rows[0] if glu else sum(rows), K=K, G=int(G), dtype=x2.dtype,
+                   param_dtypes=_dtypes(*scales, *zeros), device=x2.device, layout=layout,
+                   has_zeros=zeros[0] is not None, zeros_consistent=len({z is None for z in zeros}) == 1,
+                   weight_contiguous=all(q.is_contiguous() for q in qweights), parts=rows,
+                   bias_dtype=next((b.dtype for b in biases if b is not None), None), norm=norm, act=act, **kw)
+
+
+# ---------------------------------------------------------------- the route's answers, for tuners and tests
+
+
+def ec_pdl_config(N: int, K: int, G: int) -> tuple:
+    """The GEMV tile of the decode EC's producer + CUDA-core GEMV pair: its own measured one (``gemv1pdl``),
+    else the plain W4 tile of the shape, else the first config."""
+    t = _table.configs()
+    return tuple(t.get(_table.Gemv1PdlKey(N, K, G)) or t.get(_table.Gemv1Key(N, K, G, 0)) or _t.GEMV1_CONFIGS[0])
+
+
+def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
+    """Whether a single decode EC of this shape may take the TMA GEMV's EC pair: unless the table measured
+    the CUDA-core pair faster (``gemv1tmaec`` entry 0)."""
+    return bool(_table.configs().get(_table.Gemv1TmaEcKey(N, K, G), 1))
+
+
+def self_plan_fits(R: int, K: int, grid: int, warps: int, device: torch.device) -> bool:
+    """Whether the one-launch EC's pieces of A [R, K] fit ``grid`` programs of ``warps`` warps on ``device``."""
+    return _es.self_plan(R, K, grid, 32 * warps, _es.sm_count(device)) is not None
+
+
+def ec_tma_config(x2: torch.Tensor, N: int, G: int, params: tuple, norm, rc: Optional[int] = None) -> Optional[tuple]:
+    """The TMA config whose EC epilogue runs a decode EC GEMV of N rows here (with the RMSNorm prologue when
+    ``norm``), or None."""
+    p = Problem(op="ec", M=int(x2.shape[0]), N=N, K=int(x2.shape[1]), G=G, dtype=x2.dtype,
+                param_dtypes=_dtypes(*params), device=x2.device, rank=rc)
+    if p.M != 1:
+        return None
+    cfg, _ = tma_config(p, N)
+    return cfg if ec_epilogue_ok(cfg, p, norm is not None, rc)[0] else None
+
+
+# ---------------------------------------------------------------- table lookups of the wgmma GEMMs and the prefill EC
+
+
+def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
+    """(BM, BN, STAGES, WARPS) of the warpgroup-MMA GEMM for this shape: the table's GEMM choice when it is
+    that kernel, else its fastest measured config (``gemmwg`` keys), else the first config."""
+    cfg = gemm_config(M, N, K, G)
+    if cfg[0] == _t.WGMMA:
+        return tuple(cfg[1:])
+    return tuple(_t.tuned_table().get(_t.wgmma_key(M, N, K, G), _wg.WGMMA_CONFIGS[0]))
+
+
+
+def wgmma_choices() -> list:
+    """Table values for every config of the warpgroup-MMA GEMM, where this Triton has it (else none)."""
+    return [(_t.WGMMA,) + c for c in _wg.WGMMA_CONFIGS] if _wg.HAS_WGMMA and not _t.INTERPRET else []
+
+
+
+def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
+    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures
+    built on it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
+    (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
+    that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024
+    flipped between runs)."""
+    cfg = gemm_config(M, N, K, G)
+    if cfg[0] == _t.WGMMA_RA:
+        return tuple(cfg[1:])
+    got = _t.tuned_table().get(_t.wgmma_ra_key(M, N, K, G))
+    return tuple(got) if got is not None else None
+
+
+
+def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
+    """(BNW, BMX, STAGES, WARPS[, PF]) of the "in_gemm_self" EC structure's launch: its own fastest measured config
+    (``ecself`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else ``wgmma_ra_config``. Why its own:
+    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (session
+    22): W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
+    128 x 256 tile of the run before."""
+    got = _t.tuned_table().get(_t.ec_self_key(M, N, K, G))
+    return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
+
+
+
+def wgmma_ra_choices() -> list:
+    """Table values for every config of the register-operand warpgroup-MMA GEMM (``w4a16_gemm_wgmma_ra``),
+    where this Triton has it (else none)."""
+    return [(_t.WGMMA_RA,) + c for c in _ra.RA_CONFIGS] if _wg.HAS_WGMMA and not _t.INTERPRET else []
+
+
+
+def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
+    """The GEMM config the tuned table (or the default for this M) gives this shape."""
+    return tuple(_t.tuned_table().get(_t.gemm_key(M, N, K, G), _t._default_gemm(M)))
+
+
+
+def ec_structure(M: int, N: int, K: int, G: int) -> str:
+    """The prefill EC structure (``dispatch/cuda.py:ec_overlapped``) measured fastest for this shape on
+    this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
+    for this shape to be dequantize + cuBLAS; otherwise "side" is returned. ("in_gemm" carries its own
+    GEMM, ``wgmma_config``.)"""
+    choice = _t.tuned_table().get(_t.ec_structure_key(M, N, K, G), "side")
+    if choice.startswith("c_operand") and not _t.is_dequant_cublas(gemm_config(M, N, K, G)):
+        return "side"
+    return choice

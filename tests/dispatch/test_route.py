@@ -1,0 +1,195 @@
+"""``dispatch.route``: which kernel runs a problem, asserted on ``Route`` objects (no GPU: the device
+capability is faked where a test needs a Hopper-class GPU; nothing is launched)."""
+import pytest
+import torch
+
+from spear_compile.dispatch import route as R
+from spear_compile.dispatch import table as TT
+from spear_compile.lowering import device as capability
+from spear_compile.lowering import w4a16_gemv_tma as GT
+from spear_compile.lowering import w4a16_triton as T
+from tests.helpers import use_tuned_table
+
+CUDA = torch.device("cuda")
+
+
+def problem(op="w4a16", M=1, N=512, K=1024, G=128, **kw):
+    kw.setdefault("param_dtypes", (torch.bfloat16, torch.bfloat16))
+    return R.Problem(op=op, M=M, N=N, K=K, G=G, device=kw.pop("device", CUDA), **kw)
+
+
+def hopper(monkeypatch, pdl=True):
+    monkeypatch.setattr(capability, "is_sm90", lambda device: True)
+    monkeypatch.setattr(capability, "pdl", lambda device: pdl)
+    monkeypatch.setattr(capability, "pdl_launch", lambda device: pdl)
+
+
+@pytest.mark.parametrize("lowering,M,crossover,expected", [
+    ("fused", 1, 16, True), ("fused", 4, 2, True), ("fused", 5, 16, False),
+    ("overlapped", 1, 16, False), ("dispatch", 1, 2, True), ("dispatch", 2, 2, False), ("auto", 3, 16, True),
+])
+def test_use_fused(lowering, M, crossover, expected):
+    assert R.use_fused(lowering, M, crossover) is expected
+
+
+def test_w4_gemv_only_for_decode():
+    assert R.W4_GEMV_MAX_M == 1
+    use_tuned_table(pytest.MonkeyPatch(), {})
+    assert R.route(problem(M=2)).kernel == "gemm"
+
+
+def test_reference_where_the_triton_kernels_do_not_run():
+    for p, why in [(problem(device=torch.device("cpu")), "activations on cpu"),
+                   (problem(dtype=torch.float32), "activations torch.float32"),
+                   (problem(layout="tinygemm_cuda"), "layout 'tinygemm_cuda'")]:
+        rt = R.route(p)
+        if not R._triton.HAS_TRITON:
+            pytest.skip("needs Triton")
+        assert rt.kernel == "reference" and rt.reasons[0].startswith(why), rt
+
+
+def test_the_tma_gemv_only_where_the_table_picks_it(monkeypatch):
+    """M = 1 without an EC: the TMA-fed kernel for a shape with a ``gemv1tma`` entry on a Hopper-class GPU
+    (faked), else the CUDA-core GEMV; the kill switch turns it off."""
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    hopper(monkeypatch)
+    assert R.route(problem()) == R.Route("gemv1_tma", (4, 2, 2, 2, 2), R.route(problem()).reasons)
+    assert R.route(problem(N=256)).kernel == "gemv1"  # no entry for this shape
+    assert R.route(problem(dtype=torch.float16)).kernel == "gemv1"
+    assert R.route(problem(param_dtypes=(torch.float16,))).kernel == "gemv1"
+    assert R.route(problem(K=1000)).kernel == "gemv"  # not whole 32-column chunks
+    monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
+    rt = R.route(problem())
+    assert rt.kernel == "gemv1" and any("SPEAR_NO_TMA_GEMV" in r for r in rt.reasons)
+
+
+def test_gemm_takes_the_tables_kernel_where_it_can_run(monkeypatch):
+    M, N, K, G = 256, 4096, 4096, 128
+    use_tuned_table(monkeypatch, {T.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
+                                  T.gemm_key(4096, N, K, G): ["dequant_cublas_pipe", 4]})
+    hopper(monkeypatch)
+    assert R.route(problem(M=M, N=N, K=K)) .kernel == "gemm_wgmma_ra"
+    assert R.route(problem(M=M, N=N, K=K)).config == (64, 128, 4, 4, 2)
+    assert R.route(problem(M=4096, N=N, K=K)).config == (4,)  # dequantize + cuBLAS in 4 slices
+    default = "gemm" if T.INTERPRET else "dequant_cublas"  # M = 256's default (the interpreter: the Triton GEMM)
+    rt = R.route(problem(M=M, N=N, K=K, dtype=torch.float16))  # measured for bf16: M's default instead
+    assert rt.kernel == default and "cannot run here" in rt.reasons[-2]
+    rt = R.route(problem(M=M, N=N, K=K, zeros_integer=False))
+    assert rt.kernel == default and "not small integers" in rt.reasons[-2]
+    assert R.route(problem(M=100, N=N, K=K)).kernel == "gemm"  # nothing measured: M's default
+
+
+def test_ec_structure_follows_the_measured_table(monkeypatch):
+    """"auto" takes the measured structure; a C-operand choice only where the table's GEMM for the
+    shape is dequantize + cuBLAS (the structure is built on it); nothing measured -> "side"."""
+    use_tuned_table(monkeypatch, {
+        T.ec_structure_key(1024, 64, 32, 32): "c_operand_hi", T.gemm_key(1024, 64, 32, 32): ["dequant_cublas"],
+        T.ec_structure_key(1024, 96, 32, 32): "c_operand", T.gemm_key(1024, 96, 32, 32): [64, 64, 32, 4, 3],
+        T.ec_structure_key(256, 64, 32, 32): "side_hi"})
+    ec = dict(op="ec", K=32, G=32, rank=8, lowering="overlapped")
+    rt = R.route(problem(M=1000, N=64, **ec))  # M buckets to 1024
+    assert (rt.kernel, rt.option("high_priority")) == ("ec_c_operand", True)
+    rt = R.route(problem(M=1024, N=96, **ec))
+    assert rt.kernel == "ec_side" and rt.parts[0] == R.Route("gemm", (64, 64, 32, 4, 3), rt.parts[0].reasons)
+    assert R.route(problem(M=256, N=64, **ec)).option("high_priority") is True
+    rt = R.route(problem(M=4096, N=64, **ec))
+    assert (rt.kernel, rt.option("high_priority")) == ("ec_side", False)
+    with pytest.raises(ValueError, match="structure"):
+        R.ec_overlapped_route(problem(M=4096, N=64, **ec), "sideways")
+
+
+def test_in_gemm_self_where_its_launch_config_is_measured(monkeypatch):
+    M, N, K, G = 256, 11008, 4096, 128
+    use_tuned_table(monkeypatch, {T.ec_structure_key(M, N, K, G): "in_gemm_self",
+                                  T.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
+                                  T.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]})
+    hopper(monkeypatch)
+    ec = dict(op="ec", M=M, N=N, K=K, rank=64, gate_width=8, lowering="overlapped")
+    assert R.route(problem(**ec)) .kernel == "ec_in_gemm_self"
+    assert R.route(problem(**ec)).config == (128, 256, 4, 8, 2)
+    rt = R.route(problem(**{**ec, "rank": 128}))  # the shrink MMA takes ranks up to 64: the expand in the GEMM
+    assert rt.kernel == "ec_in_gemm_ra" and rt.config == (64, 128, 4, 4, 2) and rt.option("pdl") is True
+
+
+def test_ec_pdl_tile_prefers_its_own_measurement(monkeypatch):
+    """The decode EC's PDL pair takes the tile measured for it (gemv1pdl), else the plain W4 tile of
+    the shape, else the first config."""
+    table = use_tuned_table(monkeypatch, {T.gemv1_key(256, 1024, 128, False): [8, 512, 4, 0]})
+    assert R.ec_pdl_config(256, 1024, 128) == (8, 512, 4, 0)
+    table[T.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
+    assert R.ec_pdl_config(256, 1024, 128) == (8, 128, 1, 1)
+    assert R.ec_pdl_config(512, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])
+    hopper(monkeypatch)
+    assert R.route(problem(op="ec", N=256, rank=16, lowering="fused")) .kernel == "ec_pair"
+    assert R.route(problem(op="ec", N=256, rank=16, lowering="fused")).config == (8, 128, 1, 1)
+
+
+def test_single_ec_takes_the_pair_the_table_measured_faster(monkeypatch):
+    """Decode EC: the TMA GEMV's EC pair where the TMA kernel runs the shape, unless the table's gemv1tmaec
+    entry says the CUDA-core PDL pair measured faster there (0)."""
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    hopper(monkeypatch)
+    p = problem(op="ec", N=512, rank=16, lowering="fused")
+    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    assert R.route(p).kernel == "ec_pair_tma"
+    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2], T.gemv1tmaec_key(512, 1024, 128): 0})
+    rt = R.route(p)
+    assert rt.kernel == "ec_pair" and any("gemv1tmaec" in r for r in rt.reasons)
+    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 4, 2, 2, 2]})  # a K-split: no EC epilogue
+    assert R.route(p).kernel == "ec_pair"
+    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    assert R.route(p.replace(rank=R.EC_RC_MAX + 1)).kernel == "ec_pair"  # its operands would spill
+    monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")
+    assert R.route(p).kernel == "ec_pair"
+
+
+def test_one_launch_decode_ec_follows_the_per_rank_entry(monkeypatch):
+    """gemv1selfr (per rank bucket) over gemv1self: the one launch on the TMA kernel where measured fastest,
+    a pair where the rank's entry says so; without PDL the EC in the CUDA-core GEMV's launch."""
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    hopper(monkeypatch)
+    monkeypatch.setattr(R._es, "sm_count", lambda device: 132)
+    N, K, G = 11008, 4096, 128
+    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2],
+                                  T.gemv1self_rank_key(N, K, G, 16): ["pair"],
+                                  GT.tma_key(N, K, G): [4, 2, 2, 2, 2]})
+    p = problem(op="ec", N=N, K=K, rank=64, lowering="fused")
+    assert R.route(p) .kernel == "ec_self_tma"
+    assert R.route(p.replace(rank=16)).kernel == "ec_pair_tma"  # the rank's entry: a pair
+    assert R.route(p.replace(a_contiguous=False)).kernel == "ec_pair_tma"
+    hopper(monkeypatch, pdl=False)
+    assert R.route(p).kernel in ("ec_self", "ec_pair")
+
+
+def test_concatenations_route_to_the_tma_kernel_only_where_it_takes_the_fusion(monkeypatch):
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    hopper(monkeypatch)
+    F, K, G = 256, 1024, 128
+    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]})
+    cat = problem(op="w4a16_cat", N=2 * F, K=K, parts=(F, F))
+    assert R.route(cat).kernel == "cat_tma" and R.route(cat.replace(norm=True)).kernel == "cat_tma"
+    glu = problem(op="w4a16_glu", N=F, K=K, parts=(F, F))
+    assert R.route(glu).kernel == "glu_tma"
+    rt = R.route(glu.replace(zeros_consistent=False))
+    assert rt.kernel == "glu_of" and rt.parts[0].kernel == "parts"
+    assert R.route(problem(op="ec_glu", N=F, K=K, parts=(F, F), rank=16)).kernel == "ec_glu_tma"
+    assert R.route(problem(op="ec_cat", N=2 * F, K=K, parts=(F, F), rank=16, rank_total=32)).kernel == "ec_cat_tma"
+    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): [4, 2, 2, 2, 1]})  # x not staged in shared memory
+    assert R.route(cat.replace(norm=True)).kernel == "cat_gemv1"
+    rt = R.route(problem(op="ec_cat", N=2 * F, K=K, parts=(F, F), rank=16, rank_total=32, norm=True))
+    assert rt.kernel == "ec_cat_gemv1" and rt.parts[0].kernel in ("ec_self", "ec_pair")
+
+
+def test_problem_of_reads_the_tensor_facts():
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(32, 32, dtype=torch.uint8)
+    s = torch.ones(32, 1, dtype=torch.bfloat16)
+    ec = (torch.zeros(8, 64).t().contiguous().t(), torch.zeros(32, 8), torch.zeros(4, 8))
+    p = R.problem_of("ec", x, q, s, None, 64, None, ec)
+    assert (p.M, p.N, p.K, p.G, p.rank, p.gate_width, p.has_zeros) == (3, 32, 64, 64, 8, 4, False)
+    assert not p.a_contiguous and p.b_contiguous and p.param_dtypes == (torch.bfloat16,)
