@@ -144,11 +144,14 @@ def test_any_truncation_or_byte_flip_raises_artifact_error(saved, which, cut, fl
         art = os.path.join(d, "art")
         shutil.copytree(saved, art)
         f = os.path.join(art, which)
-        data = bytearray(open(f, "rb").read())
+        original = open(f, "rb").read()
+        data = bytearray(original)
         for pos, x in flips:
             data[int(pos * len(data))] ^= x
         if truncate:
             data = data[:int(cut * len(data))]
+        if bytes(data) == original:  # flips that cancel out (the same byte twice) leave a valid artifact
+            return
         open(f, "wb").write(bytes(data))
         with pytest.raises(ArtifactError):
             spear.load(art)
