@@ -51,11 +51,12 @@ class LatencyTable:
 
     ``buckets`` strictly increasing positive integers, ``ms`` non-negative and non-decreasing. Below the
     first bucket the first time holds (M = 0 costs nothing: the op does not run); between buckets the
-    time is interpolated linearly; above the last it grows along the last segment's slope (with one
-    bucket, proportionally to M)."""
+    time is interpolated linearly; above the last it grows along ``slope_above`` ms per row, by default
+    the last segment's slope (with one bucket, proportionally to M)."""
 
     buckets: Tuple[int, ...]
     ms: Tuple[float, ...]
+    slope_above: Optional[float] = None
 
     def __post_init__(self) -> None:
         b, t = tuple(self.buckets), tuple(self.ms)
@@ -73,7 +74,10 @@ class LatencyTable:
                                  f"ms[{i}]={t[i]} (build from measurements with LatencyTable.monotone)")
         object.__setattr__(self, "buckets", b)
         object.__setattr__(self, "ms", t)
-        slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else t[-1] / b[-1]
+        if self.slope_above is not None:
+            slope = _nonneg("LatencyTable", "slope_above", self.slope_above)
+        else:
+            slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else t[-1] / b[-1]
         object.__setattr__(self, "_slope", slope)
 
     @classmethod
@@ -109,20 +113,23 @@ class LatencyTable:
         return float(b[i - 1]), t[i - 1], (t[i] - t[i - 1]) / (b[i] - b[i - 1])
 
     def scaled(self, k: float) -> "LatencyTable":
-        return LatencyTable(self.buckets, tuple(v * k for v in self.ms))
+        return LatencyTable(self.buckets, tuple(v * k for v in self.ms), self._slope * k)
 
     def __add__(self, other: "LatencyTable") -> "LatencyTable":
         """The pointwise sum, exact: both are piecewise linear on the union of their buckets and linear
         above each one's top."""
         b = tuple(sorted(set(self.buckets) | set(other.buckets)))
-        return LatencyTable(b, tuple(self(m) + other(m) for m in b))
+        return LatencyTable(b, tuple(self(m) + other(m) for m in b), self._slope + other._slope)
 
     def to_dict(self) -> dict:
-        return {"buckets": list(self.buckets), "ms": list(self.ms)}
+        d = {"buckets": list(self.buckets), "ms": list(self.ms)}
+        if self.slope_above is not None:
+            d["slope_above"] = self.slope_above
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyTable":
-        return cls(tuple(d["buckets"]), tuple(d["ms"]))
+        return cls(tuple(d["buckets"]), tuple(d["ms"]), d.get("slope_above"))
 
 
 @dataclass(frozen=True)
