@@ -134,8 +134,10 @@ class StepPlan:
     """One step: the decodes that run, then the prefill pieces ``(request_id, tokens)`` in FCFS order.
 
     ``predicted_ms`` is the latency model's prediction of the step (None for a policy without one);
-    ``kv_blocks`` the new KV blocks the step takes; ``preempt_ids`` the decodes that could not get a KV
-    block (the youngest; the engine preempts them and re-queues them, keeping their arrival);
+    ``kv_blocks`` the new KV blocks the step takes (at most the free blocks plus those of ``preempt_ids``);
+    ``preempt_ids`` the requests to preempt before the step runs (the youngest KV holders, when the
+    decodes' new blocks do not fit: the engine frees their blocks and re-queues them, keeping their
+    arrival, with their whole context to prefill again);
     ``forced`` is True when the policy knowingly exceeds the SLO (see ``SloChunkPolicy``);
     ``reason`` says in words why prefill stopped where it did (for logs and tests)."""
 
