@@ -174,6 +174,7 @@ class SyntheticStep:
     Callable as ``step(decode_contexts, prefill_chunks)``, the protocol ``measure_steps`` times."""
 
     def __init__(self, plan: Plan, device="cpu", dtype=None, max_m: int = 256, max_context: int = 1024) -> None:
+        del max_context  # attention inputs are made per (q, p) on first use
         torch = _torch()
         self.plan, self.device = plan, torch.device(device)
         self.dtype = _dtype(plan, self.device, dtype)
@@ -182,12 +183,24 @@ class SyntheticStep:
                    (torch.randn(lin.in_features, lin.ec_rank, device=d, dtype=t),
                     torch.randn(lin.ec_rank, lin.out_features, device=d, dtype=t)) if lin.ec_rank else None)
                   for lin in plan.linears]
-        width = max([lin.in_features for lin in plan.linears] + [plan.hidden_size])
-        self.X = torch.randn(max_m, width, device=d, dtype=t)
+        # contiguous inputs per width and per (q, p) shape, made once (a strided view would send CPU
+        # matmuls and attention down slower paths than the ones the tables timed)
+        self.X = {k: torch.randn(max_m, k, device=d, dtype=t)
+                  for k in {lin.in_features for lin in plan.linears} | {plan.hidden_size}}
         self.head = torch.randn(plan.vocab_size, plan.hidden_size, device=d, dtype=t)
-        H, D = plan.n_heads, plan.head_dim
-        self.Q = torch.randn(1, H, max_m, D, device=d, dtype=t)
-        self.KV = torch.randn(1, H, max_context + max_m, D, device=d, dtype=t)
+        self._attn: dict = {}
+
+    def _attention_inputs(self, q: int, p: int):
+        got = self._attn.get((q, p))
+        if got is None:
+            torch = _torch()
+            H, D, d, t = self.plan.n_heads, self.plan.head_dim, self.device, self.dtype
+            mask = None
+            if q > 1:
+                mask = torch.arange(p + q, device=d)[None, :] <= (p + torch.arange(q, device=d))[:, None]
+            got = self._attn[(q, p)] = (torch.randn(1, H, q, D, device=d, dtype=t),
+                                        torch.randn(1, H, p + q, D, device=d, dtype=t), mask)
+        return got
 
     def __call__(self, decode_contexts: Sequence[int], prefill_chunks: Sequence[Tuple[int, int]]) -> None:
         torch = _torch()
@@ -196,21 +209,17 @@ class SyntheticStep:
         m = sum(q for q, _ in seqs)
         with torch.inference_mode():
             for count, w, ec in self.W:
-                x = self.X[:m, : w.shape[1]]
+                x = self.X[w.shape[1]][:m]
                 for _ in range(count):
                     y = F.linear(x, w)
                     if ec is not None:
                         y = y + (x @ ec[0]) @ ec[1]
+            inputs = [self._attention_inputs(q, p) for q, p in seqs]
             for _ in range(self.plan.n_layers):
-                for q, p in seqs:
-                    Q, K = self.Q[:, :, :q], self.KV[:, :, : p + q]
-                    mask = None
-                    if q > 1:
-                        mask = torch.arange(p + q, device=self.device)[None, :] <= \
-                            (p + torch.arange(q, device=self.device))[:, None]
+                for Q, K, mask in inputs:
                     F.scaled_dot_product_attention(Q, K, K, attn_mask=mask)
             rows = len(seqs) if self.plan.head_rows == "last" else m
-            F.linear(self.X[:rows, : self.plan.hidden_size], self.head)
+            F.linear(self.X[self.plan.hidden_size][:rows], self.head)
 
 
 def default_step_grid(max_m: int, contexts: Sequence[int] = (64, 512), decode_batches: Sequence[int] = (0, 1, 4, 16),
