@@ -101,6 +101,23 @@ def _decodes(state: SchedulerState):
     return [d.request_id for d in run], preempt, sum(d.context_len for d in run), free - need, head_out
 
 
+def _unblock(state: SchedulerState, run, preempt, free) -> list:
+    """Nothing runs and the oldest request cannot get the KV for the rest of its prompt while younger
+    partial prefills hold blocks: preempt those (the youngest first), or nothing could ever progress."""
+    if run or preempt or not state.waiting:
+        return []
+    fcfs = state.waiting_fcfs()
+    head, bs = fcfs[0], state.kv.block_size
+    out = []
+    for w in reversed(fcfs[1:]):
+        if tokens_fitting(head.prefilled, free, bs) >= head.remaining_prompt:
+            break
+        if w.prefilled:
+            out.append(w.request_id)
+            free += blocks_for(w.prefilled, bs)
+    return out
+
+
 def _held(state: SchedulerState, ids) -> int:
     """KV blocks held by the requests ``ids`` (decodes: their context; waiting: what they prefilled)."""
     if not ids:
@@ -207,6 +224,10 @@ class SloChunkPolicy:
     def plan(self, state: SchedulerState) -> StepPlan:
         model, bs = self.model, state.kv.block_size
         run, preempt, ctx, free, head_out = _decodes(state)
+        unblock = _unblock(state, run, preempt, free)
+        if unblock:
+            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
+                            "younger partial prefills preempted to free KV for the oldest")
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         tokens = seqs = len(run)
         attn = model.decodes_attention_ms(len(run), ctx)
@@ -260,6 +281,10 @@ class StaticChunkPolicy:
     def plan(self, state: SchedulerState) -> StepPlan:
         bs = state.kv.block_size
         run, preempt, ctx, free, head_out = _decodes(state)
+        unblock = _unblock(state, run, preempt, free)
+        if unblock:
+            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
+                            "younger partial prefills preempted to free KV for the oldest")
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         budget, pieces, chunks, reason = self.chunk, [], [], "no request waits"
         for w in () if head_out else state.waiting_fcfs():

@@ -52,6 +52,10 @@ def check_common(state, plan, max_prefill):
     """Decodes first and complete, KV within capacity, FCFS prefix, one partial piece at most, the budget."""
     ids = [d.request_id for d in state.decodes]
     waiting = {w.request_id: w for w in state.waiting}
+    if plan.preempt_ids and not state.decodes:  # unblocking: younger partial prefills give their KV back
+        assert plan.is_empty and all(waiting[i].prefilled > 0 for i in plan.preempt_ids)
+        assert state.waiting_fcfs()[0].request_id not in plan.preempt_ids
+        return
     pre_dec = [i for i in plan.preempt_ids if i not in waiting]
     pre_wait = [i for i in plan.preempt_ids if i in waiting]
     assert list(plan.decode_ids) + sorted(pre_dec, key=ids.index) == ids  # order kept, the youngest preempted
@@ -238,7 +242,7 @@ def test_static_policy_fills_its_chunk_fcfs(state, chunk):
     assert plan.predicted_ms is None and not plan.forced
     # as much as the budget, the prompts and the KV allow: the step stops only at one of those limits
     bs = state.kv.block_size
-    assume(not any(w.request_id in plan.preempt_ids for w in state.waiting))  # then no prefill (checked above)
+    assume(not any(w.request_id in plan.preempt_ids for w in state.waiting) and not (plan.preempt_ids and not state.decodes))  # then no prefill (checked above)
     free = (state.kv.free_blocks + sum(-(-d.context_len // bs) for d in state.decodes if d.request_id in plan.preempt_ids)
             - sum(1 for d in state.decodes if d.request_id in plan.decode_ids and d.context_len % bs == 0))
     left = chunk
