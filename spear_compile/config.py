@@ -192,8 +192,8 @@ class CompileConfig(_Serialisable):
         batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode/2026-11-30_h200_concat_q_k_v.json``).
     fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
-        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; docs/kernels.md,
-        session 12).
+        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200,
+        2026-11-30; docs/kernels.md, the decode fusions).
     fuse_glu: at decode, ``silu(gate(h)) * up(h)`` over the concatenated gate / up GEMV becomes one
         ``spear::w4a16_linear_glu`` whose epilogue applies the gate (``passes/fuse_glu.py``; on a GPU
         only where that kernel runs).
@@ -201,6 +201,10 @@ class CompileConfig(_Serialisable):
         that GEMV as it stages x (``passes/fuse_rmsnorm.py``; on a GPU only where that kernel runs).
     fold_residual_add: at decode, fold ``x + linear(h)`` into the linear as its bias, so the GEMV's
         epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
+    on_unmatched_ec: what to do when an EC registered for a foreign module's weight (``attach_`` /
+        ``register_ec``) reaches the compiler but no pass rewrites that weight's linear, so the
+        compiled model would silently differ from eager + EC: ``"error"`` (default) raises
+        ``errors.UnmatchedECError`` naming the module; ``"warn"`` compiles without the EC and warns.
     """
 
     crossover_m: Optional[int] = None
@@ -213,9 +217,12 @@ class CompileConfig(_Serialisable):
     fuse_glu: bool = True
     fuse_rmsnorm: bool = True
     fold_residual_add: bool = True
+    on_unmatched_ec: str = "error"
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.on_unmatched_ec not in ("error", "warn"):
+            raise ValueError(f"CompileConfig.on_unmatched_ec={self.on_unmatched_ec!r}: expected 'error' or 'warn'")
         for name in ("crossover_m", "default_crossover_m"):
             v = getattr(self, name)
             if v is not None and v < 2:

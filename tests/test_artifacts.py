@@ -103,9 +103,17 @@ def test_hand_edited_config_fails_its_checksum(artifact):
         spear.load(path)
 
 
-def test_artifact_without_a_config_checksum_still_loads(artifact):
+def test_a_config_checksum_is_required_unless_the_version_predates_it(artifact):
     model, _, path = artifact
-    _edit_config(path, lambda c: c["checksums"].pop("config"), resign=False)
+    # deleted, then hand-edited: used to load the edited config (legacy skip)
+    _edit_config(path, lambda c: (c["checksums"].pop("config"), c["ecs"].clear()), resign=False)
+    with pytest.raises(ArtifactError, match=r"checksums.config is missing \(required from format_version 2"):
+        spear.load(path)
+
+
+def test_format_1_artifact_without_config_checksum_loads(artifact):
+    model, _, path = artifact
+    _edit_config(path, lambda c: (c["checksums"].pop("config"), c.update(format_version=1)), resign=False)
     assert torch.equal(_logits(spear.load(path)), _logits(model))
 
 
@@ -138,7 +146,7 @@ def test_save_never_replaces_what_is_not_an_artifact(artifact, tmp_path, monkeyp
     keep = tmp_path / "project"
     (keep / "src").mkdir(parents=True)
     (keep / "notes.txt").write_text("keep me")
-    with pytest.raises(ArtifactError, match="not a spear artifact .*notes.txt"):
+    with pytest.raises(ArtifactError, match="not a complete spear artifact .*notes.txt"):
         spear.save(model, str(keep))
     assert (keep / "notes.txt").read_text() == "keep me" and (keep / "src").is_dir()
     with pytest.raises(ArtifactError, match="not a directory"):

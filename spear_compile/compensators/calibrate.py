@@ -70,9 +70,9 @@ class CalibConfig:
     the vocabulary (BOS, EOS and pad excluded) instead of sampled; the rest of each sequence is
     the model's own continuation. Why: started from BOS, a small model writes mostly one register
     (modern web prose), and the calibration text's domain is what caps recovery on text of
-    another domain (``docs/kernels.md``, session 9: 70 -> 82 % from the text alone). A random
+    another domain (``docs/quality.md``, 2026-11-30: 70 -> 82 % from the text alone). A random
     first token steers each sequence somewhere else the model can go, with no external data
-    (LLM-QAT's data-free generation does the same). Measured (H200, GPU_PRESET, session 10): no
+    (LLM-QAT's data-free generation does the same). Measured (H200, GPU_PRESET, 2026-11-30): no
     gain - 0.25 is within noise of 0 and larger fractions cost recovery (the random starts lead
     to code and lists, not to older English). 0 (default): every sequence from BOS.
     """
@@ -206,8 +206,8 @@ def short_context(seqs: torch.Tensor, bos_token_id: int, max_len: int = 256) -> 
     Why: GPTQ's Hessian from 512-token self-sampled sequences made SmolLM2-135M *worse* than
     RTN on a development play (Lear, ppl fp 37.16, RTN 63.23: GPTQ 66.48), while the same
     tokens seen with at most 256 tokens of context gave 59.79 (first halves) and 56.60
-    (second halves, BOS-restarted), and 512-token real text 53.24 (``docs/kernels.md``,
-    session 4). A small model's own text drifts over long contexts; its late activations
+    (second halves, BOS-restarted), and 512-token real text 53.24 (``docs/quality.md``,
+    2026-11-29). A small model's own text drifts over long contexts; its late activations
     are not what real text produces.
     """
     n, T = seqs.shape

@@ -9,6 +9,13 @@ is Inductor's, so a graph with no quantized linear compiles exactly as
 
 ``options`` are :class:`~spear_compile.config.CompileConfig` fields
 (e.g. ``{"crossover_m": 32}``); a :func:`compile_config` context manager sets them too.
+
+An EC registered for a foreign weight must end up in the compiled graph: after the passes ran,
+:func:`check_ecs_applied` looks at each such EC's inputs, and if no rewritten linear reads them
+(the module's dequantization was written in a form no pass adopts, or its weight could not be
+traced to a graph input) compilation stops with :class:`~spear_compile.errors.UnmatchedECError`
+naming the module and the ops that read its weight (``on_unmatched_ec="warn"``: a warning, and the
+model compiles without the EC).
 """
 from __future__ import annotations
 
@@ -19,7 +26,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..compensators.registry import lookup_ec
 from ..config import CompileConfig
+from ..errors import UnmatchedECError
+from .common import EC_PARAMS
 from .context import InputInfo, PassContext, fqn_from_source
 from .manager import SpearPassManager
 
@@ -85,9 +95,6 @@ def _add_ec_inputs(gm: torch.fx.GraphModule, infos: list[InputInfo]):
     the compiled code, and Inductor's cache key covers them as ordinary inputs.
     Returns (graph module to compile, extra tensors, {weight input: EC inputs}).
     """
-    from ..compensators.registry import lookup_ec
-    from .common import EC_PARAMS
-
     extra: list[torch.Tensor] = []
     ec_inputs: dict[int, tuple[dict[str, int], object, str]] = {}
     for i, info in enumerate(list(infos)):
@@ -129,7 +136,7 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
     gm, extra, ec_inputs = _add_ec_inputs(gm, infos)
     ctx = PassContext(config=_resolve_config(options), inputs=infos, ec_inputs=ec_inputs,
                       observer=_OBSERVERS[-1] if _OBSERVERS else None)
-    patches: dict[str, Any] = {"post_grad_custom_post_pass": SpearPassManager(ctx)}
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": _CheckedPassManager(ctx)}
     inputs = list(example_inputs) + extra
     if ctx.observer is None:
         compiled = compile_fx(gm, inputs, config_patches=patches)
@@ -138,6 +145,43 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = compile_fx(gm, inputs, config_patches=patches)
     return compiled if not extra else _with_extra_inputs(compiled, extra)
+
+
+class _CheckedPassManager(SpearPassManager):
+    """The pass manager, then :func:`check_ecs_applied` on the rewritten graph (same cache key:
+    the check changes no graph, it only refuses one)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        super().__call__(graph)
+        check_ecs_applied(graph, self.ctx)
+
+
+def check_ecs_applied(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """Raise :class:`UnmatchedECError` (or warn, per ``ctx.config.on_unmatched_ec``) for every EC the
+    backend added as graph inputs that no node of the rewritten ``graph`` reads."""
+    if not ctx.ec_inputs:
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    lost = []
+    for weight_index, (index_of, ec, name) in ctx.ec_inputs.items():
+        a = placeholders[index_of["A"]] if index_of["A"] < len(placeholders) else None
+        if a is not None and a.users:
+            continue
+        weight = placeholders[weight_index] if weight_index < len(placeholders) else None
+        readers = sorted({str(u.target) for u in weight.users}) if weight is not None else []
+        wname = ctx.inputs[weight_index].name if weight_index < len(ctx.inputs) else "?"
+        lost.append(f"{name or wname} (weight {wname}, read by {', '.join(readers) or 'nothing'})")
+    if not lost:
+        return
+    msg = (f"spear backend: {len(lost)} error compensator(s) registered with attach_ / register_ec would be "
+           f"dropped: no pass rewrote the linear of {'; '.join(lost)}. The compiled model would differ from "
+           f"eager + EC. Write the dequantization as (q.to(dtype) - z) * s -> linear (any op order; "
+           f"passes/match_dequant_linear.py lists them), use QuantLinear (quantize_), or compile with "
+           f"options={{'on_unmatched_ec': 'warn'}} to accept the model without these ECs.")
+    if ctx.config.on_unmatched_ec == "warn":
+        warnings.warn(msg, stacklevel=2)
+    else:
+        raise UnmatchedECError(msg)
 
 
 def _with_extra_inputs(compiled, extra: list[torch.Tensor]):

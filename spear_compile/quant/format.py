@@ -22,12 +22,10 @@ from typing import Optional
 
 import torch
 
+from ..errors import QuantFormatError  # noqa: F401  (defined with the library's other errors)
+
 LAYOUTS = ("spear", "unpacked", "tinygemm_cpu", "tinygemm_cuda")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class QuantFormatError(ValueError):
-    """A quantized tensor or its companion has the wrong shape, dtype or layout."""
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

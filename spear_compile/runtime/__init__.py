@@ -1,6 +1,29 @@
-"""Runtime: latency tables, the SLO chunk scheduler and the serving engine (later issues).
+"""Runtime: the step-time latency model and the engine-neutral SLO chunk scheduler.
 
-Kernel-level measurements already drive compilation: ``benchmarks/kernels.py`` writes the
-per-GPU tuned kernel configs and fused/overlapped crossovers under
-``spear_compile/lowering/tuned/``, which the Triton wrappers and the phase-dispatch pass read.
+* ``state``: the scheduler's input (running decodes, waiting requests, the KV cache) and output
+  (``StepPlan``), frozen and validated.
+* ``plan``: what was compiled, as the latency model sees it (``Plan``, ``PlannedLinear``); the backend
+  will fill it.
+* ``latency``: per-linear tables by M bucket, attention by (new tokens, cached tokens), the head and a
+  per-step overhead composed into ``LatencyModel.predict_step_ms``; ``check`` / ``fit_overhead`` against
+  measured whole steps. ``latency_cache``: the JSON cache keyed by GPU, model, config hash and version.
+  ``measure``: timing those parts on this device (imports torch only when called).
+* ``policy``: ``SloChunkPolicy`` (dynamic chunks under an ITL SLO) and ``StaticChunkPolicy``;
+  ``sched_cost``: the per-step planning cost.
+
+Importing this package imports neither torch.compile machinery nor torch itself beyond what the
+parent package already imported. Kernel-level measurements that drive compilation live elsewhere
+(``benchmarks/kernels.py`` writes the tuned tables the dispatch layer reads).
 """
+from .latency import AttentionCost, FitReport, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, check, fit_overhead
+from .latency_cache import CacheKey, load, load_or_measure, save
+from .plan import Plan, PlannedLinear
+from .policy import SchedulingError, SloChunkPolicy, StaticChunkPolicy
+from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest
+
+__all__ = [
+    "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
+    "Plan", "PlannedLinear", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
+    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "check", "fit_overhead", "load",
+    "load_or_measure", "save",
+]

@@ -1,0 +1,408 @@
+"""Step-time prediction, composed bottom-up from measured parts and checked top-down against whole steps.
+
+A continuous-batching step flattens its decodes (one token each) and prefill pieces into M rows that go
+through every linear together, then runs attention per sequence, the LM head on one row per sequence,
+and a fixed amount of host and launch work. So the predicted step time is
+
+    T = fixed + per_token * M + per_seq * S                     (overhead, fitted on whole steps)
+      + sum_l count_l * lin_l(M)                                 (per-linear tables, by M bucket)
+      + head(S)            (or head(M) with head_rows="all")     (the LM head's table)
+      + n_layers * sum_s attn(q_s, p_s)                          (attention, per sequence)
+
+with S the sequences in the step, and for a sequence with q new tokens after p cached ones
+
+    attn(q, p) = per_seq + per_query * q + per_key * (p + q) + per_pair * (q * p + q (q + 1) / 2)
+
+(the last term counts the causal query-key pairs; a decode is q = 1, p = its context). The
+coefficients are non-negative least squares over a measured (q, p) grid, which keeps ``T`` monotone
+in every piece's size; the policy's binary search relies on that.
+
+A ``LatencyTable`` is measured at M buckets (powers of two from 1 to the largest chunk), interpolated
+linearly between them and extended linearly above the top bucket (large-M GEMMs are compute bound, so
+time grows linearly in M there). Tables are made non-decreasing when built from measurements (a
+running maximum), since a faster bigger M is timing noise and would break the monotone search.
+
+``check`` compares predictions with measured whole steps and reports the median and p90 absolute
+relative error; ``fit_overhead`` fits the overhead terms on such measurements.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .plan import HEAD_ROWS
+
+SCHEMA_VERSION = 1
+
+
+def _nonneg(owner: str, name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{owner}: {name}={v!r} must be a finite number >= 0")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Milliseconds at M buckets: ``ms[i]`` is the time at ``buckets[i]`` rows.
+
+    ``buckets`` strictly increasing positive integers, ``ms`` non-negative and non-decreasing. Below the
+    first bucket the first time holds (M = 0 costs nothing: the op does not run); between buckets the
+    time is interpolated linearly; above the last it grows along ``slope_above`` ms per row, by default
+    the last segment's slope (with one bucket, proportionally to M)."""
+
+    buckets: Tuple[int, ...]
+    ms: Tuple[float, ...]
+    slope_above: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        b, t = tuple(self.buckets), tuple(self.ms)
+        if not b or len(b) != len(t):
+            raise ValueError(f"LatencyTable: buckets ({len(b)}) and ms ({len(t)}) must be non-empty and as long")
+        for i, m in enumerate(b):
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ValueError(f"LatencyTable: buckets[{i}]={m!r} must be a positive integer")
+        if any(b[i + 1] <= b[i] for i in range(len(b) - 1)):
+            raise ValueError(f"LatencyTable: buckets must be strictly increasing, got {list(b)}")
+        t = tuple(_nonneg("LatencyTable", f"ms[{i}]", v) for i, v in enumerate(t))
+        for i in range(len(t) - 1):
+            if t[i + 1] < t[i] * (1 - 1e-12):
+                raise ValueError(f"LatencyTable: ms must be non-decreasing in M; ms[{i + 1}]={t[i + 1]} < "
+                                 f"ms[{i}]={t[i]} (build from measurements with LatencyTable.monotone)")
+        object.__setattr__(self, "buckets", b)
+        object.__setattr__(self, "ms", t)
+        if self.slope_above is not None:
+            slope = _nonneg("LatencyTable", "slope_above", self.slope_above)
+        else:
+            slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else t[-1] / b[-1]
+        object.__setattr__(self, "_slope", slope)
+
+    @classmethod
+    def monotone(cls, buckets: Sequence[int], ms: Sequence[float]) -> "LatencyTable":
+        """A table from measured times, made non-decreasing by a running maximum."""
+        out, hi = [], 0.0
+        for v in ms:
+            hi = max(hi, float(v))
+            out.append(hi)
+        return cls(tuple(buckets), tuple(out))
+
+    def __call__(self, m: float) -> float:
+        if m <= 0:
+            return 0.0
+        b, t = self.buckets, self.ms
+        if m >= b[-1]:
+            return t[-1] + self._slope * (m - b[-1])
+        i = bisect.bisect_right(b, m)
+        if i == 0:
+            return t[0]
+        lo, hi = b[i - 1], b[i]
+        return t[i - 1] + (t[i] - t[i - 1]) * (m - lo) / (hi - lo)
+
+    def segment(self, m: float) -> Tuple[float, float, float]:
+        """``(start, value, slope)`` of the linear piece that holds ``m`` >= 1 (up to the next bucket):
+        the table equals ``value + slope * (M - start)`` from ``start`` to the next bucket."""
+        b, t = self.buckets, self.ms
+        if m >= b[-1]:
+            return float(b[-1]), t[-1], self._slope
+        i = bisect.bisect_right(b, m)
+        if i == 0:
+            return 1.0, t[0], 0.0
+        return float(b[i - 1]), t[i - 1], (t[i] - t[i - 1]) / (b[i] - b[i - 1])
+
+    def scaled(self, k: float) -> "LatencyTable":
+        return LatencyTable(self.buckets, tuple(v * k for v in self.ms), self._slope * k)
+
+    def __add__(self, other: "LatencyTable") -> "LatencyTable":
+        """The pointwise sum, exact: both are piecewise linear on the union of their buckets and linear
+        above each one's top."""
+        b = tuple(sorted(set(self.buckets) | set(other.buckets)))
+        return LatencyTable(b, tuple(self(m) + other(m) for m in b), self._slope + other._slope)
+
+    def to_dict(self) -> dict:
+        d = {"buckets": list(self.buckets), "ms": list(self.ms)}
+        if self.slope_above is not None:
+            d["slope_above"] = self.slope_above
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LatencyTable":
+        return cls(tuple(d["buckets"]), tuple(d["ms"]), d.get("slope_above"))
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """One layer's attention time for a sequence of ``q`` new tokens after ``p`` cached ones (module
+    docstring): non-negative coefficients in milliseconds."""
+
+    per_seq_ms: float = 0.0
+    per_query_ms: float = 0.0
+    per_key_ms: float = 0.0
+    per_pair_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("per_seq_ms", "per_query_ms", "per_key_ms", "per_pair_ms"):
+            object.__setattr__(self, f, _nonneg("AttentionCost", f, getattr(self, f)))
+
+    @staticmethod
+    def features(q: int, p: int) -> Tuple[float, float, float, float]:
+        return 1.0, float(q), float(p + q), q * p + q * (q + 1) / 2.0
+
+    def __call__(self, q: int, p: int) -> float:
+        return (self.per_seq_ms + self.per_query_ms * q + self.per_key_ms * (p + q)
+                + self.per_pair_ms * (q * p + q * (q + 1) / 2.0))
+
+    @classmethod
+    def fit(cls, samples: Iterable[Tuple[int, int, float]]) -> "AttentionCost":
+        """Non-negative least squares on ``(q, p, ms)`` samples (all 16 supports of the 4 coefficients
+        tried, the best feasible kept: exact for so few unknowns)."""
+        rows = [(cls.features(q, p), ms) for q, p, ms in samples]
+        if not rows:
+            raise ValueError("AttentionCost.fit: no samples")
+        X = np.array([r[0] for r in rows], dtype=np.float64)
+        y = np.array([r[1] for r in rows], dtype=np.float64)
+        scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
+        Xs = X / scale
+        best, best_err = np.zeros(4), float(np.sum(y * y))
+        for mask in range(1, 16):
+            cols = [j for j in range(4) if mask >> j & 1]
+            coef, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((Xs[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best_err, best = err, np.zeros(4)
+                best[cols] = coef
+        c = best / scale
+        return cls(*(float(v) for v in c))
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in ("per_seq_ms", "per_query_ms", "per_key_ms", "per_pair_ms")}
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """The step's fixed cost plus terms per token and per sequence (host work, norms, launches)."""
+
+    fixed_ms: float = 0.0
+    per_token_ms: float = 0.0
+    per_seq_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("fixed_ms", "per_token_ms", "per_seq_ms"):
+            object.__setattr__(self, f, _nonneg("Overhead", f, getattr(self, f)))
+
+    def to_dict(self) -> dict:
+        return {"fixed_ms": self.fixed_ms, "per_token_ms": self.per_token_ms, "per_seq_ms": self.per_seq_ms}
+
+
+@dataclass(frozen=True)
+class LinearTable:
+    """A planned linear's measured table (one instance) and how many instances the model has."""
+
+    name: str
+    count: int
+    table: LatencyTable
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LinearTable: name={self.name!r} must be a non-empty str")
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ValueError(f"LinearTable {self.name!r}: count={self.count!r} must be a positive integer")
+
+
+def _check_chunks(decode_contexts, prefill_chunks) -> None:
+    for i, c in enumerate(decode_contexts):
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise ValueError(f"predict_step_ms: decode_contexts[{i}]={c!r} must be an integer >= 0")
+    for i, pc in enumerate(prefill_chunks):
+        if len(pc) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in pc) or pc[0] < 1 or pc[1] < 0:
+            raise ValueError(f"predict_step_ms: prefill_chunks[{i}]={pc!r} must be (tokens >= 1, prefilled >= 0)")
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """The composed step-time model (module docstring). ``max_bucket`` is the largest measured M."""
+
+    linears: Tuple[LinearTable, ...]
+    head: Optional[LatencyTable]
+    attention: AttentionCost
+    n_layers: int
+    overhead: Overhead = Overhead()
+    head_rows: str = "last"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "linears", tuple(self.linears))
+        if not isinstance(self.attention, AttentionCost):
+            raise ValueError(f"LatencyModel: attention={self.attention!r} must be an AttentionCost")
+        if not isinstance(self.overhead, Overhead):
+            raise ValueError(f"LatencyModel: overhead={self.overhead!r} must be an Overhead")
+        if not isinstance(self.n_layers, int) or isinstance(self.n_layers, bool) or self.n_layers < 1:
+            raise ValueError(f"LatencyModel: n_layers={self.n_layers!r} must be a positive integer")
+        if self.head_rows not in HEAD_ROWS:
+            raise ValueError(f"LatencyModel: head_rows={self.head_rows!r} must be one of {HEAD_ROWS}")
+        combined = LatencyTable((1,), (0.0,))
+        for lt in self.linears:
+            if not isinstance(lt, LinearTable):
+                raise ValueError(f"LatencyModel: linears entry {lt!r} must be a LinearTable")
+            combined = combined + lt.table.scaled(lt.count)
+        if self.head is not None and self.head_rows == "all":
+            combined = combined + self.head
+        object.__setattr__(self, "_per_m", combined)
+        object.__setattr__(self, "_per_s", self.head if self.head is not None and self.head_rows == "last" else None)
+
+    @property
+    def max_bucket(self) -> int:
+        return max([lt.table.buckets[-1] for lt in self.linears] or [1])
+
+    # ---- the fast path the policy uses: running sums of a step under construction
+
+    def decode_attention_ms(self, decode_contexts: Sequence[int]) -> float:
+        return self.decodes_attention_ms(len(decode_contexts), sum(decode_contexts))
+
+    def decodes_attention_ms(self, n: int, total_context: int) -> float:
+        """Attention of ``n`` decodes whose contexts sum to ``total_context`` (a decode is q = 1 after
+        p = its context: keys and pairs p + 1 each)."""
+        a = self.attention
+        return self.n_layers * (n * (a.per_seq_ms + a.per_query_ms) + (a.per_key_ms + a.per_pair_ms) * (total_context + n))
+
+    def piece_attention_ms(self, tokens: int, prefilled: int) -> float:
+        return self.n_layers * self.attention(tokens, prefilled)
+
+    def step_ms(self, n_tokens: int, n_seqs: int, attention_ms: float) -> float:
+        """The step's time given its totals: rows ``n_tokens``, sequences ``n_seqs``, summed attention."""
+        if n_tokens <= 0:
+            return 0.0
+        o = self.overhead
+        t = o.fixed_ms + o.per_token_ms * n_tokens + o.per_seq_ms * n_seqs + self._per_m(n_tokens) + attention_ms
+        if self._per_s is not None:
+            t += self._per_s(n_seqs)
+        return t
+
+    def piece_terms(self, n_tokens: int, n_seqs: int, attention_ms: float, prefilled: int) -> Tuple[float, float, float, LatencyTable]:
+        """The step of the current totals plus one prefill piece of ``c`` tokens after ``prefilled``
+        cached ones costs ``base + k1 * c + k2 * c**2 + per_m(n_tokens + c)``; returns
+        ``(base, k1, k2, per_m)`` so a policy can search ``c`` (or solve for it per table segment)."""
+        o, a, L = self.overhead, self.attention, self.n_layers
+        s = n_seqs + 1
+        base = (o.fixed_ms + o.per_token_ms * n_tokens + o.per_seq_ms * s + attention_ms
+                + L * (a.per_seq_ms + a.per_key_ms * prefilled))
+        if self._per_s is not None:
+            base += self._per_s(s)
+        k1 = o.per_token_ms + L * (a.per_query_ms + a.per_key_ms + a.per_pair_ms * (prefilled + 0.5))
+        k2 = 0.5 * L * a.per_pair_ms
+        return base, k1, k2, self._per_m
+
+    # ---- the public prediction
+
+    def predict_step_ms(self, decode_contexts: Sequence[int] = (), prefill_chunks: Sequence[Tuple[int, int]] = ()) -> float:
+        """Predicted milliseconds of one step running a decode for each context length in
+        ``decode_contexts`` and a prefill piece for each ``(tokens, prefilled)`` in ``prefill_chunks``.
+        An empty step costs 0."""
+        decode_contexts, prefill_chunks = tuple(decode_contexts), tuple(tuple(p) for p in prefill_chunks)
+        _check_chunks(decode_contexts, prefill_chunks)
+        attn = self.decode_attention_ms(decode_contexts)
+        attn += sum(self.piece_attention_ms(t, p) for t, p in prefill_chunks)
+        m = len(decode_contexts) + sum(t for t, _ in prefill_chunks)
+        return self.step_ms(m, len(decode_contexts) + len(prefill_chunks), attn)
+
+    def with_overhead(self, overhead: Overhead) -> "LatencyModel":
+        return replace(self, overhead=overhead)
+
+    # ---- serialisation (the cache file's body; the key lives in latency_cache)
+
+    def to_dict(self) -> dict:
+        return {
+            "linears": [{"name": lt.name, "count": lt.count, **lt.table.to_dict()} for lt in self.linears],
+            "head": None if self.head is None else self.head.to_dict(),
+            "attention": self.attention.to_dict(),
+            "n_layers": self.n_layers,
+            "overhead": self.overhead.to_dict(),
+            "head_rows": self.head_rows,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LatencyModel":
+        try:
+            linears = tuple(LinearTable(e["name"], e["count"], LatencyTable.from_dict(e)) for e in d["linears"])
+            head = None if d.get("head") is None else LatencyTable.from_dict(d["head"])
+            return cls(linears, head, AttentionCost(**d["attention"]), d["n_layers"],
+                       Overhead(**d.get("overhead", {})), d.get("head_rows", "last"))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"LatencyModel.from_dict: malformed model ({type(e).__name__}: {e})") from None
+
+
+# ---------------------------------------------------------------- top-down check
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """A measured whole step: its decodes' contexts, its prefill ``(tokens, prefilled)`` pieces, its time."""
+
+    decode_contexts: Tuple[int, ...]
+    prefill_chunks: Tuple[Tuple[int, int], ...]
+    measured_ms: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_contexts", tuple(self.decode_contexts))
+        object.__setattr__(self, "prefill_chunks", tuple(tuple(p) for p in self.prefill_chunks))
+        _check_chunks(self.decode_contexts, self.prefill_chunks)
+        if not self.decode_contexts and not self.prefill_chunks:
+            raise ValueError("StepSample: a step needs at least one decode or prefill piece")
+        v = _nonneg("StepSample", "measured_ms", self.measured_ms)
+        if v == 0:
+            raise ValueError("StepSample: measured_ms must be > 0")
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Absolute relative error |predicted - measured| / measured over the samples."""
+
+    n: int
+    median_abs_rel_err: float
+    p90_abs_rel_err: float
+    max_abs_rel_err: float
+    errors: Tuple[float, ...]
+
+    def __str__(self) -> str:
+        return (f"{self.n} steps: median |err| {100 * self.median_abs_rel_err:.1f} %, "
+                f"p90 {100 * self.p90_abs_rel_err:.1f} %, max {100 * self.max_abs_rel_err:.1f} %")
+
+
+def check(model: LatencyModel, samples: Sequence[StepSample]) -> FitReport:
+    """The prediction's error against measured whole steps (median and p90 by linear interpolation)."""
+    if not samples:
+        raise ValueError("check: no samples")
+    errs = np.array([abs(model.predict_step_ms(s.decode_contexts, s.prefill_chunks) - s.measured_ms) / s.measured_ms
+                     for s in samples])
+    return FitReport(len(errs), float(np.median(errs)), float(np.percentile(errs, 90)), float(errs.max()),
+                     tuple(float(e) for e in errs))
+
+
+def fit_overhead(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
+    """The model with its ``Overhead`` refitted (non-negative least squares of the residual
+    measured - predicted-without-overhead on 1, tokens, sequences) on measured whole steps."""
+    if not samples:
+        raise ValueError("fit_overhead: no samples")
+    bare = model.with_overhead(Overhead())
+    X, y = [], []
+    for s in samples:
+        X.append((1.0, len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks),
+                  len(s.decode_contexts) + len(s.prefill_chunks)))
+        y.append(s.measured_ms - bare.predict_step_ms(s.decode_contexts, s.prefill_chunks))
+    X, y = np.array(X, dtype=np.float64), np.array(y, dtype=np.float64)
+    scale = np.maximum(X.max(axis=0), 1e-30)
+    best, best_err = np.zeros(3), float(np.sum(y * y))
+    for mask in range(1, 8):
+        cols = [j for j in range(3) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(X[:, cols] / scale[cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        err = float(np.sum((X[:, cols] / scale[cols] @ coef - y) ** 2))
+        if err < best_err:
+            best_err, best = err, np.zeros(3)
+            best[cols] = coef
+    c = best / scale
+    return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))

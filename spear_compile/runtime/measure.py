@@ -1,0 +1,269 @@
+"""Measuring the latency model on the current device: per-route linear tables, attention, head, whole steps.
+
+``measure_latency_model(plan)`` times, on this device, every planned linear at each M bucket with the
+route the plan says it takes there, the LM head, and attention over a coarse (new tokens, cached
+tokens) grid, and composes them into a ``LatencyModel``. ``measure_steps(step_fn, grid)`` times whole
+steps for the top-down check (``latency.check``) and the overhead fit (``latency.fit_overhead``).
+
+A route is measured by a runner: ``runner(linear, m, device, dtype) -> zero-argument callable`` that
+runs that linear once on ``m`` rows. The ``"reference"`` runner is dense ``F.linear`` plus, with an
+EC, the two skinny matmuls ``(x @ A) @ B`` (what an unfused EC costs); the backend's kernel routes
+plug in through ``runners={"route name": runner}``. ``SyntheticStep`` runs a whole step from the same
+reference ops, for CPU checks; an engine's real step function replaces it on a GPU.
+
+Timing is the median of ``reps`` runs after ``warmup`` (with a device synchronise on CUDA). On CPU the
+defaults are coarse (M up to 256, a few attention points), so a small model measures in seconds.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, fit_overhead
+from .plan import Plan, PlannedLinear
+
+Runner = Callable[..., Callable[[], object]]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _sync(device) -> None:
+    torch = _torch()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _dtype(plan: Plan, device, dtype):
+    torch = _torch()
+    if dtype is not None:
+        return dtype
+    if torch.device(device).type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are emulated and not what a CPU deployment runs
+    return getattr(torch, plan.dtype)
+
+
+def reference_runner(lin: PlannedLinear, m: int, device, dtype) -> Callable[[], object]:
+    """Dense ``F.linear`` on ``m`` rows, plus the unfused EC ``(x @ A) @ B`` when ``ec_rank > 0``."""
+    torch = _torch()
+    F = torch.nn.functional
+    x = torch.randn(m, lin.in_features, device=device, dtype=dtype)
+    w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=dtype)
+    if lin.ec_rank:
+        a = torch.randn(lin.in_features, lin.ec_rank, device=device, dtype=dtype)
+        b = torch.randn(lin.ec_rank, lin.out_features, device=device, dtype=dtype)
+        return lambda: F.linear(x, w) + (x @ a) @ b
+    return lambda: F.linear(x, w)
+
+
+DEFAULT_RUNNERS: Dict[str, Runner] = {"reference": reference_runner}
+
+
+def default_buckets(max_m: int) -> Tuple[int, ...]:
+    """Powers of two from 1 up to ``max_m``, and ``max_m`` itself."""
+    out, m = [], 1
+    while m < max_m:
+        out.append(m)
+        m *= 2
+    out.append(max_m)
+    return tuple(out)
+
+
+def default_attention_grid(max_m: int, max_context: int) -> Tuple[Tuple[int, int], ...]:
+    """``(q, p)`` points: decodes (q = 1) over contexts, and chunks of a few sizes over a few contexts."""
+    qs = sorted({1, min(16, max_m), min(64, max_m), max_m})
+    ps = sorted({0, min(64, max_context), max_context})
+    return tuple((q, p) for q in qs for p in ps)
+
+
+def _attention_fn(plan: Plan, q: int, p: int, device, dtype) -> Callable[[], object]:
+    torch = _torch()
+    F = torch.nn.functional
+    H, Hkv, D = plan.n_heads, plan.n_kv_heads, plan.head_dim
+    Q = torch.randn(1, H, q, D, device=device, dtype=dtype)
+    K = torch.randn(1, H, p + q, D, device=device, dtype=dtype)  # KV heads repeated to H (GQA's read is
+    V = torch.randn(1, H, p + q, D, device=device, dtype=dtype)  # of Hkv heads; the fit absorbs the ratio)
+    if Hkv != H:
+        K, V = K[:, :Hkv].repeat_interleave(H // Hkv, 1), V[:, :Hkv].repeat_interleave(H // Hkv, 1)
+    if q == 1:
+        return lambda: F.scaled_dot_product_attention(Q, K, V)
+    mask = torch.arange(p + q, device=device)[None, :] <= (p + torch.arange(q, device=device))[:, None]
+    return lambda: F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+def measure_latency_model(plan: Plan, device="cpu", dtype=None, max_m: Optional[int] = None,
+                          buckets: Optional[Sequence[int]] = None,
+                          attention_grid: Optional[Sequence[Tuple[int, int]]] = None, max_context: int = 1024,
+                          runners: Optional[Dict[str, Runner]] = None, warmup: int = 2, reps: int = 5,
+                          progress: bool = True, log: Callable[[str], None] = print) -> LatencyModel:
+    """Time the plan's parts on ``device`` and compose them (overhead left at zero: fit it with
+    ``measure_steps`` + ``fit_overhead``, or use ``measure_and_fit``)."""
+    torch = _torch()
+    device = torch.device(device)
+    dtype = _dtype(plan, device, dtype)
+    if max_m is None:
+        max_m = 256 if device.type == "cpu" else 4096
+    buckets = tuple(buckets) if buckets is not None else default_buckets(max_m)
+    grid = tuple(attention_grid) if attention_grid is not None else default_attention_grid(buckets[-1], max_context)
+    runners = {**DEFAULT_RUNNERS, **(runners or {})}
+    missing = sorted(set(plan.routes) - set(runners))
+    if missing:
+        raise ValueError(f"measure_latency_model: no runner for route(s) {missing} of {plan.model_id!r} "
+                         f"(known: {sorted(runners)})")
+    head_lin = PlannedLinear("lm_head", plan.hidden_size, plan.vocab_size)
+    total = (len(plan.linears) + 1) * len(buckets) + len(grid)
+    log(f"spear_compile: measuring the latency model of {plan.model_id!r} on {device} "
+        f"({len(plan.linears)} linears + head x {len(buckets)} M buckets, {len(grid)} attention points)")
+    bar = _progress(total, f"latency tables ({device.type})", progress)
+    tables: List[LinearTable] = []
+    try:
+        with torch.inference_mode():
+            for lin in plan.linears + (head_lin,):
+                ms = []
+                for m in buckets:
+                    fn = runners[lin.route_at(m)](lin, m, device, dtype)
+                    ms.append(time_ms(fn, device, warmup, reps))
+                    if bar is not None:
+                        bar.update(1)
+                tables.append(LinearTable(lin.name, lin.count, LatencyTable.monotone(buckets, ms)))
+            samples = []
+            for q, p in grid:
+                samples.append((q, p, time_ms(_attention_fn(plan, q, p, device, dtype), device, warmup, reps)))
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    head = tables.pop().table
+    return LatencyModel(tuple(tables), head, AttentionCost.fit(samples), plan.n_layers, Overhead(), plan.head_rows)
+
+
+# ---------------------------------------------------------------- whole steps
+
+
+class SyntheticStep:
+    """A whole step built from the reference ops of a plan (random weights): every linear ``count``
+    times on M rows, attention per sequence per layer, the head on one row per sequence (or all rows).
+    Callable as ``step(decode_contexts, prefill_chunks)``, the protocol ``measure_steps`` times."""
+
+    def __init__(self, plan: Plan, device="cpu", dtype=None, max_m: int = 256, max_context: int = 1024) -> None:
+        del max_context  # attention inputs are made per (q, p) on first use
+        torch = _torch()
+        self.plan, self.device = plan, torch.device(device)
+        self.dtype = _dtype(plan, self.device, dtype)
+        d, t = self.device, self.dtype
+        self.W = [(lin.count, torch.randn(lin.out_features, lin.in_features, device=d, dtype=t),
+                   (torch.randn(lin.in_features, lin.ec_rank, device=d, dtype=t),
+                    torch.randn(lin.ec_rank, lin.out_features, device=d, dtype=t)) if lin.ec_rank else None)
+                  for lin in plan.linears]
+        # contiguous inputs per width and per (q, p) shape, made once (a strided view would send CPU
+        # matmuls and attention down slower paths than the ones the tables timed)
+        self.X = {k: torch.randn(max_m, k, device=d, dtype=t)
+                  for k in {lin.in_features for lin in plan.linears} | {plan.hidden_size}}
+        self.head = torch.randn(plan.vocab_size, plan.hidden_size, device=d, dtype=t)
+        self._attn: dict = {}
+
+    def _attention_inputs(self, q: int, p: int):
+        got = self._attn.get((q, p))
+        if got is None:
+            torch = _torch()
+            H, D, d, t = self.plan.n_heads, self.plan.head_dim, self.device, self.dtype
+            mask = None
+            if q > 1:
+                mask = torch.arange(p + q, device=d)[None, :] <= (p + torch.arange(q, device=d))[:, None]
+            got = self._attn[(q, p)] = (torch.randn(1, H, q, D, device=d, dtype=t),
+                                        torch.randn(1, H, p + q, D, device=d, dtype=t), mask)
+        return got
+
+    def __call__(self, decode_contexts: Sequence[int], prefill_chunks: Sequence[Tuple[int, int]]) -> None:
+        torch = _torch()
+        F = torch.nn.functional
+        seqs = [(1, c) for c in decode_contexts] + [(q, p) for q, p in prefill_chunks]
+        m = sum(q for q, _ in seqs)
+        with torch.inference_mode():
+            for count, w, ec in self.W:
+                x = self.X[w.shape[1]][:m]
+                for _ in range(count):
+                    y = F.linear(x, w)
+                    if ec is not None:
+                        y = y + (x @ ec[0]) @ ec[1]
+            inputs = [self._attention_inputs(q, p) for q, p in seqs]
+            for _ in range(self.plan.n_layers):
+                for Q, K, mask in inputs:
+                    F.scaled_dot_product_attention(Q, K, K, attn_mask=mask)
+            rows = len(seqs) if self.plan.head_rows == "last" else m
+            F.linear(self.X[self.plan.hidden_size][:rows], self.head)
+
+
+def default_step_grid(max_m: int, contexts: Sequence[int] = (64, 512), decode_batches: Sequence[int] = (0, 1, 4, 16),
+                      prefill_tokens: Sequence[int] = (0, 16, 64)) -> Tuple[Tuple[Tuple[int, ...], Tuple[Tuple[int, int], ...]], ...]:
+    """``(decode_contexts, prefill_chunks)`` points over (prefill tokens, decode batch, context)."""
+    out = []
+    for n_pre, batch, ctx in itertools.product(sorted({min(t, max_m) for t in prefill_tokens} | {max_m}),
+                                               decode_batches, contexts):
+        if n_pre + batch == 0 or n_pre + batch > max_m:
+            continue
+        out.append((tuple([ctx] * batch), ((n_pre, ctx),) if n_pre else ()))
+    return tuple(out)
+
+
+def measure_steps(step_fn: Callable, grid: Iterable, device="cpu", warmup: int = 1, reps: int = 3,
+                  progress: bool = True) -> List[StepSample]:
+    """Time ``step_fn(decode_contexts, prefill_chunks)`` at every grid point."""
+    grid = list(grid)
+    bar = _progress(len(grid), "whole steps", progress)
+    out = []
+    try:
+        for dec, pre in grid:
+            ms = time_ms(lambda: step_fn(dec, pre), device, warmup, reps)
+            out.append(StepSample(tuple(dec), tuple(pre), max(ms, 1e-6)))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def measure_and_fit(plan: Plan, step_fn: Optional[Callable] = None, device="cpu", max_m: Optional[int] = None,
+                    grid: Optional[Iterable] = None, **kw) -> Tuple[LatencyModel, List[StepSample]]:
+    """Measure the tables, time whole steps (``step_fn``, default a ``SyntheticStep``), fit the overhead
+    on them; returns the model and the step samples (pass them to ``latency.check`` for the report; a
+    held-out grid gives an honest one)."""
+    torch = _torch()
+    device = torch.device(device)
+    if max_m is None:
+        max_m = 256 if device.type == "cpu" else 4096
+    progress = kw.get("progress", True)
+    model = measure_latency_model(plan, device=device, max_m=max_m, **kw)
+    step_fn = step_fn or SyntheticStep(plan, device, kw.get("dtype"), max_m, kw.get("max_context", 1024))
+    samples = measure_steps(step_fn, grid if grid is not None else default_step_grid(max_m), device,
+                            progress=progress)
+    return fit_overhead(model, samples), samples

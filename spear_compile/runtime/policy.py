@@ -1,0 +1,311 @@
+"""Engine-neutral step policies: ``plan(state) -> StepPlan``, decodes first, then prefill chunks.
+
+The idea is Sarathi-Serve's stall-free batching: every step runs all ongoing decodes (a decode is never
+paused for a prefill) and fills the rest of the step with prefill chunks, so a long prompt is spread over
+steps instead of stalling everyone's next token. Sarathi-Serve and vLLM size that fill with a fixed
+per-step token budget (vLLM's ``max_num_batched_tokens``), chosen offline by profiling. A fixed budget is
+wrong for a model compiled with selective error compensators: which linears carry an EC, at which rank
+and through which kernel route changes what a token costs, so the same budget either breaks the
+inter-token-latency (ITL) SLO or leaves time unused (longer time to first token). ``SloChunkPolicy``
+therefore asks the compiled model's own latency model, each step, for the largest prefill that keeps the
+*predicted* step time within the SLO (the token budget becomes a time budget). ``StaticChunkPolicy`` is
+the fixed-budget baseline.
+
+Contract of ``SloChunkPolicy.plan`` (the Hypothesis tests check each point):
+
+1. Decodes first, in the state's order. When the free KV blocks do not cover the decodes' new blocks,
+   the youngest KV holders are preempted until they do: first the partly prefilled waiting request (its
+   prefill restarts later), then decodes from the youngest. They are listed in ``preempt_ids``; the
+   engine frees their blocks *before* running the step (the plan counts them as free) and re-queues them
+   with their arrival, to be recomputed. Preempting by age keeps the oldest request progressing, so a
+   prefill that grabbed the last blocks cannot starve an older decode (nor loop with it). No prefill is
+   planned in a step that preempts the partly prefilled request.
+2. Prefill pieces go to waiting requests in arrival order (FCFS). A request gets a piece only if every
+   older waiting request got its whole remaining prompt this step, so the oldest is never overtaken and
+   at most one request is ever partly prefilled. The oldest progresses whenever its piece fits; when it
+   does not fit beside the decodes, nothing is admitted, so the decodes drain and it fits later: no
+   starvation.
+3. Each piece is the largest that keeps the predicted step time <= ``slo_itl_ms``, the KV blocks within
+   the free ones, and the step's prefill tokens <= ``max_chunk`` (found by binary search over the
+   prediction, which is monotone in the piece size).
+4. No tiny tail: a piece shorter than the request's remainder must leave at least ``min_chunk`` tokens;
+   if the cut would leave fewer, the remainder is merged into this piece when that fits, else the piece
+   shrinks to leave exactly ``min_chunk``; a partial piece shorter than ``min_chunk`` is not planned (the
+   request waits). A whole remainder shorter than ``min_chunk`` (a short prompt) is planned as it is.
+5. Forced admission: when the oldest request's minimal piece (``min_chunk``; its whole remainder when
+   that is shorter, or when a ``min_chunk`` cut would leave a tiny tail and the whole remainder is within
+   ``max_chunk``) would exceed the SLO even in a step of its own, it can never fit; it is then planned
+   at that minimal size beside the decodes, and the plan is marked ``forced`` (its predicted time
+   exceeds the SLO knowingly). This is the only case a plan's prediction exceeds the SLO because of
+   prefill.
+6. Decodes alone over the SLO (a decode batch too large for the SLO): all decodes still run (stalling
+   some would not meet their SLO either), no prefill is admitted except a forced one (5.), and the plan's
+   ``predicted_ms`` states the overrun. Admissions pause, so the decode batch drains back under the SLO.
+7. KV: a plan never takes more blocks than are free (plus those it preempts). If the oldest request is
+   the only KV holder (nothing runs) and the free blocks cannot hold the rest of its prompt, it needs
+   more KV than the cache has and ``SchedulingError`` says so (admission control should have refused
+   it).
+
+The policy is stateless (state in, plan out): cancellation is the engine removing the request from the
+next state and adding its blocks back to ``free_blocks``. Cost: the step time of a piece of c tokens is a
+quadratic in c plus the combined per-M table, so a piece needs one prediction when the whole remainder
+fits, and otherwise a bisection over the table's buckets in range plus a closed-form root on one
+segment (``sched_cost.py`` measures it: about 25 us p50, 30 us p99 per step on a 2-core CPU runner
+with 64 decodes and 8 waiting).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import List, Optional, Tuple
+
+from .latency import LatencyModel
+from .state import SchedulerState, StepPlan, blocks_for, new_blocks, tokens_fitting
+
+
+class SchedulingError(RuntimeError):
+    """No step can be planned: a request needs more KV cache than exists."""
+
+
+def _check_pos(owner: str, name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{owner}: {name}={v!r} must be a positive integer")
+
+
+def _decodes(state: SchedulerState):
+    """Which decodes run and which requests to preempt so that they get their KV blocks.
+
+    Returns ``(run ids, preempt ids, summed context of run, free blocks left, partial head preempted)``.
+    When blocks run short, the youngest KV holders are preempted first: the partly prefilled waiting
+    request (younger than every decode, FCFS admitted it last), then decodes from the youngest; their
+    blocks count as free in this step (the engine frees them before it runs the step)."""
+    bs, free = state.kv.block_size, state.kv.free_blocks
+    ctxs = [d.context_len for d in state.decodes]
+    need = sum(1 for c in ctxs if c % bs == 0)
+    if need <= free:  # the common case: every decode gets its block
+        return [d.request_id for d in state.decodes], [], sum(ctxs), free - need, False
+    preempt, head_out = [], False
+    partial = [w for w in state.waiting if w.prefilled > 0]
+    for w in sorted(partial, key=lambda w: -w.arrival):
+        if need <= free:
+            break
+        preempt.append(w.request_id)
+        free += blocks_for(w.prefilled, bs)
+        head_out = True
+    run = list(state.decodes)
+    while need > free:
+        d = run.pop()
+        preempt.append(d.request_id)
+        free += blocks_for(d.context_len, bs)
+        need -= 1 if d.context_len % bs == 0 else 0
+    return [d.request_id for d in run], preempt, sum(d.context_len for d in run), free - need, head_out
+
+
+def _unblock(state: SchedulerState, run, preempt, free) -> list:
+    """Nothing runs and the oldest request cannot get the KV for the rest of its prompt while younger
+    partial prefills hold blocks: preempt those (the youngest first), or nothing could ever progress."""
+    if run or preempt or not state.waiting:
+        return []
+    fcfs = state.waiting_fcfs()
+    head, bs = fcfs[0], state.kv.block_size
+    out = []
+    for w in reversed(fcfs[1:]):
+        if tokens_fitting(head.prefilled, free, bs) >= head.remaining_prompt:
+            break
+        if w.prefilled:
+            out.append(w.request_id)
+            free += blocks_for(w.prefilled, bs)
+    return out
+
+
+def _held(state: SchedulerState, ids) -> int:
+    """KV blocks held by the requests ``ids`` (decodes: their context; waiting: what they prefilled)."""
+    if not ids:
+        return 0
+    ids, bs = set(ids), state.kv.block_size
+    return (sum(blocks_for(d.context_len, bs) for d in state.decodes if d.request_id in ids)
+            + sum(blocks_for(w.prefilled, bs) for w in state.waiting if w.request_id in ids))
+
+
+def _alone(state: SchedulerState, w) -> bool:
+    """``w`` is the only KV holder: nothing will ever free blocks for it."""
+    return not state.decodes and all(o.prefilled == 0 for o in state.waiting if o is not w)
+
+
+def _stuck(state: SchedulerState, w) -> None:
+    raise SchedulingError(
+        f"request {w.request_id!r} cannot get the KV blocks for its prompt and nothing is running to free "
+        f"any ({state.kv.free_blocks} free blocks of {state.kv.block_size} tokens, {w.prefilled} tokens cached, "
+        f"{w.remaining_prompt} to prefill): it needs more KV cache than the engine has")
+
+
+class SloChunkPolicy:
+    """Dynamic prefill chunks under an ITL SLO, from the compiled model's latency model (module docstring).
+
+    ``max_chunk`` caps the step's prefill tokens (keep it within the latency model's measured M range);
+    ``min_chunk`` is the smallest partial piece worth a step (the no-tiny-tail rule)."""
+
+    def __init__(self, latency_model: LatencyModel, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32) -> None:
+        if not isinstance(latency_model, LatencyModel):
+            raise ValueError(f"SloChunkPolicy: latency_model={latency_model!r} must be a LatencyModel")
+        if isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float)) or not (0 < slo_itl_ms < math.inf):
+            raise ValueError(f"SloChunkPolicy: slo_itl_ms={slo_itl_ms!r} must be a positive finite number")
+        _check_pos("SloChunkPolicy", "max_chunk", max_chunk)
+        _check_pos("SloChunkPolicy", "min_chunk", min_chunk)
+        if min_chunk > max_chunk:
+            raise ValueError(f"SloChunkPolicy: min_chunk={min_chunk} must be <= max_chunk={max_chunk}")
+        self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
+
+    def __repr__(self) -> str:
+        return f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk})"
+
+    def _largest(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int) -> int:
+        """The largest c in [0, hi] whose step (the current one plus a piece of c) fits the SLO.
+
+        The step time is ``base + k1 c + k2 c^2 + per_m(tokens + c)`` with ``per_m`` piecewise linear:
+        bisect over the table's buckets inside the range for the last piece that still fits, then
+        solve that piece's quadratic in closed form and correct the rounding by a step."""
+        if hi <= 0:
+            return 0
+        base, k1, k2, per_m = self.model.piece_terms(tokens, seqs, attn, prefilled)
+        slo = self.slo
+
+        def T(c):
+            return base + (k1 + k2 * c) * c + per_m(tokens + c)
+
+        if T(hi) <= slo:
+            return hi
+        if T(1) > slo:
+            return 0
+        # breakpoints c where tokens + c is a bucket, strictly inside (1, hi)
+        b = per_m.buckets
+        lo_i, hi_i = bisect.bisect_right(b, tokens + 1), bisect.bisect_left(b, tokens + hi)
+        lo_c, top_i = 1, hi_i  # lo_c fits
+        while lo_i < hi_i:  # find the last breakpoint that fits
+            mid = (lo_i + hi_i) // 2
+            c = b[mid] - tokens
+            if T(c) <= slo:
+                lo_c, lo_i = c, mid + 1
+            else:
+                hi_i = mid
+        start, v, s = per_m.segment(tokens + lo_c)
+        # k2 c^2 + B c + C0 <= 0 on this segment
+        B = k1 + s
+        C0 = base + v + s * (tokens - start) - slo
+        if k2 > 0:
+            disc = B * B - 4 * k2 * C0
+            c = int((-B + math.sqrt(max(disc, 0.0))) / (2 * k2)) if disc >= 0 else lo_c
+        else:
+            c = int(-C0 / B) if B > 0 else hi
+        up = b[lo_i] - tokens - 1 if lo_i < top_i else hi - 1  # the next breakpoint (or hi) does not fit
+        c = max(lo_c, min(c, up))
+        while c < hi and T(c + 1) <= slo:
+            c += 1
+        while c > 0 and T(c) > slo:
+            c -= 1
+        return c
+
+    def _shape(self, c: int, remaining: int) -> int:
+        """The no-tiny-tail rule on the largest fitting piece ``c`` of a ``remaining`` prompt."""
+        if c >= remaining:
+            return remaining
+        if remaining - c < self.min_chunk:
+            c = remaining - self.min_chunk  # merging the rest does not fit (c is the largest that does)
+        return c if c >= self.min_chunk else 0
+
+    def _minimal(self, remaining: int) -> int:
+        """The smallest piece the no-tiny-tail rule allows: ``min_chunk`` (the whole remainder when that
+        is shorter, or when it would leave a tail under ``min_chunk`` and still fits ``max_chunk``)."""
+        f = min(remaining, self.min_chunk)
+        if 0 < remaining - f < self.min_chunk and remaining <= self.max_chunk:
+            return remaining
+        return f
+
+    def plan(self, state: SchedulerState) -> StepPlan:
+        model, bs = self.model, state.kv.block_size
+        run, preempt, ctx, free, head_out = _decodes(state)
+        unblock = _unblock(state, run, preempt, free)
+        if unblock:
+            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
+                            "younger partial prefills preempted to free KV for the oldest")
+        blocks = state.kv.free_blocks + _held(state, preempt) - free
+        tokens = seqs = len(run)
+        attn = model.decodes_attention_ms(len(run), ctx)
+        budget = self.max_chunk
+        pieces: List[Tuple[object, int]] = []
+        forced, reason = False, "no request waits"
+        for i, w in enumerate(() if head_out else state.waiting_fcfs()):
+            R, p = w.remaining_prompt, w.prefilled
+            kv_cap = tokens_fitting(p, free, bs)
+            hi = min(R, budget, kv_cap)
+            if i == 0 and kv_cap < R and _alone(state, w):
+                _stuck(state, w)
+            c = self._shape(self._largest(hi, tokens, seqs, attn, p), R)
+            if c == 0 and i == 0:
+                f = self._minimal(R)
+                if f <= kv_cap and model.step_ms(f, 1, model.piece_attention_ms(f, p)) > self.slo:
+                    c, forced = f, True
+            if c == 0:
+                reason = (f"{w.request_id!r} waits: " +
+                          ("KV blocks" if kv_cap < min(R, self.min_chunk) else
+                           "token budget" if budget < min(R, self.min_chunk) else "the SLO"))
+                break
+            pieces.append((w.request_id, c))
+            b = new_blocks(p, c, bs)
+            free, blocks = free - b, blocks + b
+            tokens, seqs, budget = tokens + c, seqs + 1, budget - c
+            attn += model.piece_attention_ms(c, p)
+            if c < R:
+                reason = f"{w.request_id!r} continues next step ({R - c} tokens left)"
+                break
+            reason = "every waiting request fits"
+        return StepPlan(tuple(run), tuple(pieces), model.step_ms(tokens, seqs, attn), blocks, tuple(preempt),
+                        forced, reason)
+
+
+class StaticChunkPolicy:
+    """The fixed-budget baseline (Sarathi-Serve / vLLM style): decodes first (same KV rule as above),
+    then FCFS prefill pieces with at most ``chunk`` prefill tokens per step in all, each piece the largest
+    the budget and the free KV blocks allow. No latency model decides anything; when one is given, the
+    plan carries its prediction (for reporting)."""
+
+    def __init__(self, chunk: int, latency_model: Optional[LatencyModel] = None) -> None:
+        _check_pos("StaticChunkPolicy", "chunk", chunk)
+        if latency_model is not None and not isinstance(latency_model, LatencyModel):
+            raise ValueError(f"StaticChunkPolicy: latency_model={latency_model!r} must be a LatencyModel or None")
+        self.chunk, self.model = chunk, latency_model
+
+    def __repr__(self) -> str:
+        return f"StaticChunkPolicy(chunk={self.chunk})"
+
+    def plan(self, state: SchedulerState) -> StepPlan:
+        bs = state.kv.block_size
+        run, preempt, ctx, free, head_out = _decodes(state)
+        unblock = _unblock(state, run, preempt, free)
+        if unblock:
+            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
+                            "younger partial prefills preempted to free KV for the oldest")
+        blocks = state.kv.free_blocks + _held(state, preempt) - free
+        budget, pieces, chunks, reason = self.chunk, [], [], "no request waits"
+        for w in () if head_out else state.waiting_fcfs():
+            cap = tokens_fitting(w.prefilled, free, bs)
+            if not pieces and cap < w.remaining_prompt and _alone(state, w):
+                _stuck(state, w)
+            c = min(w.remaining_prompt, budget, cap)
+            if c == 0:
+                reason = f"{w.request_id!r} waits: " + ("token budget" if budget == 0 else "KV blocks")
+                break
+            pieces.append((w.request_id, c))
+            chunks.append((c, w.prefilled))
+            b = new_blocks(w.prefilled, c, bs)
+            free, blocks, budget = free - b, blocks + b, budget - c
+            if c < w.remaining_prompt:
+                reason = f"{w.request_id!r} continues next step"
+                break
+            reason = "every waiting request fits"
+        pred = None
+        if self.model is not None:
+            pred = self.model.step_ms(len(run) + sum(c for c, _ in chunks), len(run) + len(chunks),
+                                      self.model.decodes_attention_ms(len(run), ctx)
+                                      + sum(self.model.piece_attention_ms(c, p) for c, p in chunks))
+        return StepPlan(tuple(run), tuple(pieces), pred, blocks, tuple(preempt), False, reason)

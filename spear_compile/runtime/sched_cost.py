@@ -1,0 +1,58 @@
+"""The scheduler's own cost per step: time ``policy.plan(state)`` over a set of states.
+
+Not a unit test (timings on a shared CI machine are noise); the serving benchmark reports
+``sched_us_p99`` with ``plan_cost_us``, and ``python -m spear_compile.runtime.sched_cost`` prints it
+for a Llama-2-7B-shaped latency model at a 16 ms SLO over busy states (64 decodes, 8 waiting).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Sequence
+
+from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
+from .state import KVCache, RunningDecode, SchedulerState, WaitingRequest
+
+
+def plan_cost_us(policy, states: Sequence[SchedulerState], repeat: int = 20) -> dict:
+    """p50 / p99 / max microseconds of ``policy.plan`` per state (each state timed ``repeat`` times, the
+    median kept)."""
+    per = []
+    for s in states:
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            policy.plan(s)
+            ts.append(time.perf_counter() - t0)
+        per.append(statistics.median(ts) * 1e6)
+    per.sort()
+    return {"p50_us": per[len(per) // 2], "p99_us": per[min(len(per) - 1, int(0.99 * len(per)))], "max_us": per[-1],
+            "states": len(per)}
+
+
+def example_model() -> LatencyModel:
+    """A hand-written Llama-2-7B-shaped model (H200-like magnitudes), for timing the policy only."""
+    b = tuple(1 << i for i in range(13))
+    lin = LatencyTable(b, tuple(0.02 + 0.00004 * m for m in b))
+    return LatencyModel((LinearTable("qkvo", 4 * 32, lin), LinearTable("mlp", 3 * 32, lin.scaled(2.7))),
+                        LatencyTable(b, tuple(0.05 + 0.0001 * m for m in b)),
+                        AttentionCost(0.002, 1e-6, 2e-6, 1e-8), 32, Overhead(0.3, 0.0, 0.0))
+
+
+def example_states(n: int = 200, seed: int = 0, decodes: int = 64, waiting: int = 8) -> list:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        dec = tuple(RunningDecode(f"d{i}", rng.randint(16, 4096)) for i in range(rng.randint(0, decodes)))
+        wai = tuple(WaitingRequest(f"w{i}", i, rng.randint(1, 4096), rng.choice([0, 0, 512])) for i in range(rng.randint(0, waiting)))
+        out.append(SchedulerState(dec, wai, KVCache(16, rng.randint(0, 8192))))
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from .policy import SloChunkPolicy, StaticChunkPolicy
+
+    states = example_states()
+    for pol in (SloChunkPolicy(example_model(), 16.0, 2048, 32), StaticChunkPolicy(512)):
+        print(pol, plan_cost_us(pol, states))

@@ -1,0 +1,153 @@
+"""The latency model: tables, the composition against a hand-computed case, the fits and the check."""
+import math
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spear_compile.runtime.latency import (AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample,
+                                           check, fit_overhead)
+
+
+def test_table_interpolates_and_extends_linearly():
+    t = LatencyTable((1, 4, 8), (1.0, 2.5, 4.5))
+    assert t(0) == 0.0
+    assert t(1) == 1.0 and t(4) == 2.5 and t(8) == 4.5
+    assert t(2) == pytest.approx(1.5)          # between 1 and 4
+    assert t(6) == pytest.approx(3.5)          # between 4 and 8
+    assert t(16) == pytest.approx(4.5 + 0.5 * 8)  # the last slope, 0.5 ms per row
+    one = LatencyTable((4,), (2.0,))
+    assert one(2) == 2.0 and one(8) == pytest.approx(4.0)  # one bucket: below holds, above proportional
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(buckets=(), ms=()), "non-empty"),
+    (dict(buckets=(1, 2), ms=(1.0,)), "as long"),
+    (dict(buckets=(0, 2), ms=(1.0, 2.0)), "buckets[0]"),
+    (dict(buckets=(2, 2), ms=(1.0, 2.0)), "strictly increasing"),
+    (dict(buckets=(1, 2), ms=(1.0, -2.0)), "ms[1]"),
+    (dict(buckets=(1, 2), ms=(2.0, 1.0)), "non-decreasing"),
+    (dict(buckets=(1, 2), ms=(1.0, float("nan"))), "ms[1]"),
+])
+def test_table_rejects_bad_input_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        LatencyTable(**kw)
+
+
+def test_monotone_takes_a_running_maximum():
+    assert LatencyTable.monotone((1, 2, 4), (1.0, 0.8, 3.0)).ms == (1.0, 1.0, 3.0)
+
+
+tables = st.integers(1, 6).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(1, 600), min_size=n, max_size=n, unique=True).map(sorted),
+    st.lists(st.floats(0, 5), min_size=n, max_size=n))).map(
+    lambda bm: LatencyTable.monotone(tuple(bm[0]), [sum(bm[1][: i + 1]) for i in range(len(bm[1]))]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tables, tables, st.integers(0, 2000))
+def test_sum_of_tables_is_exact_and_segment_agrees(a, b, m):
+    s = a + b
+    assert s(m) == pytest.approx(a(m) + b(m), rel=1e-9, abs=1e-9)
+    if m >= 1:
+        start, v, slope = s.segment(m)
+        assert v + slope * (m - start) == pytest.approx(s(m), rel=1e-9, abs=1e-9)
+
+
+def hand_model(head_rows="last"):
+    # two linears: "a" x 2 instances, "b" x 1; head; attention; overhead (numbers chosen to add up by hand)
+    a = LatencyTable((1, 4), (1.0, 2.5))       # 0.5 ms per row between 1 and 4
+    b = LatencyTable((1, 2, 8), (0.25, 0.5, 2.0))  # 0.25 ms per row throughout
+    head = LatencyTable((1, 2), (0.5, 1.0))
+    attn = AttentionCost(per_seq_ms=0.01, per_query_ms=0.02, per_key_ms=0.001, per_pair_ms=0.0001)
+    return LatencyModel((LinearTable("a", 2, a), LinearTable("b", 1, b)), head, attn, n_layers=3,
+                        overhead=Overhead(fixed_ms=0.3, per_token_ms=0.05, per_seq_ms=0.02), head_rows=head_rows)
+
+
+def test_composition_against_a_hand_computed_case():
+    m = hand_model()
+    # one decode with 10 cached tokens + one prefill piece of 5 tokens after 2 cached: M = 6 rows, S = 2
+    got = m.predict_step_ms([10], [(5, 2)])
+    lin = 2 * (2.5 + 0.5 * 2) + (0.25 * 6)      # a(6) extends the 1->4 slope; b(6) = 1.5
+    head = 1.0                                   # two rows (one per sequence)
+    dec = 0.01 + 0.02 * 1 + 0.001 * 11 + 0.0001 * 11            # q=1, p=10: keys 11, pairs 11
+    pre = 0.01 + 0.02 * 5 + 0.001 * 7 + 0.0001 * (5 * 2 + 15)    # q=5, p=2: keys 7, pairs 10 + 15
+    over = 0.3 + 0.05 * 6 + 0.02 * 2
+    assert got == pytest.approx(lin + head + 3 * (dec + pre) + over, rel=1e-12)
+    # head on every row instead: head(6) = 1.0 + 0.5 * 4 = 3.0
+    assert hand_model("all").predict_step_ms([10], [(5, 2)]) == pytest.approx(lin + 3.0 + 3 * (dec + pre) + over)
+    assert m.predict_step_ms() == 0.0
+
+
+def test_piece_terms_match_the_prediction():
+    m = hand_model()
+    base_attn = m.decode_attention_ms([10, 40])
+    base, k1, k2, per_m = m.piece_terms(2, 2, base_attn, 7)
+    for c in (1, 3, 17, 100):
+        assert base + k1 * c + k2 * c * c + per_m(2 + c) == pytest.approx(m.predict_step_ms([10, 40], [(c, 7)]))
+
+
+def test_prediction_rejects_bad_pieces():
+    m = hand_model()
+    with pytest.raises(ValueError, match=r"decode_contexts\[1\]"):
+        m.predict_step_ms([3, -1])
+    with pytest.raises(ValueError, match=r"prefill_chunks\[0\]"):
+        m.predict_step_ms([], [(0, 3)])
+
+
+def test_model_round_trips_through_a_dict():
+    m = hand_model()
+    assert LatencyModel.from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="malformed"):
+        LatencyModel.from_dict({"linears": []})
+
+
+def test_attention_fit_recovers_the_coefficients():
+    true = AttentionCost(0.05, 0.001, 0.0002, 3e-6)
+    pts = [(q, p, true(q, p)) for q in (1, 8, 64, 256) for p in (0, 100, 1000)]
+    got = AttentionCost.fit(pts)
+    for q, p, ms in pts:
+        assert got(q, p) == pytest.approx(ms, rel=1e-6)
+    # a negative trend is not followed (coefficients stay >= 0, the model stays monotone)
+    neg = AttentionCost.fit([(1, 0, 1.0), (1, 100, 0.5), (1, 1000, 0.1)])
+    assert min(neg.to_dict().values()) >= 0
+
+
+def test_check_reports_median_and_p90_of_the_relative_error():
+    m = hand_model()
+    samples = []
+    for i, f in enumerate((1.0, 1.1, 0.8, 1.25, 1.0)):   # prediction / measured ratios chosen by hand
+        dec = [10 + i]
+        samples.append(StepSample(tuple(dec), (), m.predict_step_ms(dec) / f))
+    rep = check(m, samples)
+    errs = sorted(abs(f - 1) for f in (1.0, 1.1, 0.8, 1.25, 1.0))   # |pred - meas| / meas = |f - 1|
+    assert rep.n == 5
+    assert rep.median_abs_rel_err == pytest.approx(errs[2])
+    assert rep.p90_abs_rel_err == pytest.approx(errs[3] + 0.6 * (errs[4] - errs[3]))  # linear interpolation
+    assert rep.max_abs_rel_err == pytest.approx(0.25)
+    assert "median" in str(rep)
+
+
+def test_fit_overhead_recovers_a_known_overhead():
+    m = hand_model()
+    true = m.with_overhead(Overhead(0.7, 0.01, 0.03))
+    grid = [([c] * b, [(t, c)] if t else []) for b in (0, 1, 4) for t in (0, 5, 50) for c in (8, 64) if b or t]
+    samples = [StepSample(tuple(d), tuple(p), true.predict_step_ms(d, p)) for d, p in grid]
+    got = fit_overhead(m, samples)
+    assert got.overhead.fixed_ms == pytest.approx(0.7, rel=1e-6)
+    assert got.overhead.per_token_ms == pytest.approx(0.01, rel=1e-6)
+    assert got.overhead.per_seq_ms == pytest.approx(0.03, rel=1e-6)
+    assert check(got, samples).max_abs_rel_err < 1e-9
+
+
+def test_step_sample_and_overhead_validate():
+    with pytest.raises(ValueError, match="measured_ms"):
+        StepSample((1,), (), 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        StepSample((), (), 1.0)
+    with pytest.raises(ValueError, match="fixed_ms"):
+        Overhead(fixed_ms=-1)
+    with pytest.raises(ValueError, match="n_layers"):
+        LatencyModel((), None, AttentionCost(), 0)
+    assert math.isfinite(hand_model().max_bucket)
