@@ -16,7 +16,7 @@ from .passes import compile_config, spear_backend
 from .passes.backend import register as _register_backend
 from .quant import QuantFormatError, QuantLinear
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _register_backend()
 

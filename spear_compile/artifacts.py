@@ -180,7 +180,7 @@ def save(model: nn.Module, path: str) -> str:
     again by ``load``."""
     from safetensors.torch import save_file
 
-    from . import __version__
+    from ._version import __version__
 
     if not path:
         raise ArtifactError("save: empty path")

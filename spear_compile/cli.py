@@ -267,7 +267,7 @@ def _device(v: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     p = argparse.ArgumentParser(prog="spear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"spear_compile {__version__} (torch {torch.__version__})")

@@ -182,7 +182,7 @@ class CompileConfig(_Serialisable):
 
     crossover_m: rows M at which the overlapped (prefill) lowering beats the
         fused-epilogue (decode) one. ``None`` (default) = measured: the per-GPU,
-        per-shape table ``lowering/tuned/crossover_<GPU>.json`` written by
+        per-shape table ``dispatch/tuned/crossover_<GPU>.json`` (or the user cache's) written by
         ``benchmarks/kernels.py``; shapes or devices without a measurement use
         ``default_crossover_m``.
     enable_dequant_match / enable_int4pack_match: turn source-form matchers off.

@@ -11,7 +11,7 @@
    cheaper. Larger sets recompute the teacher per minibatch.
    With ``dense_weights`` the student's 4-bit weights are dequantized once for the whole run
    (fp32 copies, 4 bytes per weight) instead of in every forward and every backward of every
-   step; the same reference math (``lowering/w4a16.py``, ``lowering/ec_linear.py``), so the
+   step; the same reference math (``ops/w4a16_ref.py``, ``ops/ec_ref.py``), so the
    losses are unchanged (tested). With ``train_quant`` the scales and zero points are trained
    too (``QuantParams``): those weights are rebuilt from their 4-bit codes in every forward, and
    the trained values are written back into the modules when training ends (normally or by
