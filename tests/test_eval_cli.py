@@ -57,7 +57,6 @@ def test_eval_rejects_unknown_quantizer_and_method():
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--group-size", "7"], "--group-size 7; expected 0"),
     (["--budget", "-1"], "--budget -1.0; expected a fraction"),
     (["--budget", "nan"], "--budget nan"),
     (["--seq-len", "0"], "--seq-len 0; expected an integer >= 2"),
