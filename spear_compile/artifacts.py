@@ -255,6 +255,12 @@ def _ec_record(ec: ErrorCompensator) -> dict[str, Any]:
             "in_features": ec.A.shape[1], "out_features": ec.B.shape[0]}
 
 
+def _ec_from_record(e: dict[str, Any], in_features: int, out_features: int, map_location) -> ErrorCompensator:
+    """An empty EC of the shape and config ``_ec_record`` wrote (its tensors are loaded after)."""
+    cfg = ECConfig.from_dict({**e["config"], "rank": e["rank"], "gate_hidden": e["gate_hidden"]})
+    return ErrorCompensator(in_features, out_features, cfg, device=map_location, dtype=getattr(torch, e["dtype"]))
+
+
 def _foreign_ecs(model: nn.Module) -> dict[str, ErrorCompensator]:
     """ECs registered (``attach_`` / ``register_ec``) for the integer weight of a non-QuantLinear module."""
     out = {}
@@ -292,7 +298,7 @@ def _check_architecture(path: str, cfg: dict[str, Any], skel: nn.Module) -> None
         raise ArtifactError(f"{where}: it is a {_qualname(skel)}, the artifact holds a {arch['class']}")
     mods = dict(skel.named_modules())
     for fqn, cls in arch["modules"].items():
-        if _under_quantized(fqn, cfg):
+        if _in_quantized(fqn, cfg):  # a quantized module's EC is the artifact's to add, not the model's
             continue
         m = mods.get(fqn)
         if m is None:
@@ -306,7 +312,7 @@ def _check_architecture(path: str, cfg: dict[str, Any], skel: nn.Module) -> None
                                     f"is {q['out_features']}x{q['in_features']}")
         elif _qualname(m) != cls:
             raise ArtifactError(f"{where}: {fqn} is a {_qualname(m)}, the artifact's is a {cls}")
-    extra = [f for f in mods if f and f not in arch["modules"] and not _under_quantized(f, cfg)]
+    extra = [f for f in mods if f and f not in arch["modules"] and not _in_quantized(f, cfg)]
     if extra:
         raise ArtifactError(f"{where}: it has module {extra[0]!r}, which the artifact's model does not")
     got = getattr(skel, "config", None)
@@ -318,11 +324,6 @@ def _check_architecture(path: str, cfg: dict[str, Any], skel: nn.Module) -> None
                 continue
             if want.get(k) != have.get(k):
                 raise ArtifactError(f"{where}: config.{k} is {have.get(k)!r}, the artifact's is {want.get(k)!r}")
-
-
-def _under_quantized(fqn: str, cfg: dict[str, Any]) -> bool:
-    """A submodule of a quantized module (its EC) is the artifact's to add, not the model's."""
-    return any(fqn.startswith(q + ".") for q in cfg["quantized"])
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -497,9 +498,7 @@ def _foreign_from(path: str, records: dict, tensors: dict, skel: nn.Module, map_
             weight = _integer_weight(mod, fqn)
         except ValueError as err:
             raise ArtifactError(f"{path}: EC for {fqn!r}: {err}") from None
-        ec = ErrorCompensator(e["in_features"], e["out_features"],
-                              ECConfig.from_dict({**e["config"], "rank": e["rank"], "gate_hidden": e["gate_hidden"]}),
-                              device=map_location, dtype=getattr(torch, e["dtype"]))
+        ec = _ec_from_record(e, e["in_features"], e["out_features"], map_location)
         prefix = f"{FOREIGN_EC_PREFIX}{fqn}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         try:
@@ -527,10 +526,7 @@ def _rebuild(path: str, cfg: dict[str, Any], model: Optional[nn.Module], map_loc
         if fqn not in cfg["quantized"]:
             raise ArtifactError(f"{path}: EC on {fqn!r}, which is not a quantized module of the artifact")
         ql = skel.get_submodule(fqn)
-        ec = ErrorCompensator(ql.in_features, ql.out_features,
-                              ECConfig.from_dict({**e["config"], "rank": e["rank"], "gate_hidden": e["gate_hidden"]}),
-                              device=map_location, dtype=getattr(torch, e["dtype"]))
-        ql.ec = ec
+        ql.ec = _ec_from_record(e, ql.in_features, ql.out_features, map_location)
     return skel
 
 

@@ -40,15 +40,14 @@ def _positive(flag: str):
 
 
 def _group_size(v: str) -> int:
-    from .config import GROUP_SIZES
+    from .config import GROUP_SIZES, check_group_size
 
+    msg = f"--group-size {v!r}: expected 0 (per-channel) or one of {', '.join(map(str, GROUP_SIZES))}"
     try:
         g = int(v)
+        check_group_size(g or None, "--group-size")  # the one rule QuantConfig and QuantLinear apply
     except ValueError:
-        g = None
-    if g != 0 and g not in GROUP_SIZES:
-        raise argparse.ArgumentTypeError(f"--group-size {v!r}: expected 0 (per-channel) or one of "
-                                         f"{', '.join(map(str, GROUP_SIZES))}")
+        raise argparse.ArgumentTypeError(msg) from None
     return g
 
 

@@ -136,27 +136,13 @@ def _chain(w) -> Optional[list[tuple[str, fx.Node, Any]]]:
             n = n.args[0]
         elif _is(n, (aten.mul.Tensor,)):
             a, b = n.args
-            first = a if _leads_to_integers(a) else b if _leads_to_integers(b) else None
-            if first is None:
-                return None
-            ops.append(("mul", n, b if first is a else a))
-            n = first
+            for chain_arg, scale in ((a, b), (b, a)):  # the argument that leads to the integers is the chain
+                inner = _chain(chain_arg)
+                if inner is not None:
+                    return inner + [("mul", n, scale)] + ops[::-1]
+            return None
         else:
             return None
-
-
-def _leads_to_integers(n) -> bool:
-    while isinstance(n, fx.Node):
-        v = _val(n)
-        if not isinstance(v, torch.Tensor):
-            return False
-        if not v.is_floating_point():
-            return True
-        if not (_is(n, _RESHAPES + (prims.convert_element_type.default, aten.sub.Tensor, aten.mul.Tensor))):
-            return False
-        n = n.args[0] if not _is(n, (aten.mul.Tensor,)) else next(
-            (a for a in n.args if _leads_to_integers(a)), None)
-    return False
 
 
 def _check_chain(chain: list, N: int, K: int, dtype) -> Optional[dict]:

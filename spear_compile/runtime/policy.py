@@ -101,6 +101,16 @@ def _decodes(state: SchedulerState):
     return [d.request_id for d in run], preempt, sum(d.context_len for d in run), free - need, head_out
 
 
+def _unblock_plan(state: SchedulerState, run, preempt, free: int, predicts: bool) -> Optional[StepPlan]:
+    """The step that only preempts younger partial prefills to free KV for the oldest request
+    (``_unblock``), or None when nothing needs preempting; shared by both policies."""
+    unblock = _unblock(state, run, preempt, free)
+    if not unblock:
+        return None
+    return StepPlan((), (), 0.0 if predicts else None, 0, tuple(unblock), False,
+                    "younger partial prefills preempted to free KV for the oldest")
+
+
 def _unblock(state: SchedulerState, run, preempt, free) -> list:
     """Nothing runs and the oldest request cannot get the KV for the rest of its prompt while younger
     partial prefills hold blocks: preempt those (the youngest first), or nothing could ever progress."""
@@ -224,10 +234,9 @@ class SloChunkPolicy:
     def plan(self, state: SchedulerState) -> StepPlan:
         model, bs = self.model, state.kv.block_size
         run, preempt, ctx, free, head_out = _decodes(state)
-        unblock = _unblock(state, run, preempt, free)
-        if unblock:
-            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
-                            "younger partial prefills preempted to free KV for the oldest")
+        stalled = _unblock_plan(state, run, preempt, free, self.model is not None)
+        if stalled is not None:
+            return stalled
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         tokens = seqs = len(run)
         attn = model.decodes_attention_ms(len(run), ctx)
@@ -281,10 +290,9 @@ class StaticChunkPolicy:
     def plan(self, state: SchedulerState) -> StepPlan:
         bs = state.kv.block_size
         run, preempt, ctx, free, head_out = _decodes(state)
-        unblock = _unblock(state, run, preempt, free)
-        if unblock:
-            return StepPlan((), (), 0.0 if self.model is not None else None, 0, tuple(unblock), False,
-                            "younger partial prefills preempted to free KV for the oldest")
+        stalled = _unblock_plan(state, run, preempt, free, self.model is not None)
+        if stalled is not None:
+            return stalled
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         budget, pieces, chunks, reason = self.chunk, [], [], "no request waits"
         for w in () if head_out else state.waiting_fcfs():
