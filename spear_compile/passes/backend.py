@@ -16,6 +16,12 @@ An EC registered for a foreign weight must end up in the compiled graph: after t
 traced to a graph input) compilation stops with :class:`~spear_compile.errors.UnmatchedECError`
 naming the module and the ops that read its weight (``on_unmatched_ec="warn"``: a warning, and the
 model compiles without the EC).
+
+Every compilation leaves a record of its spear linears (``passes/record_plan.py``: shapes, EC ranks,
+lowering, the kernel route per M bucket) in ``passes/compiled_plans.py``, which the runtime reads
+(``spear_compile.runtime.plan_of`` / ``scheduler_for``). When Inductor's cache answers without running
+the passes, the record saved when they last ran is read back; if there is none, the graph is compiled
+once more with the caches off so that the passes run.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch
 from ..compensators.registry import lookup_ec
 from ..config import CompileConfig
 from ..errors import UnmatchedECError
+from . import compiled_plans
 from .common import EC_PARAMS
 from .context import InputInfo, PassContext, fqn_from_source
 from .manager import SpearPassManager
@@ -136,15 +143,31 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
     gm, extra, ec_inputs = _add_ec_inputs(gm, infos)
     ctx = PassContext(config=_resolve_config(options), inputs=infos, ec_inputs=ec_inputs,
                       observer=_OBSERVERS[-1] if _OBSERVERS else None)
-    patches: dict[str, Any] = {"post_grad_custom_post_pass": _CheckedPassManager(ctx)}
+    manager = _CheckedPassManager(ctx)
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": manager}
     inputs = list(example_inputs) + extra
+    key = compiled_plans.graph_key(manager.uuid(), gm)
     if ctx.observer is None:
         compiled = compile_fx(gm, inputs, config_patches=patches)
     else:  # inspection must see the passes run: a cache hit would skip them
-        patches["fx_graph_cache"] = False
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = compile_fx(gm, inputs, config_patches=patches)
+        compiled = _compile_uncached(compile_fx, gm, inputs, patches)
+    records, source = ctx.plan_records, "passes"
+    if records is None:  # a cache hit skipped the passes: the records saved when they ran, else run them
+        records, source = compiled_plans.load(key), "cache"
+        if records is None:
+            compiled = _compile_uncached(compile_fx, gm, inputs, patches)
+            records, source = ctx.plan_records or [], "passes"
+    if source == "passes":
+        compiled_plans.save(key, records, ctx.config.fingerprint())
+    compiled_plans.register(key, records, ctx.config.fingerprint(), [(i.name, i.tensor) for i in ctx.inputs],
+                            source)
     return compiled if not extra else _with_extra_inputs(compiled, extra)
+
+
+def _compile_uncached(compile_fx, gm, inputs, patches):
+    """``compile_fx`` with Inductor's FX graph cache and AOTAutograd's cache off, so the passes run."""
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, inputs, config_patches={**patches, "fx_graph_cache": False})
 
 
 class _CheckedPassManager(SpearPassManager):

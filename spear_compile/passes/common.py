@@ -147,10 +147,10 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     return new
 
 
-def cat_route(kw: dict, op: str, norm: bool) -> Optional[Route]:
+def cat_route(kw: dict, op: str, norm: bool, M: int = 1) -> Optional[Route]:
     """The route of a decode concatenation / GLU op (``op``: w4a16_cat, w4a16_glu, ec_cat, ec_glu) over the
     parts in ``kw`` (a ``w4a16_linear_cat`` / ``ec_linear_cat``'s bound arguments, or the op's own), asked
-    from the graph's fake values as the runtime asks it; None where a value is missing."""
+    from the graph's fake values as the runtime asks it at ``M`` rows; None where a value is missing."""
     x = kw["x"].meta.get("val")
     vals = {k: [getattr(n, "meta", {}).get("val") if n is not None else None for n in kw.get(k) or ()]
             for k in ("qweights", "scales", "zeros", "biases", "As", "Bs", "W1s")}
@@ -159,5 +159,5 @@ def cat_route(kw: dict, op: str, norm: bool) -> Optional[Route]:
     ec = op.startswith("ec")
     p = cat_problem_of(op, x, vals["qweights"], vals["scales"], vals["zeros"], kw["group_size"], vals["biases"],
                        vals["As"] if ec else None, vals["Bs"] if ec else None, vals["W1s"] if ec else None,
-                       layout=kw["layout"], norm=norm, M=1)
+                       layout=kw["layout"], norm=norm, M=M)
     return route(p)

@@ -31,6 +31,8 @@ class PassContext:
     observer: Optional[Callable[[str, str, fx.Graph, "object"], None]] = None  # (phase, pass, graph, pass obj)
     # input index of a foreign integer weight -> ({EC param name: input index}, EC, EC name)
     ec_inputs: dict[int, tuple[dict[str, int], Any, str]] = dataclasses.field(default_factory=dict)
+    # what was compiled (``passes/record_plan.py``); None until that pass ran on this graph
+    plan_records: Optional[list[dict]] = None
 
     def _placeholder_index(self, node: fx.Node) -> Optional[int]:
         if node.op != "placeholder" or node.graph is None:
@@ -74,8 +76,9 @@ _PART = re.compile(r"\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
 
 def fqn_from_source(source: str) -> str:
-    """Turn Dynamo's source name ``L['self']._modules['q_proj']._buffers['qweight']`` into ``q_proj.qweight``."""
-    m = re.match(r"^L\['[^']+'\]", source)
+    """Turn Dynamo's source name ``L['self']._modules['q_proj']._buffers['qweight']`` into ``q_proj.qweight``
+    (torch 2.13 names the compiled module ``L['args'][0]``: the same name)."""
+    m = re.match(r"^L\['args'\]\[0\](?=\.)|^L\['[^']+'\]", source)
     rest = source[m.end():] if m else source
     parts = [a or b or c for a, b, c in _PART.findall(rest)]
     return ".".join(p for p in parts if p not in ("_modules", "_parameters", "_buffers")) or source

@@ -3,7 +3,8 @@
 Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
 foreign source forms, then phase dispatch over everything that became a spear linear, then
 the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, the RMSNorm
-in front of those GEMVs into their x staging, residual adds into the GEMV epilogue.
+in front of those GEMVs into their x staging, residual adds into the GEMV epilogue; last, the record of
+what was compiled for the runtime (``record_plan``, which changes nothing).
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
 
 ``uuid()`` feeds Inductor's FX graph cache key: it hashes every pass's source with the route's
@@ -33,9 +34,10 @@ from .match_dequant_linear import MatchDequantLinear
 from .match_int4pack_mm import MatchInt4PackMM
 from .match_spear_op import MatchSpearOp
 from .phase_dispatch import PhaseDispatch
+from .record_plan import RecordPlan
 
 PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch,
-                                       FuseSharedInput, FuseGLU, FuseRMSNorm, FoldResidualAdd)
+                                       FuseSharedInput, FuseGLU, FuseRMSNorm, FoldResidualAdd, RecordPlan)
 
 
 class SpearPassManager(CustomGraphPass):

@@ -2,8 +2,9 @@
 
 * ``state``: the scheduler's input (running decodes, waiting requests, the KV cache) and output
   (``StepPlan``), frozen and validated.
-* ``plan``: what was compiled, as the latency model sees it (``Plan``, ``PlannedLinear``); the backend
-  will fill it.
+* ``plan``: what was compiled, as the latency model sees it (``Plan``, ``PlannedLinear``, ``PlannedOp``);
+  ``compiled``: ``plan_of(model)`` from what the spear backend recorded, and ``scheduler_for(compiled,
+  slo_itl_ms)``, the SLO policy on the plan's latency model (cached, measured on first use).
 * ``latency``: per-linear tables by M bucket, attention by (new tokens, cached tokens), the head and a
   per-step overhead composed into ``LatencyModel.predict_step_ms``; ``check`` / ``fit_overhead`` against
   measured whole steps. ``latency_cache``: the JSON cache keyed by GPU, model, config hash and version.
@@ -17,13 +18,14 @@ parent package already imported. Kernel-level measurements that drive compilatio
 """
 from .latency import AttentionCost, FitReport, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, check, fit_overhead
 from .latency_cache import CacheKey, load, load_or_measure, save
-from .plan import Plan, PlannedLinear
+from .compiled import PlanError, plan_of, scheduler_for
+from .plan import Plan, PlannedLinear, PlannedOp
 from .policy import SchedulingError, SloChunkPolicy, StaticChunkPolicy
 from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest
 
 __all__ = [
     "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
-    "Plan", "PlannedLinear", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
+    "Plan", "PlanError", "PlannedLinear", "PlannedOp", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
     "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "check", "fit_overhead", "load",
-    "load_or_measure", "save",
+    "load_or_measure", "plan_of", "save", "scheduler_for",
 ]

@@ -96,6 +96,9 @@ def test_fqn_from_dynamo_source():
     src = "L['self']._modules['model']._modules['layers']._modules['0']._modules['q_proj']._buffers['qweight']"
     assert fqn_from_source(src) == "model.layers.0.q_proj.qweight"
     assert fqn_from_source("L['x']") == "L['x']"
+    # torch 2.13 passes the compiled module as the first positional argument
+    assert fqn_from_source("L['args'][0]._modules['model']._modules['layers']._modules['0']._buffers['q']") == \
+        "model.layers.0.q"
 
 
 def test_compiling_under_grad_mode_works_for_inference():

@@ -1,0 +1,180 @@
+"""From a model compiled with ``backend="spear"`` to its plan, its latency model and its scheduler.
+
+``plan_of(model)`` reads what the backend recorded for the graphs that read ``model``'s weights
+(``passes/compiled_plans.py``): every spear op with its shapes, EC ranks, lowering and the kernel route
+per M bucket. Ops that read the same weights are one ``PlannedLinear`` (a q / k / v group is one
+concatenated op at decode and three ops at prefill); linears whose names differ only in layer numbers
+and whose ops agree are counted together. Attention and head shapes come from the model's HF config
+(``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+``hidden_size``, ``vocab_size``), or from keyword overrides for other models.
+
+``scheduler_for(compiled, slo_itl_ms)`` builds the ``SloChunkPolicy`` from that plan's latency model,
+read from the user cache (``<cache dir>/latency/``, keyed by GPU, model, plan hash and library
+version), or measured on this device on first use (with a progress bar; it says so) and saved.
+
+The model must have been compiled and run before: the backend compiles lazily, on the first call, and
+a graph of each shape the server will run (a decode step, a prefill step) should have run once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Callable, Optional
+
+from ..passes import compiled_plans
+from .latency_cache import CacheKey, load_or_measure
+from .measure import measure_and_fit
+from .plan import Plan, PlannedLinear, PlannedOp, ops_at
+from .policy import SloChunkPolicy
+
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+class PlanError(RuntimeError):
+    """The plan of a model cannot be built (nothing compiled, or a shape the config does not give)."""
+
+
+def _dedup(records: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for r in records:
+        k = (r["op"], tuple(r["weights"]), r["m_lo"], r["m_hi"])
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def _groups(records: list[dict]) -> list[list[dict]]:
+    """Records joined when they read a common weight (union-find over weight names), in first-seen order."""
+    parent: dict[str, str] = {}
+
+    def find(a):
+        while parent.setdefault(a, a) != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for r in records:
+        ws = r["weights"]
+        for w in ws[1:]:
+            parent[find(w)] = find(ws[0])
+        find(ws[0])
+    by_root: dict[str, list[dict]] = {}
+    for r in records:
+        by_root.setdefault(find(r["weights"][0]), []).append(r)
+    return list(by_root.values())
+
+
+def _signature(ops: tuple) -> tuple:
+    return tuple(sorted((o.op, o.parts, o.K, o.G, o.m_lo, o.m_hi, o.lowering, o.crossover, o.norm, o.routes)
+                        for o in ops))
+
+
+def _linear_routes(ops: tuple) -> tuple:
+    """``(up_to_m, description)`` runs over every recorded bucket of the ops."""
+    ms = sorted({m for o in ops for m, _ in o.routes} or {1})
+    runs: list = []
+    for m in ms:
+        desc = " + ".join(o.route_at(m) for o in ops_at(ops, m))
+        if runs and runs[-1][1] == desc:
+            runs[-1] = (m, desc)
+        else:
+            runs.append((m, desc))
+    return tuple(runs)
+
+
+def planned_linears(records: list[dict]) -> tuple:
+    """The ``PlannedLinear``s of a list of backend records (see the module docstring)."""
+    kinds: dict[tuple, list] = {}
+    for group in _groups(_dedup(records)):
+        weights = sorted({w for r in group for w in r["weights"]})
+        rows: dict[str, int] = {}
+        ranks: dict[str, int] = {}
+        for r in group:
+            for w, (n, k, _) in zip(r["weights"], r["parts"]):
+                rows[w], ranks[w] = n, max(k, ranks.get(w, 0))
+        ops = tuple(PlannedOp.from_record(r) for r in group)
+        pattern = "+".join(_LAYER.sub("*", w) for w in weights)
+        key = (pattern, _signature(ops))
+        if key in kinds:
+            kinds[key][1] += 1
+        else:
+            kinds[key] = [dict(K=group[0]["K"], N=sum(rows.values()), rank=max(ranks.values()), ops=ops), 1]
+    out, names = [], {}
+    for (pattern, _), (info, count) in kinds.items():
+        n = names[pattern] = names.get(pattern, 0) + 1
+        name = pattern if n == 1 else f"{pattern}#{n}"  # the same linears with other ECs or routes
+        out.append(PlannedLinear(name, info["K"], info["N"], ec_rank=info["rank"], count=count,
+                                 routes=_linear_routes(info["ops"]), ops=info["ops"]))
+    return tuple(out)
+
+
+def _config_value(cfg, names, override, what):
+    if override is not None:
+        return int(override)
+    for n in names:
+        v = getattr(cfg, n, None) if cfg is not None else None
+        if v is not None:
+            return int(v)
+    raise PlanError(f"plan_of: the model's config gives no {what} (looked for {', '.join(names)}); "
+                    f"pass {what}=... ")
+
+
+def plan_of(model, model_id: Optional[str] = None, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
+            n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None, hidden_size: Optional[int] = None,
+            vocab_size: Optional[int] = None, head_rows: str = "last") -> Plan:
+    """The ``Plan`` of ``model`` (an ``nn.Module`` compiled with ``backend="spear"``, or its
+    ``torch.compile`` wrapper) from what the backend recorded; ``PlanError`` if it has not compiled yet."""
+    inner = getattr(model, "_orig_mod", model)
+    graphs = compiled_plans.graphs_of(inner)
+    if not graphs:
+        raise PlanError(f"plan_of: no graph compiled with backend='spear' reads the weights of this "
+                        f"{type(inner).__name__}; compile it (torch.compile(model, backend='spear')) and run it "
+                        f"once (a prefill and a decode step) first")
+    records = [r for g in graphs for r in g.records]
+    if not records:
+        raise PlanError(f"plan_of: the spear backend compiled {len(graphs)} graph(s) of this "
+                        f"{type(inner).__name__} but found no quantized linear in them (quantize it with "
+                        f"spear.quantize_ first)")
+    cfg = getattr(inner, "config", None)
+    heads = _config_value(cfg, ("num_attention_heads",), n_heads, "n_heads")
+    hidden = _config_value(cfg, ("hidden_size",), hidden_size, "hidden_size")
+    dim = head_dim if head_dim is not None else (getattr(cfg, "head_dim", None) or hidden // heads)
+    h = hashlib.sha256(json.dumps(sorted(json.dumps(r, sort_keys=True) for r in records)).encode())
+    for g in graphs:
+        h.update(g.config_fingerprint.encode())
+    name = model_id or getattr(cfg, "_name_or_path", None) or type(inner).__name__
+    return Plan(model_id=str(name), config_hash=h.hexdigest()[:16], linears=planned_linears(records),
+                n_layers=_config_value(cfg, ("num_hidden_layers", "n_layer"), n_layers, "n_layers"), n_heads=heads,
+                n_kv_heads=_config_value(cfg, ("num_key_value_heads", "num_attention_heads"), n_kv_heads,
+                                         "n_kv_heads"),
+                head_dim=int(dim), hidden_size=hidden,
+                vocab_size=_config_value(cfg, ("vocab_size",), vocab_size, "vocab_size"),
+                dtype=records[0].get("dtype", "bfloat16"), head_rows=head_rows)
+
+
+def _device_of(model):
+    inner = getattr(model, "_orig_mod", model)
+    for t in list(inner.parameters()) + list(inner.buffers()):
+        return t.device
+    return "cpu"
+
+
+def scheduler_for(compiled_model, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32, device=None,
+                  step_fn: Optional[Callable] = None, log: Callable[[str], None] = print, plan: Optional[Plan] = None,
+                  **measure_kw) -> SloChunkPolicy:
+    """The SLO chunk policy for ``compiled_model``: its plan (``plan_of``, or ``plan``), the latency model
+    of that plan on this device (cached; measured on first use up to ``max_chunk`` rows, whole steps
+    by ``step_fn`` or a synthetic step of the same ops), and ``SloChunkPolicy(model, slo_itl_ms, ...)``."""
+    plan = plan or plan_of(compiled_model)
+    device = device if device is not None else _device_of(compiled_model)
+    key = CacheKey.for_plan(plan, device)
+
+    def measure():
+        model, _ = measure_and_fit(plan, step_fn=step_fn, device=device, max_m=max_chunk, **measure_kw)
+        return model
+
+    latency = load_or_measure(key, measure, log=log, meta={"linears": [lin.name for lin in plan.linears],
+                                                           "routes": list(plan.routes)})
+    return SloChunkPolicy(latency, slo_itl_ms, max_chunk=max_chunk, min_chunk=min_chunk)

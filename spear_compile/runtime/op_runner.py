@@ -1,0 +1,85 @@
+"""Run a planned linear's compiled ops on M rows, with random weights of its shapes, for timing.
+
+``op_runner(linear, m, device, dtype)`` builds, for each ``PlannedOp`` that runs ``m`` rows
+(``plan.ops_at``), a random packed int4 weight (and EC) of the op's shapes and returns a callable that
+calls the same ``torch.ops.spear`` op with the same lowering and crossover, so the dispatch takes the
+route the compiled graph takes (on a GPU the Triton / Gluon kernel, on CPU the reference). Random
+weights are fine here: the kernels' time does not depend on the values (the zero points are the
+integral 8 of a symmetric quantizer, so the routes that ask for integral zero points see what a
+quantized model gives them).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .plan import PlannedLinear, PlannedOp, ops_at
+
+
+def _weights(op: PlannedOp, device, dtype):
+    import torch
+
+    K, G = op.K, op.G
+    ng = 1 if G <= 0 or G >= K else K // G
+    out = []
+    for rows, rank, gate in op.parts:
+        q = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, device=device)
+        s = torch.rand(rows, ng, device=device, dtype=dtype) * 0.01 + 0.001
+        z = torch.full((rows, ng), 8.0, device=device, dtype=dtype) if op.has_zeros else None
+        b = torch.zeros(rows, device=device, dtype=dtype) if op.has_bias else None
+        ec = None
+        if rank:
+            D = gate or 16
+            ec = [torch.randn(rank, K, device=device, dtype=dtype) / K ** 0.5,
+                  torch.randn(rows, rank, device=device, dtype=dtype) * 0.01,
+                  torch.randn(D, rank, device=device, dtype=dtype) / rank ** 0.5,
+                  torch.zeros(D, device=device, dtype=dtype),
+                  torch.randn(rank, D, device=device, dtype=dtype) / D ** 0.5,
+                  torch.zeros(rank, device=device, dtype=dtype),
+                  torch.tensor(1.0, device=device, dtype=dtype)]
+        out.append((q, s, z, b, ec))
+    return out
+
+
+def op_call(op: PlannedOp, m: int, device, dtype) -> Callable[[], object]:
+    """A zero-argument callable running ``op`` once on ``m`` rows."""
+    import torch
+
+    if op.layout != "spear":
+        raise ValueError(f"op_runner: {op.op} has layout {op.layout!r}; only the spear layout is timed "
+                         f"(write the plan's linear by hand to time it as dense F.linear)")
+    ops = torch.ops.spear
+    x = torch.randn(m, op.K, device=device, dtype=dtype)
+    w = _weights(op, device, dtype)
+    qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [p[3] for p in w]
+    G = op.G
+    nw = torch.ones(op.K, device=device, dtype=dtype) if op.norm else None
+    if op.op == "w4a16":
+        return lambda: ops.w4a16_linear(x, qs[0], ss[0], zs[0], G, bs[0], op.layout, op.lowering, op.crossover)
+    if op.op == "ec":
+        e = w[0][4]
+        return lambda: ops.ec_linear(x, qs[0], ss[0], zs[0], G, bs[0], *e, op.act, op.layout, op.lowering,
+                                     op.crossover)
+    if op.op == "w4a16_cat":
+        return lambda: ops.w4a16_linear_cat(x, qs, ss, zs, G, bs, op.layout, nw)
+    if op.op == "w4a16_glu":
+        return lambda: ops.w4a16_linear_glu(x, qs, ss, zs, G, op.act, op.layout, nw)
+    ecs = [list(t) for t in zip(*[p[4] for p in w])]  # As, Bs, W1s, b1s, W2s, b2s, alphas
+    if op.op == "ec_cat":
+        return lambda: ops.ec_linear_cat(x, qs, ss, zs, G, bs, *ecs, op.act, op.layout, nw)
+    return lambda: ops.ec_linear_glu(x, qs, ss, zs, G, *ecs, op.act, op.layout, nw)
+
+
+def op_runner(lin: PlannedLinear, m: int, device, dtype) -> Callable[[], object]:
+    """Run every op of ``lin`` that runs ``m`` rows (a measurement runner, ``measure.Runner``)."""
+    if not lin.ops:
+        raise ValueError(f"op_runner: {lin.name!r} has no compiled ops (a hand-written plan linear); "
+                         f"time it with the reference runner")
+    calls = [op_call(o, m, device, dtype) for o in ops_at(lin.ops, m)]
+    if len(calls) == 1:
+        return calls[0]
+
+    def run():
+        for c in calls:
+            c()
+
+    return run
