@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Callable, Optional
 
-from ..passes import compiled_plans
+from ..api import quantized_linears
+from ..dispatch.route import problem_of, route
+from ..passes import compiled_plans, record_plan
 from .latency_cache import CacheKey, load_or_measure
 from .measure import measure_and_fit
 from .plan import Plan, PlannedLinear, PlannedOp, ops_at
@@ -110,6 +113,31 @@ def planned_linears(records: list[dict]) -> tuple:
     return tuple(out)
 
 
+def eager_records(model, dtype=None) -> list[dict]:
+    """Records of ``model``'s ``QuantLinear``s as they run eagerly (not compiled): one ``w4a16`` or ``ec``
+    op each, at every M, routed by ``dispatch.route`` from the module's own tensors at the M buckets."""
+    import torch
+
+    out = []
+    for fqn, mod in quantized_linears(model).items():
+        ec = mod.ec
+        x_dtype = dtype or mod.scales.dtype
+        op = "ec" if ec is not None else "w4a16"
+        ec_t = (ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha) if ec is not None else None
+        routes = []
+        for m in record_plan.buckets(1, math.inf):
+            x = torch.empty(m, mod.in_features, device=mod.qweight.device, dtype=x_dtype)
+            rt = route(problem_of(op, x, mod.qweight, mod.scales, mod.zeros, mod.group_size, mod.bias, ec_t))
+            routes.append([m, rt.describe()])
+        out.append({"op": op, "weights": [fqn], "K": mod.in_features, "G": mod.group_size, "layout": "spear",
+                    "parts": [[mod.out_features, ec.rank if ec is not None else 0,
+                               int(ec.W1.shape[0]) if ec is not None else 0]],
+                    "lowering": "auto", "crossover": 16, "norm": False, "act": ec.act if ec is not None else "silu",
+                    "has_bias": mod.bias is not None, "has_zeros": mod.zeros is not None,
+                    "dtype": str(x_dtype).replace("torch.", ""), "m_lo": 1, "m_hi": None, "routes": routes})
+    return out
+
+
 def _config_value(cfg, names, override, what):
     if override is not None:
         return int(override)
@@ -123,16 +151,21 @@ def _config_value(cfg, names, override, what):
 
 def plan_of(model, model_id: Optional[str] = None, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
             n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None, hidden_size: Optional[int] = None,
-            vocab_size: Optional[int] = None, head_rows: str = "last") -> Plan:
+            vocab_size: Optional[int] = None, head_rows: str = "last", eager: bool = False, dtype=None) -> Plan:
     """The ``Plan`` of ``model`` (an ``nn.Module`` compiled with ``backend="spear"``, or its
-    ``torch.compile`` wrapper) from what the backend recorded; ``PlanError`` if it has not compiled yet."""
+    ``torch.compile`` wrapper) from what the backend recorded; ``PlanError`` if it has not compiled yet.
+    ``eager=True``: the plan of the model run without compiling (``eager_records``; activations in
+    ``dtype``, default the scales' dtype)."""
     inner = getattr(model, "_orig_mod", model)
-    graphs = compiled_plans.graphs_of(inner)
-    if not graphs:
-        raise PlanError(f"plan_of: no graph compiled with backend='spear' reads the weights of this "
-                        f"{type(inner).__name__}; compile it (torch.compile(model, backend='spear')) and run it "
-                        f"once (a prefill and a decode step) first")
-    records = [r for g in graphs for r in g.records]
+    if eager:
+        graphs, records = [], eager_records(inner, dtype)
+    else:
+        graphs = compiled_plans.graphs_of(inner)
+        if not graphs:
+            raise PlanError(f"plan_of: no graph compiled with backend='spear' reads the weights of this "
+                            f"{type(inner).__name__}; compile it (torch.compile(model, backend='spear')) and run "
+                            f"it once (a prefill and a decode step) first, or ask for the eager plan (eager=True)")
+        records = [r for g in graphs for r in g.records]
     if not records:
         raise PlanError(f"plan_of: the spear backend compiled {len(graphs)} graph(s) of this "
                         f"{type(inner).__name__} but found no quantized linear in them (quantize it with "
@@ -142,6 +175,7 @@ def plan_of(model, model_id: Optional[str] = None, n_layers: Optional[int] = Non
     hidden = _config_value(cfg, ("hidden_size",), hidden_size, "hidden_size")
     dim = head_dim if head_dim is not None else (getattr(cfg, "head_dim", None) or hidden // heads)
     h = hashlib.sha256(json.dumps(sorted(json.dumps(r, sort_keys=True) for r in records)).encode())
+    h.update(b"eager" if eager else b"compiled")
     for g in graphs:
         h.update(g.config_fingerprint.encode())
     name = model_id or getattr(cfg, "_name_or_path", None) or type(inner).__name__
@@ -163,11 +197,12 @@ def _device_of(model):
 
 def scheduler_for(compiled_model, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32, device=None,
                   step_fn: Optional[Callable] = None, log: Callable[[str], None] = print, plan: Optional[Plan] = None,
-                  **measure_kw) -> SloChunkPolicy:
+                  eager: bool = False, **measure_kw) -> SloChunkPolicy:
     """The SLO chunk policy for ``compiled_model``: its plan (``plan_of``, or ``plan``), the latency model
     of that plan on this device (cached; measured on first use up to ``max_chunk`` rows, whole steps
-    by ``step_fn`` or a synthetic step of the same ops), and ``SloChunkPolicy(model, slo_itl_ms, ...)``."""
-    plan = plan or plan_of(compiled_model)
+    by ``step_fn`` or a synthetic step of the same ops), and ``SloChunkPolicy(model, slo_itl_ms, ...)``.
+    ``eager=True``: for the model run without compiling (its ``QuantLinear``s' ops as they are)."""
+    plan = plan or plan_of(compiled_model, eager=eager)
     device = device if device is not None else _device_of(compiled_model)
     key = CacheKey.for_plan(plan, device)
 

@@ -121,3 +121,16 @@ def test_planned_op_checks_and_nearest_ops():
     pre = PlannedOp("w4a16", ((8, 0, 0),), 64, 32, m_lo=8, m_hi=8, routes=((8, "gemm"),))
     assert ops_at((dec, pre), 1) == (dec,) and ops_at((dec, pre), 8) == (pre,)
     assert ops_at((dec, pre), 64) == (pre,) and ops_at((dec, pre), 3) == (dec,)  # nearest graph
+
+
+def test_eager_plan_has_one_op_per_quantized_linear_at_every_m():
+    m = _model()
+    plan = runtime.plan_of(m, eager=True)
+    quant = {n: mod for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
+    assert sum(lin.count for lin in plan.linears) == len(quant)
+    assert sorted(lin.ec_rank for lin in plan.linears if lin.ec_rank) == [4, 5]
+    for lin in plan.linears:
+        (op,) = lin.ops
+        assert op.op in ("w4a16", "ec") and op.m_lo == 1 and op.m_hi is None
+        assert lin.route_at(1) == lin.route_at(4096) == "reference"  # CPU: the PyTorch reference
+    assert plan.config_hash != runtime.plan_of(_compiled(_model())).config_hash

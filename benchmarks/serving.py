@@ -1,0 +1,345 @@
+"""Serving under an inter-token-latency SLO: SPEAR's dynamic chunks against static chunks, on the real engine.
+
+Every run goes through ``spear_compile.runtime.Engine`` (transformers' continuous batching with our
+scheduler, the model compiled with ``backend="spear"``): Poisson arrivals at ``--rates`` requests per
+second, prompt and output lengths drawn from the stated distributions (seeded, the same workload for
+every policy), ECs on ``--densities`` percent of the linears (random EC weights of rank ``--rank``:
+the latency does not depend on their values). Policies: ``dynamic`` (``scheduler_for(model, slo)``:
+the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO, and
+static chunks (``StaticChunkPolicy``, Sarathi / vLLM's fixed token budget) of ``--chunks`` tokens,
+each run once and scored against every SLO.
+
+Per (policy, chunk or "dynamic", ec_density, slo_ms, rate) a row holds p50 / p99 ITL, SLO attainment
+(the share of inter-token gaps within the SLO), mean / p99 TTFT (first token - arrival), throughput
+(generated tokens / makespan), the policy's planning cost per step (p99 microseconds, and its share
+of the mean step), and the latency model's error on that run's steps: each engine step's wall time (the
+gap between two successive calls of the policy) against ``predict_step_ms`` for what it ran (median
+and p90 of the absolute relative error). Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
+the top, and ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density).
+
+Models: ``--model smollm2`` (the real SmolLM2-135M, fp32 on CPU, SLO scaled to its measured decode
+step: ``--slo-ms auto`` = 1.5x and 2.5x the median batch-1 decode step through the engine) or
+``llama2-7b`` (Llama-2-7B-shaped ``LlamaForCausalLM`` with random bf16 weights on CUDA, SLOs 16 and 22
+ms). W4 group 128 (SmolLM2: 64, its hidden size 576 is not a multiple of 128).
+
+    python benchmarks/serving.py --device cpu --out results/serving/cpu         # SmolLM2, a small grid
+    python benchmarks/serving.py --device cuda --model llama2-7b --out OUT      # the H200 grid
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import spear_compile as spear  # noqa: E402
+from spear_compile import QuantConfig, runtime  # noqa: E402
+from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------- model and ECs
+
+
+def build_model(name: str, device: str):
+    if name == "smollm2":
+        from spear_compile.models.smollm2 import load_smollm2
+
+        model, _ = load_smollm2(torch.float32)
+        group = 64
+    elif name == "llama2-7b":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=32, vocab_size=32000, max_position_embeddings=8192)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        group = 128
+    else:
+        raise SystemExit(f"--model {name!r}: expected smollm2 or llama2-7b")
+    model = model.to(device).eval()
+    spear.quantize_(model, QuantConfig(group_size=group))
+    return model
+
+
+def set_ec_density(model, percent: int, rank: int, seed: int = 0) -> list:
+    """ECs (random, rank ``rank``) on ``percent`` % of the quantized linears, evenly spread; returns their names."""
+    spear.detach_(model)
+    lins = list(spear.quantized_linears(model).items())
+    n = round(len(lins) * percent / 100)
+    if n == 0:
+        return []
+    pick = [lins[int(i * len(lins) / n)] for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    ecs = {}
+    for fqn, mod in pick:
+        ec = spear.ErrorCompensator(mod.in_features, mod.out_features, spear.ECConfig(rank=rank))
+        with torch.no_grad():
+            for p in ec.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        ecs[fqn] = ec.to(device=mod.qweight.device, dtype=mod.scales.dtype)
+    spear.attach_(model, ecs)
+    return [f for f, _ in pick]
+
+
+# ---------------------------------------------------------------- workload
+
+
+def workload(n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed: int) -> list:
+    """``n`` requests: (arrival s, prompt ids, max_new_tokens). Prompt lengths lognormal around ``prompt[0]``
+    clipped to ``prompt[1:]``; outputs uniform in ``output``; inter-arrivals exponential of mean 1/rate."""
+    g = torch.Generator().manual_seed(seed)
+    t, out = 0.0, []
+    mean, lo, hi = prompt
+    for _ in range(n):
+        t += float(torch.empty(1).exponential_(rate, generator=g))
+        p = int(min(hi, max(lo, round(mean * float(torch.empty(1).log_normal_(0.0, 0.5, generator=g))))))
+        o = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
+        out.append((t, torch.randint(10, vocab - 10, (p,), generator=g).tolist(), o))
+    return out
+
+
+class TimedPolicy:
+    """A policy that records its planning time, when it was asked (one call per engine step: the gap to
+    the next call is that step's wall time) and what it planned (decode contexts, prefill pieces)."""
+
+    def __init__(self, inner):
+        self.inner, self.us, self.steps = inner, [], []
+
+    def plan(self, state):
+        t0 = time.perf_counter_ns()
+        p = self.inner.plan(state)
+        self.us.append((time.perf_counter_ns() - t0) / 1e3)
+        ctx = {d.request_id: d.context_len for d in state.decodes}
+        done = {w.request_id: w.prefilled for w in state.waiting}
+        self.steps.append((t0 / 1e6, tuple(ctx[r] for r in p.decode_ids),
+                           tuple((c, done.get(r, 0)) for r, c in p.prefill)))
+        return p
+
+
+def prediction_error(steps: list, latency_model) -> dict:
+    """|predicted - measured| / measured over the steps that ran work and were followed by another call
+    at once (an idle engine waits between calls, which is not step time)."""
+    errs, pts = [], []
+    for (t, dec, pre), (t2, _, _) in zip(steps, steps[1:]):
+        if not dec and not pre:
+            continue
+        measured = t2 - t
+        pred = latency_model.predict_step_ms(dec, pre)
+        errs.append(abs(pred - measured) / measured)
+        pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3)))
+    if not errs:
+        return {}
+    return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
+            "sample": pts[:: max(1, len(pts) // 40)]}
+
+
+def run(engine_kw: dict, policy, reqs: list, timeout_s: float) -> dict:
+    """Serve ``reqs`` on a fresh engine with ``policy``; token arrival times per request."""
+    timed = TimedPolicy(policy)
+    eng = Engine(policy=timed, **engine_kw)
+    eng.start()
+    times = [[] for _ in reqs]
+    t0 = time.perf_counter()
+    errors = []
+
+    def consume(i, rid):
+        try:
+            for _ in eng.stream(rid):
+                times[i].append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001  (recorded and reported in the row)
+            errors.append(f"{rid}: {e}")
+
+    threads = []
+    for i, (arr, ids, m) in enumerate(reqs):
+        wait = arr - (time.perf_counter() - t0)
+        if wait > 0:
+            time.sleep(wait)
+        rid = eng.add_request(ids, max_new_tokens=m, eos_token_id=-1)
+        th = threading.Thread(target=consume, args=(i, rid), daemon=True)
+        th.start()
+        threads.append(th)
+    deadline = time.perf_counter() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.perf_counter()))
+    makespan = time.perf_counter() - t0
+    eng.stop(wait=False)
+    return {"times": times, "makespan": makespan, "sched_us": timed.us, "steps": timed.steps, "errors": errors}
+
+
+def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
+    itl, ttft = [], []
+    for (arr, _, _), ts in zip(reqs, res["times"]):
+        if ts:
+            ttft.append((ts[0] - arr) * 1e3)
+            itl += [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
+    gen = sum(len(ts) for ts in res["times"])
+    step_ms = res["makespan"] * 1e3 / max(1, len(res["sched_us"]))
+    us99 = pct(res["sched_us"], 99)
+    return {"p50_itl_ms": pct(itl, 50), "p99_itl_ms": pct(itl, 99),
+            "slo_attainment": (sum(x <= slo_ms for x in itl) / len(itl)) if itl else None,
+            "mean_ttft_ms": statistics.fmean(ttft) if ttft else None, "p99_ttft_ms": pct(ttft, 99),
+            "throughput_tok_s": gen / res["makespan"], "sched_us_p50": pct(res["sched_us"], 50), "sched_us_p99": us99,
+            "sched_share_of_step": (us99 / 1e3 / step_ms) if us99 is not None else None,
+            "steps": len(res["sched_us"]), "completed": sum(1 for (_, _, m), ts in zip(reqs, res["times"])
+                                                              if len(ts) >= m),
+            "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
+            "prediction": prediction_error(res["steps"], latency_model) if latency_model is not None else {}}
+
+
+def decode_step_ms(engine_kw: dict, vocab: int) -> float:
+    """Median gap between tokens of one request alone (batch-1 decode through the engine)."""
+    res = run(engine_kw, StaticChunkPolicy(512), [(0.0, list(range(10, 42)), 48)], 600)
+    ts = res["times"][0][8:]
+    return statistics.median([(b - a) * 1e3 for a, b in zip(ts, ts[1:])])
+
+
+# ---------------------------------------------------------------- plot
+
+
+def svg(rows: list, path: str) -> None:
+    """Two panels of bars: p99 ITL (with the SLO lines) and mean TTFT, per (density, policy)."""
+    keys = sorted({(r["ec_density"], r["policy_label"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    pick = {}
+    for r in rows:  # one SLO per bar: the tightest the row was scored against
+        k = (r["ec_density"], r["policy_label"])
+        if k not in pick or r["slo_ms"] < pick[k]["slo_ms"]:
+            pick[k] = r
+    W, H, pad = max(600, 28 * len(keys) + 120), 260, 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{2 * H + 40}" font-family="sans-serif" '
+           f'font-size="10">']
+    for panel, (field, title) in enumerate((("p99_itl_ms", "p99 ITL (ms)"), ("mean_ttft_ms", "mean TTFT (ms)"))):
+        y0 = panel * (H + 20) + 20
+        vals = [pick[k].get(field) or 0 for k in keys]
+        top = max(vals + [1e-9]) * 1.1
+        out.append(f'<text x="{pad}" y="{y0 - 5}" font-size="12">{title}</text>')
+        for i, (k, v) in enumerate(zip(keys, vals)):
+            x = pad + i * 28
+            h = (H - 60) * v / top
+            color = "#1f77b4" if k[1] == "dynamic" else "#aaaaaa"
+            out.append(f'<rect x="{x}" y="{y0 + H - 60 - h:.1f}" width="20" height="{h:.1f}" fill="{color}"/>')
+            out.append(f'<text x="{x}" y="{y0 + H - 45}" transform="rotate(60 {x},{y0 + H - 45})">'
+                       f'{k[0]}% {k[1]}</text>')
+        if field == "p99_itl_ms":
+            for slo in sorted({r["slo_ms"] for r in rows}):
+                yy = y0 + H - 60 - (H - 60) * slo / top
+                out.append(f'<line x1="{pad}" x2="{W - 10}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="red" '
+                           f'stroke-dasharray="4"/><text x="{W - 60}" y="{yy - 2:.1f}">SLO {slo:g}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+# ---------------------------------------------------------------- main
+
+
+def meta(args) -> dict:
+    import transformers
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git("rev-parse", "HEAD"), "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__, "spear_compile": spear.__version__,
+            "model": args.model, "args": vars(args)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default=None, help="smollm2 (CPU default) or llama2-7b (CUDA default)")
+    ap.add_argument("--densities", type=int, nargs="+", default=None, help="EC density, percent of the linears")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048], help="static chunk sizes")
+    ap.add_argument("--slo-ms", nargs="+", default=None, help="ITL SLOs in ms, or 'auto' (CPU: 1.5x, 2.5x decode step)")
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="arrival rates, requests per second")
+    ap.add_argument("--requests", type=int, default=None, help="requests per run")
+    ap.add_argument("--prompt", type=int, nargs=3, default=None, metavar=("MEAN", "MIN", "MAX"))
+    ap.add_argument("--output", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    ap.add_argument("--rank", type=int, default=64, help="EC rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: transformers sizes it)")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its stragglers are cut")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile the engine's forward with backend='spear' (--no-compile: the spear ops run eagerly)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.model = args.model or ("llama2-7b" if gpu else "smollm2")
+    args.densities = args.densities if args.densities is not None else ([0, 10, 25, 50, 100] if gpu else [0, 25, 100])
+    args.rates = args.rates or ([2.0, 4.0] if gpu else [0.25])
+    args.requests = args.requests or (48 if gpu else 10)
+    args.prompt = tuple(args.prompt or ((1024, 256, 4096) if gpu else (160, 32, 512)))
+    args.output = tuple(args.output or ((32, 128) if gpu else (8, 24)))
+    os.makedirs(args.out, exist_ok=True)
+    tag = "h200" if gpu and "H200" in torch.cuda.get_device_name() else args.device
+    path = os.path.join(args.out, f"serving_{tag}.json")
+
+    model = build_model(args.model, args.device)
+    vocab = model.config.vocab_size
+    engine_kw = dict(model=model, compile=args.compile, block_size=args.block_size, num_blocks=args.num_blocks,
+                     max_batch_tokens=max(args.chunks) + 256, log=print)
+    record = {"meta": meta(args), "rows": [], "latency_model": {}}
+    for density in args.densities:
+        names = set_ec_density(model, density, args.rank, args.seed)
+        print(f"== EC density {density}%: {len(names)} linears carry an EC of rank {args.rank}", flush=True)
+        torch._dynamo.reset()  # the ECs change the graphs: compile them afresh (and forget the old records)
+        step = decode_step_ms(engine_kw, vocab)  # also compiles the decode and prefill graphs
+        asked = args.slo_ms or (["16", "22"] if gpu else ["auto"])
+        slos = sorted({float(s) for s in asked if s != "auto"}
+                      | ({round(1.5 * step, 1), round(2.5 * step, 1)} if "auto" in asked else set()))
+        print(f"   batch-1 decode step {step:.2f} ms; SLOs {slos}", flush=True)
+        plan = runtime.plan_of(model, eager=not args.compile)
+        for rate in args.rates:
+            reqs = workload(args.requests, rate, args.prompt, args.output, vocab, args.seed)
+            runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
+            for slo in slos:
+                pol = runtime.scheduler_for(model, slo, max_chunk=max(args.chunks), plan=plan, progress=False)
+                runs.append(("dynamic", "dynamic", pol, slo))
+            for kind, chunk, pol, own_slo in runs:
+                print(f"   rate {rate}/s {kind} {chunk} (slo {own_slo})", flush=True)
+                res = run(engine_kw, pol, reqs, args.timeout)
+                for slo in ([own_slo] if own_slo is not None else slos):
+                    row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
+                           "slo_ms": slo, "rate": rate, "decode_step_ms": step,
+                           **score(res, reqs, slo, runs[-1][2].model)}
+                    record["rows"].append(row)
+                    print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                                    if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
+                                             "throughput_tok_s", "sched_us_p99", "completed")}, flush=True)
+                with open(path, "w") as f:
+                    json.dump(record, f, indent=1)
+        record["latency_model"][str(density)] = {"linears": [lin.name for lin in plan.linears],
+                                                 "routes": list(plan.routes)}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    svg(record["rows"], os.path.join(args.out, f"serving_{tag}.svg"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
