@@ -104,6 +104,7 @@ def _steps_match_plans(steps):
         assert scheduled == tuple((r, 1) for r in plan.decode_ids) + plan.prefill, (state, plan, scheduled)
 
 
+@pytest.mark.slow
 def test_compiled_engine_greedy_equals_generate(engine, smol):
     eng, graphs = engine
     _, _, ids, refs = smol
@@ -122,6 +123,7 @@ def test_compiled_engine_greedy_equals_generate(engine, smol):
     assert texts == [smol[1].decode(refs[0], skip_special_tokens=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [
     StaticChunkPolicy(8),
     # ~1 ms per token, SLO 12 ms: pieces of about 12 tokens minus the decodes
@@ -146,6 +148,7 @@ def test_concurrent_requests_with_chunked_prefill_give_the_same_tokens(engine, s
                for w in state.waiting if w.request_id == rid)
 
 
+@pytest.mark.slow
 def test_streaming_yields_the_same_tokens_sync_and_async(engine, smol):
     eng, _ = engine
     _, _, ids, refs = smol
@@ -164,6 +167,7 @@ def test_streaming_yields_the_same_tokens_sync_and_async(engine, smol):
     assert asyncio.run(both()) == [refs[0], refs[2]]
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_request_and_frees_its_kv_for_the_others(engine, smol):
     eng, _ = engine
     _, tok, ids, refs = smol
@@ -186,6 +190,7 @@ def test_cancel_stops_a_request_and_frees_its_kv_for_the_others(engine, smol):
     assert eng.cancel(hog) is False
 
 
+@pytest.mark.slow
 def test_admission_rejects_at_once_with_the_limit_and_the_value(engine, smol):
     eng, _, = engine
     _, _, ids, _ = smol
@@ -220,6 +225,7 @@ def test_engine_arguments_are_checked():
         Engine(object(), max_queue=0)
 
 
+@pytest.mark.slow
 def test_slo_without_a_policy_builds_the_slo_policy_from_the_cached_latency_model(smol, tmp_path, monkeypatch):
     from spear_compile.runtime.engine import default_policy, local_plan
 
