@@ -12,6 +12,11 @@ shape, dtype, file or field. ``README.md`` ("What is checked, and where") lists 
   compensator registered for a weight that no pass could rewrite; compiling would drop it silently.
   ``torch.compile`` reports it wrapped in ``torch._dynamo.exc.BackendCompilerFailed`` (its
   ``inner_exception``).
+* :class:`AdmissionError` (a ``RuntimeError``): the serving engine refused a request at once (its queue
+  is full, or the request needs more KV cache than exists); ``limit`` names the limit, ``value`` the
+  value that broke it.
+* :class:`EngineError` (a ``RuntimeError``): an accepted request failed (the generation loop stopped or
+  died, or the model raised).
 """
 from __future__ import annotations
 
@@ -28,4 +33,17 @@ class UnmatchedECError(RuntimeError):
     """An error compensator was attached or registered, but the compiled graph would not apply it."""
 
 
-__all__ = ["ArtifactError", "QuantFormatError", "UnmatchedECError"]
+class AdmissionError(RuntimeError):
+    """The engine refused a request: ``limit`` (``"max_queue"``, ``"kv_tokens"``, ``"kv_blocks"``) and the
+    ``value`` that exceeded it; the message says both and what to change."""
+
+    def __init__(self, message: str, limit: str = "", value=None) -> None:
+        super().__init__(message)
+        self.limit, self.value = limit, value
+
+
+class EngineError(RuntimeError):
+    """An accepted request could not complete."""
+
+
+__all__ = ["AdmissionError", "ArtifactError", "EngineError", "QuantFormatError", "UnmatchedECError"]

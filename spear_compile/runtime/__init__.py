@@ -11,6 +11,9 @@
   ``measure``: timing those parts on this device (imports torch only when called).
 * ``policy``: ``SloChunkPolicy`` (dynamic chunks under an ITL SLO) and ``StaticChunkPolicy``;
   ``sched_cost``: the per-step planning cost.
+* ``engine``: ``Engine``, serving on transformers' continuous batching with a policy plugged into its
+  scheduler (``hf_scheduler``) and the spear backend in its compile config. Imported on first use of
+  ``Engine`` (it imports transformers).
 
 Importing this package imports neither torch.compile machinery nor torch itself beyond what the
 parent package already imported. Kernel-level measurements that drive compilation live elsewhere
@@ -27,5 +30,13 @@ __all__ = [
     "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
     "Plan", "PlanError", "PlannedLinear", "PlannedOp", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
     "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "check", "fit_overhead", "load",
-    "load_or_measure", "plan_of", "save", "scheduler_for",
+    "load_or_measure", "plan_of", "save", "scheduler_for", "Engine",
 ]
+
+
+def __getattr__(name):
+    if name == "Engine":  # lazily: the engine imports transformers
+        from .engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,561 @@
+"""The serving engine: transformers' continuous batching with our step policy and the spear backend.
+
+``Engine(model, tokenizer, policy=..., slo_itl_ms=..., compile=True)`` wraps a transformers
+``ContinuousBatchingManager`` (``model.init_continuous_batching``): its paged KV cache, its generation
+thread, its varlen forward and sampler. It adds three things and nothing else:
+
+* the scheduler: every step is planned by ``policy.plan(SchedulerState) -> StepPlan`` through
+  ``hf_scheduler.PolicyScheduler`` (registered in transformers' scheduler mapping and selected by the
+  ``ContinuousBatchingConfig``'s ``scheduler_type``);
+* the compiler: ``compile=True`` gives transformers' own compile hook (``ContinuousBatchingConfig``'s
+  ``varlen_compile_config`` / ``decode_compile_config``, a transformers ``CompileConfig``) the spear
+  backend, so transformers compiles its forward-and-sample function with ``backend="spear"``;
+* the front end: admission control, per-request token streams (sync and async), cancellation.
+
+Contract:
+
+* ``generate(prompts, max_new_tokens)`` blocks and returns, per prompt, the generated token ids (or the
+  decoded texts with ``output="text"``); greedy by default (``do_sample=False``), so the tokens are
+  those of ``model.generate`` with the same model, up to floating-point ties.
+* ``add_request(prompt, max_new_tokens) -> request_id`` returns at once; ``stream(request_id)`` yields
+  that request's new token ids as they are generated (one consumer per request), ``result(request_id)``
+  blocks for all of them; ``astream(prompt, ...)`` is the ``async for`` form (leaving the loop early
+  cancels the request); ``cancel(request_id)`` stops a request and frees its KV blocks at the next step.
+* Admission is decided at once, in the caller's thread: ``AdmissionError`` (naming the limit and the
+  value) when ``max_queue`` requests already wait to start, or when the prompt plus ``max_new_tokens``
+  needs more KV than the whole cache holds (it could never run). A prompt must be non-empty.
+* ``start()`` / ``stop()`` or ``with Engine(...) as engine``; ``add_request`` starts a stopped engine.
+  ``stop()`` lets the running requests finish (``stop(wait=False)``: they fail with "engine stopped").
+
+The policy: ``policy=`` any object with ``plan(state) -> StepPlan``. Without one, ``slo_itl_ms=`` builds
+a ``SloChunkPolicy`` from a latency model measured on this device for the model's plan (cached, see
+``latency_cache``); the plan comes from ``local_plan`` (the model's linears with their EC ranks, all on
+the ``"reference"`` route) until the backend records the routes it compiled (``default_policy`` is the
+one place to change). With neither, a ``StaticChunkPolicy`` whose chunk is the step's token budget:
+transformers' FIFO behaviour (decodes first, then prefill in arrival order up to the budget).
+
+What transformers' continuous batching does not offer here: parallel sampling (``num_return_sequences``
+> 1 is refused), prefix sharing and CPU offloading (turned off: the policy does not model them). Dynamo
+specialises on each layer's index where transformers' paged-cache update breaks the graph, so a model
+with more layers than ``torch._dynamo.config.recompile_limit`` would run the rest eagerly; with
+``compile`` on, the engine raises that limit to cover every layer (``recompile_limit=``; process-wide).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+from ..errors import AdmissionError, EngineError
+from .latency_cache import CacheKey, load_or_measure
+from .plan import Plan, PlannedLinear
+from .policy import SloChunkPolicy, StaticChunkPolicy
+from .state import blocks_for
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+Prompt = Union[str, Sequence[int]]
+
+
+# ------------------------------------------------------------------ the default policy
+
+
+def local_plan(model, config_hash: str = "eager") -> Plan:
+    """The model's plan as the latency model needs it, from the module tree and the HF config: every
+    linear of the decoder (``QuantLinear`` or ``nn.Linear``, not the LM head) grouped by name, shape and
+    EC rank, all on the ``"reference"`` route (the backend does not record its routes yet)."""
+    import torch.nn as nn
+
+    from ..quant.linear import QuantLinear
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    counts: Dict[tuple, int] = {}
+    for fqn, m in model.named_modules():
+        if fqn.split(".")[-1] == "lm_head":
+            continue
+        if isinstance(m, QuantLinear):
+            key = (fqn.split(".")[-1], m.in_features, m.out_features, m.ec.rank if m.ec is not None else 0)
+        elif isinstance(m, nn.Linear):
+            key = (fqn.split(".")[-1], m.in_features, m.out_features, 0)
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        raise ValueError(f"local_plan: {type(model).__name__} has no linear layers to plan")
+    seen = {}
+    for k in counts:
+        seen[k[0]] = seen.get(k[0], 0) + 1
+    linears = tuple(PlannedLinear(name if seen[name] == 1 else f"{name}_{i}x{o}_r{r}", i, o, r, n)
+                    for (name, i, o, r), n in sorted(counts.items()))
+    heads = cfg.num_attention_heads
+    digest = hashlib.sha256(json.dumps([config_hash, [dataclasses.astuple(lin) for lin in linears]],
+                                       default=str).encode()).hexdigest()[:16]
+    return Plan(model_id=str(getattr(cfg, "_name_or_path", "") or cfg.model_type or type(model).__name__),
+                config_hash=digest, linears=linears, n_layers=cfg.num_hidden_layers, n_heads=heads,
+                n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                dtype=str(getattr(model, "dtype", "float32")).replace("torch.", ""))
+
+
+def default_policy(model, slo_itl_ms: float, config_hash: str = "eager", max_chunk: int = 2048,
+                   device=None, log: Callable[[str], None] = print) -> SloChunkPolicy:
+    """``SloChunkPolicy`` for ``model`` under ``slo_itl_ms``: the latency model of its plan on this
+    device, from the cache or measured once (``latency_cache.load_or_measure``).
+
+    The plan is ``local_plan(model)`` for now; when the backend records what it compiled, this is where
+    ``spear_compile.runtime.scheduler_for(compiled_model, slo_itl_ms)`` replaces the two lines below."""
+    from .measure import measure_and_fit
+
+    plan = local_plan(model, config_hash)
+    device = device if device is not None else getattr(model, "device", "cpu")
+    key = CacheKey.for_plan(plan, device)
+    lm = load_or_measure(key, lambda: measure_and_fit(plan, device=device, progress=False, log=log)[0], log=log)
+    max_chunk = max(1, min(max_chunk, lm.max_bucket))
+    return SloChunkPolicy(lm, slo_itl_ms, max_chunk=max_chunk, min_chunk=min(32, max_chunk))
+
+
+# ------------------------------------------------------------------ requests
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    tokens: List[int] = dataclasses.field(default_factory=list)
+    status: str = "queued"  # queued -> running -> finished | cancelled | failed
+    error: Optional[BaseException] = None
+    sync: "queue.Queue" = dataclasses.field(default_factory=queue.Queue)
+    sink: Optional[tuple] = None  # (asyncio loop, asyncio.Queue) of an astream consumer
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def push(self, item) -> None:
+        if self.sink is not None:
+            loop, aq = self.sink
+            try:
+                loop.call_soon_threadsafe(aq.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody listens any more
+                pass
+        else:
+            self.sync.put(item)
+
+    def close(self, status: str, error: Optional[BaseException] = None) -> bool:
+        if self.done.is_set():
+            return False
+        self.status, self.error = status, error
+        self.done.set()
+        self.push(_END)
+        return True
+
+
+class Engine:
+    """Continuous batching for a (quantized, EC-carrying, spear-compiled) causal LM (module docstring).
+
+    ``block_size``: KV block (page) size in tokens (transformers' default when None: 256);
+    ``num_blocks`` / ``max_batch_tokens``: the cache's blocks and the most tokens in one step (sized by
+    transformers from free memory when None); ``max_requests_per_batch``: the most sequences in a step;
+    ``compile``: False, True (``backend="spear"``) or a backend name; ``compile_options``: the spear
+    backend's options (``CompileConfig`` fields); ``generation_config``: a transformers
+    ``GenerationConfig`` (default: the model's, greedy); ``cb_config``: further
+    ``ContinuousBatchingConfig`` fields."""
+
+    def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
+                 max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
+                 block_size: Optional[int] = None, num_blocks: Optional[int] = None,
+                 max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
+                 generation_config=None, cb_config: Optional[dict] = None, warmup: bool = True,
+                 recompile_limit: Optional[int] = None, log: Callable[[str], None] = logger.info) -> None:
+        if policy is not None and not callable(getattr(policy, "plan", None)):
+            raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
+        if slo_itl_ms is not None and (isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float))
+                                       or not slo_itl_ms > 0):
+            raise ValueError(f"Engine: slo_itl_ms={slo_itl_ms!r} must be a positive number of milliseconds")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"Engine: max_queue={max_queue!r} must be an integer >= 1")
+        if compile not in (False, True) and not isinstance(compile, str):
+            raise ValueError(f"Engine: compile={compile!r} must be False, True (backend 'spear') or a backend name")
+        self.model, self.tokenizer = model, tokenizer
+        self.policy, self.slo_itl_ms, self.max_queue = policy, slo_itl_ms, max_queue
+        self.backend = "spear" if compile is True else (compile or None)
+        self.compile_options = dict(compile_options or {})
+        self.block_size, self.num_blocks, self.max_batch_tokens = block_size, num_blocks, max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.extra_cb = dict(cb_config or {})
+        self.warmup, self.recompile_limit, self.log = warmup, recompile_limit, log
+        self.generation_config = self._generation_config(generation_config)
+        self.steps: List[tuple] = []  # (SchedulerState, StepPlan, scheduled) per step when record_steps is on
+        self.record_steps = False
+        self._manager = None
+        self._scheduler_name: Optional[str] = None
+        self._scheduler_cls: Optional[type] = None
+        self._requests: Dict[str, _Request] = {}
+        self._queued: set = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dispatcher: Optional[threading.Thread] = None
+        self._stop_dispatch = threading.Event()
+        self.kv_block_size = self.kv_total_blocks = None
+
+    # -- configuration
+
+    def _generation_config(self, gc):
+        import copy
+
+        from transformers import GenerationConfig
+
+        if gc is None:
+            base = getattr(self.model, "generation_config", None)
+            gc = copy.deepcopy(base) if base is not None else GenerationConfig()
+            gc.do_sample = False  # greedy unless the caller's config says otherwise
+            for k in ("temperature", "top_p", "top_k"):  # sampling knobs would only warn under greedy
+                if hasattr(gc, k):
+                    setattr(gc, k, None)
+        if getattr(gc, "num_return_sequences", None) not in (None, 1):
+            raise ValueError(f"Engine: num_return_sequences={gc.num_return_sequences} is not supported "
+                             f"(one sequence per request)")
+        if gc.eos_token_id is None:
+            gc.eos_token_id = getattr(self.model.config, "eos_token_id", None)
+        if gc.max_new_tokens is None:
+            gc.max_new_tokens = 20
+        return gc
+
+    def _compile_config(self):
+        if self.backend is None:
+            return None
+        from transformers import CompileConfig
+
+        # mode "default": the spear backend runs Inductor with its defaults (another mode only warns there);
+        # dynamic: the token count changes every step; fullgraph off: the paged cache update is a graph break
+        return CompileConfig(backend=self.backend, mode="default", dynamic=True, fullgraph=False,
+                             options=self.compile_options or None)
+
+    def _config_hash(self) -> str:
+        if self.backend == "spear":
+            from ..config import CompileConfig as SpearCompileConfig
+
+            return "spear-" + SpearCompileConfig(**self.compile_options).fingerprint()
+        return self.backend or "eager"
+
+    def _resolve_policy(self):
+        if self.policy is not None:
+            return self.policy
+        if self.slo_itl_ms is not None:
+            return default_policy(self.model, self.slo_itl_ms, self._config_hash(),
+                                  max_chunk=self.max_batch_tokens or 2048, log=self.log)
+        return StaticChunkPolicy(self.max_batch_tokens or 1 << 30)
+
+    def _raise_recompile_limit(self) -> None:
+        import torch._dynamo
+
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        want = self.recompile_limit or 2 * int(getattr(cfg, "num_hidden_layers", 8)) + 8
+        if torch._dynamo.config.recompile_limit < want:
+            self.log(f"spear_compile: torch._dynamo.config.recompile_limit {torch._dynamo.config.recompile_limit}"
+                     f" -> {want}, so that every layer's graph is compiled (process-wide)")
+            torch._dynamo.config.recompile_limit = want
+
+    # -- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._manager is not None and self._manager.is_running()
+
+    def start(self) -> "Engine":
+        """Create the transformers manager with our scheduler and compile config, warm it up (this is when
+        the forward is first compiled), and start its generation thread and our output dispatcher."""
+        if self.running:
+            return self
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        from .hf_scheduler import SchedulerHooks, config_kwargs, kv_geometry, make_scheduler_class, register_scheduler
+
+        policy = self._resolve_policy()
+        self.policy = policy
+        hooks = SchedulerHooks(on_start=self._on_start, on_fail=self._on_fail, on_step=self._on_step)
+        self._scheduler_cls = make_scheduler_class(policy, hooks)
+        self._scheduler_name = register_scheduler(self._scheduler_cls)
+        cc = self._compile_config()
+        if cc is not None:
+            self._raise_recompile_limit()
+        kw = dict(num_blocks=self.num_blocks, max_batch_tokens=self.max_batch_tokens,
+                  max_requests_per_batch=self.max_requests_per_batch, scheduler_type=self._scheduler_name,
+                  allow_block_sharing=False, cpu_offload_space=0.0, varlen_compile_config=cc,
+                  decode_compile_config=cc, **self.extra_cb)
+        if self.block_size is not None:
+            kw = config_kwargs(self.block_size, **kw)
+        cb = ContinuousBatchingConfig(**kw)
+        try:
+            manager = self.model.init_continuous_batching(generation_config=self.generation_config,
+                                                          continuous_batching_config=cb)
+            # warmup() builds the batch processor (the paged cache, the scheduler) here, and with compile
+            # on runs the forward once at the largest step: the first compilation happens now
+            manager.warmup()
+            bs, total, _ = kv_geometry(manager.batch_processor.cache)
+            self.kv_block_size, self.kv_total_blocks = bs, total
+            self.max_batch_tokens = manager.batch_processor.cache.max_batch_tokens
+            self._manager = manager
+            manager.start()
+        except BaseException:
+            self._unregister()
+            raise
+        self._stop_dispatch.clear()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="spear-engine-dispatch", daemon=True)
+        self._dispatcher.start()
+        self.log(f"spear_compile: engine started ({policy!r}; KV {total} blocks of {bs} tokens; "
+                 f"{self.max_batch_tokens} tokens per step; compile={self.backend or 'off'})")
+        return self
+
+    def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the generation thread. ``wait``: let queued and running requests finish first; else they
+        fail with ``EngineError('engine stopped')``."""
+        manager = self._manager
+        if manager is None:
+            return
+        try:
+            manager.stop(block=True, timeout=timeout, hard_stop=not wait)
+        finally:
+            self._stop_dispatch.set()
+            if self._dispatcher is not None:
+                self._dispatcher.join(timeout=5)
+            self._dispatcher = None
+            for req in list(self._requests.values()):
+                req.close("failed", EngineError(f"request {req.request_id!r}: engine stopped before it finished"))
+            with self._lock:
+                self._queued.clear()
+            try:
+                manager.destroy()
+            finally:
+                self._manager = None
+                self._unregister()
+
+    def _unregister(self) -> None:
+        if self._scheduler_name is not None:
+            from .hf_scheduler import unregister_scheduler
+
+            unregister_scheduler(self._scheduler_name)
+            self._scheduler_name = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(wait=exc[0] is None)
+
+    # -- hooks from the generation thread
+
+    def _on_start(self, request_id: str) -> None:
+        with self._lock:
+            self._queued.discard(request_id)
+            req = self._requests.get(request_id)
+            if req is not None and req.status == "queued":
+                req.status = "running"
+
+    def _on_fail(self, request_id: str, message: str) -> None:
+        with self._lock:
+            self._queued.discard(request_id)
+            req = self._requests.get(request_id)
+        if req is not None:
+            req.close("failed", AdmissionError(f"request {request_id!r} cannot be scheduled: {message}",
+                                               limit="kv_blocks", value=req.prompt_len + req.max_new_tokens))
+
+    def _on_step(self, state, plan, scheduled) -> None:
+        if self.record_steps:
+            self.steps.append((state, plan, scheduled))
+
+    def set_policy(self, policy) -> None:
+        """Plan the following steps with ``policy`` (an object with ``plan(state) -> StepPlan``); takes effect
+        at the next step of a running engine."""
+        if not callable(getattr(policy, "plan", None)):
+            raise TypeError(f"Engine.set_policy: policy={policy!r} must have a plan(state) -> StepPlan method")
+        self.policy = policy
+        if self._scheduler_cls is not None:
+            self._scheduler_cls.policy = policy
+
+    # -- the output dispatcher
+
+    def _dispatch(self) -> None:
+        """Route transformers' outputs (full token lists so far, one per step per streaming request) to
+        each request's stream as the new tokens."""
+        manager = self._manager
+        while True:
+            out = manager.get_result(timeout=0.05)
+            if out is None:
+                if self._stop_dispatch.is_set() or not manager.is_running():
+                    if manager.output_router.output_queue.empty():
+                        break
+                continue
+            with self._lock:
+                req = self._requests.get(out.request_id)
+            if req is None or req.done.is_set():
+                continue  # cancelled, or failed by the scheduler: late outputs are dropped
+            new = list(out.generated_tokens[len(req.tokens):])
+            req.tokens.extend(new)
+            for t in new:
+                req.push(int(t))
+            if out.is_finished():
+                with self._lock:
+                    self._queued.discard(out.request_id)
+                if out.error is not None:
+                    req.close("failed", EngineError(f"request {out.request_id!r} failed: {out.error}"))
+                else:
+                    req.close("finished")
+        if not self._stop_dispatch.is_set():  # the generation loop died: nothing will come for the others
+            why = getattr(manager.background_thread_status, "fatal_error", None)
+            for req in list(self._requests.values()):
+                req.close("failed", EngineError(f"request {req.request_id!r}: the generation loop stopped"
+                                                + (f" ({why})" if why else "")))
+
+    # -- requests
+
+    def _encode(self, prompt: Prompt) -> List[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Engine: a text prompt needs the tokenizer (Engine(model, tokenizer, ...))")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("Engine: the prompt is empty")
+        return list(ids)
+
+    def add_request(self, prompt: Prompt, max_new_tokens: Optional[int] = None, request_id: Optional[str] = None,
+                    eos_token_id=None, _sink: Optional[tuple] = None) -> str:
+        """Queue a request; returns its id. Raises ``AdmissionError`` at once when ``max_queue`` requests
+        already wait to start or when it needs more KV than the cache holds."""
+        ids = self._encode(prompt)
+        m = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"Engine: max_new_tokens={m!r} must be an integer >= 1")
+        if not self.running:
+            self.start()
+        bs, total = self.kv_block_size, self.kv_total_blocks
+        need = len(ids) + m
+        if blocks_for(need, bs) > total:
+            raise AdmissionError(
+                f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_new_tokens {m}), more than "
+                f"the whole cache holds: {total * bs} tokens ({total} blocks of {bs}); shorten it or give the "
+                f"engine more num_blocks", limit="kv_tokens", value=need)
+        with self._lock:
+            if len(self._queued) >= self.max_queue:
+                raise AdmissionError(
+                    f"queue full: {len(self._queued)} requests wait to start, max_queue={self.max_queue}; "
+                    f"retry later", limit="max_queue", value=len(self._queued) + 1)
+            rid = request_id or f"spear-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"Engine: request_id {rid!r} is already in use")
+            req = _Request(rid, len(ids), m, sink=_sink)
+            self._requests[rid] = req
+            self._queued.add(rid)
+        got = self._manager.add_request(ids, request_id=rid, max_new_tokens=m, streaming=True,
+                                        eos_token_id=eos_token_id)
+        if got is None:  # transformers drops requests when its loop is stopping or died
+            with self._lock:
+                self._requests.pop(rid, None)
+                self._queued.discard(rid)
+            raise EngineError(f"request {rid!r} was not accepted: the generation loop is not running")
+        return rid
+
+    def stream(self, request_id: str) -> Iterator[int]:
+        """The request's new token ids as they come; raises the request's error (``EngineError``,
+        ``AdmissionError``) if it failed; ends quietly when it finished or was cancelled. A request is
+        kept (with its tokens) until its stream has been read to the end."""
+        with self._lock:
+            req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"Engine: no request {request_id!r} (unknown, cancelled, or its stream was read)")
+        if req.sink is not None:
+            raise ValueError(f"Engine: request {request_id!r} is consumed by astream")
+        return self._iter(req)
+
+    def _iter(self, req: _Request) -> Iterator[int]:
+        while True:
+            item = req.sync.get()
+            if item is _END:
+                with self._lock:
+                    self._requests.pop(req.request_id, None)
+                if req.status == "failed" and req.error is not None:
+                    raise req.error
+                return
+            yield item
+
+    def result(self, request_id: str) -> List[int]:
+        """Block until the request ends; all its generated token ids."""
+        return list(self.stream(request_id))
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request: its stream ends, transformers drops it and frees its KV blocks before the next
+        step. False when it had already ended."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            self._queued.discard(request_id)
+        if req is None:
+            return False
+        if self._manager is not None:
+            self._manager.cancel_request(request_id)
+        return req.close("cancelled")
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: Optional[int] = None,
+                 output: str = "tokens") -> List[Union[List[int], str]]:
+        """Run ``prompts`` to completion (concurrently) and return, in order, each one's generated token
+        ids (``output="tokens"``) or decoded text (``output="text"``, needs the tokenizer)."""
+        if output not in ("tokens", "text"):
+            raise ValueError(f"Engine.generate: output={output!r} must be 'tokens' or 'text'")
+        if isinstance(prompts, str):
+            raise TypeError("Engine.generate takes a list of prompts")
+        ids = [self.add_request(p, max_new_tokens) for p in prompts]
+        outs = [self.result(r) for r in ids]
+        if output == "text":
+            if self.tokenizer is None:
+                raise ValueError("Engine.generate(output='text') needs the tokenizer")
+            return [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+        return outs
+
+    async def astream(self, prompt: Prompt, max_new_tokens: Optional[int] = None,
+                      request_id: Optional[str] = None) -> AsyncIterator[int]:
+        """``async for token in engine.astream(prompt)``: the new token ids of a new request. Leaving the
+        loop early (break, task cancellation, a client gone) cancels the request."""
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+        rid = await loop.run_in_executor(None, lambda: self.add_request(prompt, max_new_tokens, request_id,
+                                                                        _sink=(loop, aq)))
+        req = self._requests.get(rid)
+        finished = False
+        try:
+            while True:
+                item = await aq.get()
+                if item is _END:
+                    finished = True
+                    with self._lock:
+                        self._requests.pop(rid, None)
+                    if req is not None and req.status == "failed" and req.error is not None:
+                        raise req.error
+                    return
+                yield item
+        finally:
+            if not finished:
+                self.cancel(rid)
+
+    # -- introspection
+
+    def stats(self) -> Dict[str, Any]:
+        """Queue and cache now: requests waiting to start and live, free / total KV blocks."""
+        from .hf_scheduler import kv_geometry
+
+        out = {"queued": len(self._queued), "live": len(self._requests), "kv_block_size": self.kv_block_size,
+               "kv_total_blocks": self.kv_total_blocks}
+        bp = getattr(self._manager, "batch_processor", None) if self._manager is not None else None
+        if bp is not None:
+            out["kv_free_blocks"] = kv_geometry(bp.cache)[2]
+            out["scheduler_requests"] = len(bp.scheduler.active_requests) + len(bp.scheduler.waiting_requests)
+        return out
+
+
+__all__ = ["Engine", "default_policy", "local_plan"]
