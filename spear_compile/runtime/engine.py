@@ -29,9 +29,9 @@ Contract:
 
 The policy: ``policy=`` any object with ``plan(state) -> StepPlan``. Without one, ``slo_itl_ms=`` builds
 a ``SloChunkPolicy`` from a latency model measured on this device for the model's plan (cached, see
-``latency_cache``); the plan comes from ``local_plan`` (the model's linears with their EC ranks, all on
-the ``"reference"`` route) until the backend records the routes it compiled (``default_policy`` is the
-one place to change). With neither, a ``StaticChunkPolicy`` whose chunk is the step's token budget:
+``latency_cache``): after the warm-up has compiled the forward, the plan is what the spear backend
+recorded (``runtime.plan_of``: every op with its kernel route per M bucket); without compiling, the eager
+plan of the model's ``QuantLinear``s. Until then (the warm-up itself) a static chunk plans. With neither, a ``StaticChunkPolicy`` whose chunk is the step's token budget:
 transformers' FIFO behaviour (decodes first, then prefill in arrival order up to the budget).
 
 What transformers' continuous batching does not offer here: parallel sampling (``num_return_sequences``
@@ -44,17 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import itertools
-import json
 import logging
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import AdmissionError, EngineError
-from .latency_cache import CacheKey, load_or_measure
-from .plan import Plan, PlannedLinear
+from .compiled import PlanError, plan_of, scheduler_for
 from .policy import SloChunkPolicy, StaticChunkPolicy
 from .state import blocks_for
 
@@ -67,59 +64,19 @@ Prompt = Union[str, Sequence[int]]
 # ------------------------------------------------------------------ the default policy
 
 
-def local_plan(model, config_hash: str = "eager") -> Plan:
-    """The model's plan as the latency model needs it, from the module tree and the HF config: every
-    linear of the decoder (``QuantLinear`` or ``nn.Linear``, not the LM head) grouped by name, shape and
-    EC rank, all on the ``"reference"`` route (the backend does not record its routes yet)."""
-    import torch.nn as nn
-
-    from ..quant.linear import QuantLinear
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    counts: Dict[tuple, int] = {}
-    for fqn, m in model.named_modules():
-        if fqn.split(".")[-1] == "lm_head":
-            continue
-        if isinstance(m, QuantLinear):
-            key = (fqn.split(".")[-1], m.in_features, m.out_features, m.ec.rank if m.ec is not None else 0)
-        elif isinstance(m, nn.Linear):
-            key = (fqn.split(".")[-1], m.in_features, m.out_features, 0)
-        else:
-            continue
-        counts[key] = counts.get(key, 0) + 1
-    if not counts:
-        raise ValueError(f"local_plan: {type(model).__name__} has no linear layers to plan")
-    seen = {}
-    for k in counts:
-        seen[k[0]] = seen.get(k[0], 0) + 1
-    linears = tuple(PlannedLinear(name if seen[name] == 1 else f"{name}_{i}x{o}_r{r}", i, o, r, n)
-                    for (name, i, o, r), n in sorted(counts.items()))
-    heads = cfg.num_attention_heads
-    digest = hashlib.sha256(json.dumps([config_hash, [dataclasses.astuple(lin) for lin in linears]],
-                                       default=str).encode()).hexdigest()[:16]
-    return Plan(model_id=str(getattr(cfg, "_name_or_path", "") or cfg.model_type or type(model).__name__),
-                config_hash=digest, linears=linears, n_layers=cfg.num_hidden_layers, n_heads=heads,
-                n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                dtype=str(getattr(model, "dtype", "float32")).replace("torch.", ""))
-
-
-def default_policy(model, slo_itl_ms: float, config_hash: str = "eager", max_chunk: int = 2048,
-                   device=None, log: Callable[[str], None] = print) -> SloChunkPolicy:
-    """``SloChunkPolicy`` for ``model`` under ``slo_itl_ms``: the latency model of its plan on this
-    device, from the cache or measured once (``latency_cache.load_or_measure``).
-
-    The plan is ``local_plan(model)`` for now; when the backend records what it compiled, this is where
-    ``spear_compile.runtime.scheduler_for(compiled_model, slo_itl_ms)`` replaces the two lines below."""
-    from .measure import measure_and_fit
-
-    plan = local_plan(model, config_hash)
-    device = device if device is not None else getattr(model, "device", "cpu")
-    key = CacheKey.for_plan(plan, device)
-    lm = load_or_measure(key, lambda: measure_and_fit(plan, device=device, progress=False, log=log)[0], log=log)
-    max_chunk = max(1, min(max_chunk, lm.max_bucket))
-    return SloChunkPolicy(lm, slo_itl_ms, max_chunk=max_chunk, min_chunk=min(32, max_chunk))
+def default_policy(model, slo_itl_ms: float, compiled: bool, max_chunk: int = 2048, device=None,
+                   log: Callable[[str], None] = print) -> SloChunkPolicy:
+    """``SloChunkPolicy`` for ``model`` under ``slo_itl_ms`` (``compiled.scheduler_for``): the latency model
+    of the model's plan on this device, from the cache or measured once. ``compiled``: the plan is what
+    the spear backend recorded for the graphs the engine's warm-up compiled (``plan_of``); else, or when
+    nothing was recorded, the eager plan of the model's ``QuantLinear``s (``plan_of(eager=True)``)."""
+    try:
+        plan = plan_of(model, eager=not compiled)
+    except PlanError as e:
+        log(f"spear_compile: {e}; planning the model as it runs eagerly")
+        plan = plan_of(model, eager=True)
+    return scheduler_for(model, slo_itl_ms, max_chunk=max_chunk, min_chunk=min(32, max_chunk), device=device,
+                         log=log, plan=plan)
 
 
 # ------------------------------------------------------------------ requests
@@ -184,6 +141,7 @@ class Engine:
             raise ValueError(f"Engine: compile={compile!r} must be False, True (backend 'spear') or a backend name")
         self.model, self.tokenizer = model, tokenizer
         self.policy, self.slo_itl_ms, self.max_queue = policy, slo_itl_ms, max_queue
+        self._user_policy = policy is not None
         self.backend = "spear" if compile is True else (compile or None)
         self.compile_options = dict(compile_options or {})
         self.block_size, self.num_blocks, self.max_batch_tokens = block_size, num_blocks, max_batch_tokens
@@ -237,20 +195,17 @@ class Engine:
         return CompileConfig(backend=self.backend, mode="default", dynamic=True, fullgraph=False,
                              options=self.compile_options or None)
 
-    def _config_hash(self) -> str:
-        if self.backend == "spear":
-            from ..config import CompileConfig as SpearCompileConfig
-
-            return "spear-" + SpearCompileConfig(**self.compile_options).fingerprint()
-        return self.backend or "eager"
-
     def _resolve_policy(self):
+        """The policy the engine starts with. With ``slo_itl_ms`` and no policy, a static one until the
+        warm-up has compiled the model (``_slo_policy`` then replaces it, before the first request)."""
         if self.policy is not None:
             return self.policy
-        if self.slo_itl_ms is not None:
-            return default_policy(self.model, self.slo_itl_ms, self._config_hash(),
-                                  max_chunk=self.max_batch_tokens or 2048, log=self.log)
         return StaticChunkPolicy(self.max_batch_tokens or 1 << 30)
+
+    def _slo_policy(self) -> None:
+        if self.slo_itl_ms is not None and isinstance(self.policy, StaticChunkPolicy) and not self._user_policy:
+            self.set_policy(default_policy(self.model, self.slo_itl_ms, compiled=self.backend == "spear",
+                                           max_chunk=self.max_batch_tokens or 2048, log=self.log))
 
     def _raise_recompile_limit(self) -> None:
         import torch._dynamo
@@ -302,6 +257,8 @@ class Engine:
             self.kv_block_size, self.kv_total_blocks = bs, total
             self.max_batch_tokens = manager.batch_processor.cache.max_batch_tokens
             self._manager = manager
+            self._slo_policy()  # the warm-up compiled the model: its plan is known now
+            policy = self.policy
             manager.start()
         except BaseException:
             self._unregister()
@@ -558,4 +515,4 @@ class Engine:
         return out
 
 
-__all__ = ["Engine", "default_policy", "local_plan"]
+__all__ = ["Engine", "default_policy"]

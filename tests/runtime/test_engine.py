@@ -227,21 +227,37 @@ def test_engine_arguments_are_checked():
 
 @pytest.mark.slow
 def test_slo_without_a_policy_builds_the_slo_policy_from_the_cached_latency_model(smol, tmp_path, monkeypatch):
-    from spear_compile.runtime.engine import default_policy, local_plan
+    from spear_compile.runtime import plan_of
+    from spear_compile.runtime.engine import default_policy
 
     monkeypatch.setenv("SPEAR_CACHE_DIR", str(tmp_path))
     model = smol[0]
-    plan = local_plan(model, "eager")
+    plan = plan_of(model, eager=True)
     assert sum(lin.count for lin in plan.linears) == 210
-    assert {lin.name for lin in plan.linears} >= {"q_proj", "down_proj"} and all(lin.ec_rank == 4 for lin in plan.linears)
+    assert {lin.name.split(".")[-1] for lin in plan.linears} >= {"q_proj", "down_proj"}
+    assert all(lin.ec_rank == 4 for lin in plan.linears)
     assert (plan.n_layers, plan.n_heads, plan.n_kv_heads, plan.head_dim) == (30, 9, 3, 64)
     t = LatencyTable((1, 128), (0.5, 5.0))
     lm = LatencyModel((LinearTable("all", 1, t),), t, AttentionCost(0.01), 30)
     lc.save(lm, lc.CacheKey.for_plan(plan, "cpu"))
     logs = []
-    pol = default_policy(model, 40.0, "eager", max_chunk=64, device="cpu", log=logs.append)
+    pol = default_policy(model, 40.0, compiled=False, max_chunk=64, device="cpu", log=logs.append)
     assert isinstance(pol, SloChunkPolicy) and pol.model == lm and pol.slo == 40.0 and pol.max_chunk == 64
     assert not any("measuring" in m for m in logs)  # loaded from the cache, not measured
+
+
+def test_default_policy_of_a_model_nothing_was_compiled_for_plans_it_eagerly(tmp_path, monkeypatch):
+    import spear_compile as spear
+    from spear_compile.models.tiny import tiny_llama
+    from spear_compile.runtime.engine import default_policy
+
+    monkeypatch.setenv("SPEAR_CACHE_DIR", str(tmp_path))
+    model = tiny_llama()
+    spear.quantize_(model, spear.QuantConfig(group_size=32), progress=False)
+    logs = []
+    pol = default_policy(model, 40.0, compiled=True, max_chunk=16, device="cpu", log=logs.append)
+    assert any("planning the model as it runs eagerly" in m for m in logs)
+    assert any("measuring the latency model" in m for m in logs) and pol.max_chunk == 16
 
 
 # ------------------------------------------------------------------ the adapter on its own
