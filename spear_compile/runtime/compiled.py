@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from typing import Callable, Optional
 
@@ -178,7 +179,7 @@ def plan_of(model, model_id: Optional[str] = None, n_layers: Optional[int] = Non
     h.update(b"eager" if eager else b"compiled")
     for g in graphs:
         h.update(g.config_fingerprint.encode())
-    name = model_id or getattr(cfg, "_name_or_path", None) or type(inner).__name__
+    name = model_id or os.path.basename(str(getattr(cfg, "_name_or_path", "") or "").rstrip("/")) or type(inner).__name__
     return Plan(model_id=str(name), config_hash=h.hexdigest()[:16], linears=planned_linears(records),
                 n_layers=_config_value(cfg, ("num_hidden_layers", "n_layer"), n_layers, "n_layers"), n_heads=heads,
                 n_kv_heads=_config_value(cfg, ("num_key_value_heads", "num_attention_heads"), n_kv_heads,
