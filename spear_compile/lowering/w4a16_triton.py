@@ -46,6 +46,7 @@ import torch
 
 from ..dispatch import table as _table
 from ..dispatch.table import TunedTable
+from ..ops.packing import unpack_int4
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from . import ec_self as _es
 from .layout_cache import derived_cached, derived_peek  # noqa: F401  (the kernels' operands are cached there)
@@ -652,8 +653,6 @@ def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
     Nibble i (bits 4i..4i+3) of word 4c + j holds column 32c + 4i + j, so the activations a
     thread needs for one nibble position of its four words are 4 contiguous values.
     """
-    from ..quant.format import unpack_int4  # (quant/__init__ registers the ops, whose CUDA side imports this)
-
     N, K = qweight.shape[0], qweight.shape[1] * 2
     q = unpack_int4(qweight).view(N, K // 32, 8, 4).transpose(2, 3)  # [N, chunk, j, i]
     b = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()  # byte b of a word: nibbles 2b, 2b+1
