@@ -195,7 +195,7 @@ def pdl_ok(p: Problem) -> bool:
 
 def ec_epilogue_ok(cfg: Optional[tuple], p: Problem, norm: bool, rc: Optional[int]) -> tuple:
     """Whether the TMA GEMV in ``cfg`` adds a decode EC in its epilogue here (PDL runs, the config has no
-    K-split and is not persistent, with ``norm`` stages x in shared memory, at most EC_RC_MAX columns)."""
+    K-split, with ``norm`` stages x in shared memory, at most EC_RC_MAX columns)."""
     if cfg is None:
         return False, "no TMA config"
     if envs.no_tma_ec():
@@ -205,7 +205,7 @@ def ec_epilogue_ok(cfg: Optional[tuple], p: Problem, norm: bool, rc: Optional[in
     if not pdl_ok(p):
         return False, "no PDL here (needs sm_90+)"
     if not _gt.ec_ok(cfg):
-        return False, f"TMA config {list(cfg)} has a K-split or is persistent"
+        return False, f"TMA config {list(cfg)} has a K-split"
     if norm and not _gt.norm_ok(cfg):
         return False, f"TMA config {list(cfg)} does not stage x in shared memory without a K-split (RMSNorm)"
     return True, f"the TMA GEMV {list(cfg)} adds the EC in its epilogue"
@@ -612,7 +612,7 @@ def wgmma_choices() -> list:
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures
+    """(BNW, BMX, STAGES, WARPS[, PF]) of the register-operand GEMM for this shape, for the EC structures
     built on it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
     (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
     that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024

@@ -285,19 +285,19 @@ class Crossover(Value):
 
 
 def _tma_config(vals, what: str) -> tuple:
-    cfg = _pos_ints(vals, what, (5, 6, 7))
+    cfg = _pos_ints(vals, what, (5, 6))
     warps, rb, ch, stages, ops = cfg[:5]
     split = cfg[5] if len(cfg) > 5 else 1
     if not all(_pow2(v) for v in (warps, rb, ch)) or stages < 2 or ops not in TMA_OPS or split not in (1, 2):
-        raise ValueError(f"{what}: (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]]) = {list(cfg)}: WARPS, RB, CH "
+        raise ValueError(f"{what}: (WARPS, RB, CH, STAGES, OPS[, SPLIT]) = {list(cfg)}: WARPS, RB, CH "
                          f"powers of two, STAGES >= 2, OPS in {TMA_OPS}, SPLIT 1 or 2")
     return cfg
 
 
-def _ra_config(vals, what: str, n=(4, 5, 6)) -> tuple:
+def _ra_config(vals, what: str, n=(4, 5)) -> tuple:
     cfg = _pos_ints(vals, what, n)
     if not all(v > 0 for v in cfg[:4]):
-        raise ValueError(f"{what}: (BNW, BMX, STAGES, WARPS[, PF[, SK]]) = {list(cfg)} must be positive")
+        raise ValueError(f"{what}: (BNW, BMX, STAGES, WARPS[, PF]) = {list(cfg)} must be positive")
     return cfg
 
 
@@ -342,8 +342,8 @@ def _self_choice(w, what: str, pair_ok: bool) -> SelfChoice:
     if w[0] == "cc":
         return SelfChoice("cc", _gemv1_tile(w[1:], what))
     cfg = _tma_config(w[1:], what)
-    if (cfg[5] if len(cfg) > 5 else 1) != 1 or (cfg[6] if len(cfg) > 6 else 0) != 0:
-        raise ValueError(f"{what}: the one-launch EC on the TMA kernel needs no K-split and no persistence")
+    if (cfg[5] if len(cfg) > 5 else 1) != 1:
+        raise ValueError(f"{what}: the one-launch EC on the TMA kernel needs no K-split")
     return SelfChoice("tma", cfg)
 
 
@@ -382,7 +382,7 @@ def parse_value(key: Key, w) -> Value:
     if kind == "gemmra":
         return TileConfig(_ra_config(w, what))
     if kind == "ecself":
-        return TileConfig(_ra_config(w, what, (4, 5)))
+        return TileConfig(_ra_config(w, what))
     raise ValueError(f"no value schema for key kind {kind!r}")  # pragma: no cover
 
 

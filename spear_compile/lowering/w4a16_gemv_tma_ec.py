@@ -211,7 +211,7 @@ class EcEpilogue:
 
     def check(self, N: int, config: tuple) -> None:
         if not ec_ok(config):
-            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 (no K-split), not config {config}")
         if self.b.dim() != 2 or self.b.shape[0] != N or not self.b.is_contiguous():
             raise ValueError(f"w4a16_gemv_tma: EC rows {tuple(self.b.shape)} must be a contiguous [{N}, RC] matrix")
         if self.roff is not None and (tuple(self.roff.shape) != (N,) or self.roff.dtype != torch.int32):
@@ -231,15 +231,14 @@ class EcEpilogue:
 class EcSelf:
     """The one-launch decode EC's operands for the TMA kernel (``ec_self.py``): ``ec = (A, B, W1, b1, W2,
     b2, alpha)`` of one EC (no concatenation's row offsets), the gate activation ``act``; the kernel's
-    CTAs compute h's pieces themselves and each gates for itself. ``parts`` (tests and timing studies,
-    the kernel's PARTS): 11 everything; 10 no CTA publishes its own pieces, so every CTA takes the path
-    that computes missing ones itself (same result); other subsets leave stages out (wrong results)."""
+    CTAs compute h's pieces themselves and each gates for itself. ``publish`` (tests): off, no CTA publishes
+    its own pieces, so every CTA takes the path that computes missing ones itself (the same result)."""
 
     self = True
 
-    def __init__(self, ec: tuple, act: str = "silu", parts: int = 11):
+    def __init__(self, ec: tuple, act: str = "silu", publish: bool = True):
         self.a, self.b, self.w1, self.b1, self.w2, self.b2, self.alpha = ec
-        self.act, self.parts = ACT_CODES[act], parts
+        self.act, self.publish = ACT_CODES[act], bool(publish)
 
     def plan(self, rows: int, warps: int):
         """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
@@ -250,7 +249,7 @@ class EcSelf:
 
     def check(self, N: int, K: int, config: tuple, rows: int, x2: torch.Tensor) -> None:
         if not ec_ok(config):
-            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 (no K-split), not config {config}")
         R = self.a.shape[0]
         if tuple(self.b.shape) != (N, R) or not self.b.is_contiguous():
             raise ValueError(f"w4a16_gemv_tma: EC B {tuple(self.b.shape)} must be a contiguous [{N}, {R}] matrix")
