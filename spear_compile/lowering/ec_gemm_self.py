@@ -247,3 +247,17 @@ def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Op
     if A.dim() != 2 or A.shape[0] > R_SHRINK or A.shape[1] != K or not A.is_contiguous():
         return f"A {tuple(A.shape)} (needs a contiguous [R <= {R_SHRINK}, K = {K}])"
     return None
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the in-launch shrink roles take problem ``p``'s EC (a ``lowering.problem.Problem``;
+    ``self_takes`` on its facts, B being padded to bf16 by the dispatch): bf16 A, a gate at most D_MAX wide,
+    a contiguous A [R <= R_SHRINK, K]. (The host GEMM's own constraints: ``w4a16_gemm_wgmma_ra.can_implement``.)"""
+    a_dtype = p.ec_dtypes[0] if p.ec_dtypes else torch.bfloat16
+    if a_dtype != torch.bfloat16:
+        return False, f"A {a_dtype} (needs bf16)"
+    if p.gate_width is not None and p.gate_width > D_MAX:
+        return False, f"gate of {p.gate_width} hidden units (needs at most {D_MAX})"
+    if p.rank > R_SHRINK or not p.a_contiguous:
+        return False, f"A [{p.rank}, K] (needs a contiguous [R <= {R_SHRINK}, K])"
+    return True, f"A [{p.rank}, K] bf16 contiguous, gate of at most {D_MAX}"

@@ -469,3 +469,22 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
     types = dict(**descs, **rest)
     consts.update(HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)
+
+
+EC_R_MAX = 128  # the most EC columns the expand step ("in_gemm") takes
+
+
+def can_implement(p, ec: bool = False) -> tuple:
+    """(ok, reason) of whether this GEMM runs problem ``p`` (a ``lowering.problem.Problem``): a sm_90+ GPU, bf16
+    activations and parameters, 64-aligned K and G (``wgmma_ok``), contiguous scales and zero points; with ``ec``
+    (the "in_gemm" structure) also an EC of rank at most EC_R_MAX."""
+    if not hopper(p.device):
+        return False, "not a sm_90+ GPU"
+    dts = tuple(p.param_dtypes) + ((p.bias_dtype,) if p.bias_dtype is not None else ())
+    if not wgmma_ok(p.M, p.N, p.K, p.G, p.dtype, dts):
+        return False, f"{p.dtype}, params {dts}, N = {p.N}, K = {p.K}, G = {p.G} (needs bf16 and 64-aligned K, G)"
+    if not p.params_contiguous:
+        return False, "scales / zero points not contiguous"
+    if ec and p.rank > EC_R_MAX:
+        return False, f"rank {p.rank} > {EC_R_MAX}"
+    return True, "sm_90+, bf16, aligned"

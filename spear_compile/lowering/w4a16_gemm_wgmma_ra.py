@@ -45,6 +45,7 @@ import torch
 
 from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
+from .w4a16_gemm_wgmma import can_implement as wg_can_implement
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
 from ._triton import ACT_CODES, next_pow2
 from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
@@ -585,3 +586,18 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
                   RPL=_rp_layout(warps) if rp else None, EC_WAIT=bool(r_p) and ec_wait and not ec_self,
                   EC_SELF=ec_self, ACT=0, SPLIT=split, RDEEP=rdeep)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the register-operand GEMM runs problem ``p`` (a ``lowering.problem.Problem``): as
+    the plain kernel (``w4a16_gemm_wgmma.can_implement``), integer zero points (or none; asked of the probe only
+    here, the check reads the tensor), M N < 2^31."""
+    ok, why = wg_can_implement(p)
+    if not ok:
+        return ok, why
+    if p.M * p.N >= MAX_OUT_ELEMENTS:
+        return False, f"M N = {p.M * p.N} >= 2^31"
+    zi = p.zeros_integer if p.zeros_integer is not None else (p.zeros_probe() if p.zeros_probe else None)
+    if p.has_zeros and zi is False:
+        return False, "zero points are not small integers"
+    return True, why

@@ -649,3 +649,23 @@ def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:
     if F % half or t.shape[0] != 2 * F:
         raise ValueError(f"glu_interleave: {tuple(t.shape)} is not two halves of {F} rows in blocks of {half}")
     return t.reshape(2, F // half, half, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def can_implement(p, config: Optional[tuple] = None, norm: bool = False, glu: bool = False) -> tuple:
+    """(ok, reason) of whether the TMA GEMV runs problem ``p`` (a ``lowering.problem.Problem``): this Triton has
+    Gluon TMA, M = 1, bf16 activations, K and G multiples of 128 (or per-channel), a sm_90+ GPU, bf16 scales and
+    zero points; with ``config``, also the RMSNorm prologue (``norm``: ``norm_ok``) and the GLU epilogue
+    (``glu``: no K-split, and the config's row blocks divide F = ``p.N`` rows per half)."""
+    if not HAS_TMA:
+        return False, "this Triton has no Gluon TMA"
+    if not gluon_ok(1, p.K, p.G, p.dtype):
+        return False, f"{p.dtype}, K = {p.K}, G = {p.G} (the TMA GEMV needs M = 1, bf16, K and G multiples of 128)"
+    if not _tma_capable(p.device):
+        return False, "not a sm_90+ GPU"
+    if any(d != torch.bfloat16 for d in p.param_dtypes):
+        return False, f"scales / zero points {p.param_dtypes} (needs bf16)"
+    if config is not None and norm and not norm_ok(config):
+        return False, f"TMA config {list(config)} does not stage x in shared memory without a K-split (RMSNorm)"
+    if config is not None and glu and (unpack_config(config)[5] != 1 or p.N % (tile_geometry(config)[0] // 2)):
+        return False, f"TMA config {list(config)} has a K-split or rows that do not divide F = {p.N}"
+    return True, "sm_90+, Gluon TMA, bf16, K and G multiples of 128"

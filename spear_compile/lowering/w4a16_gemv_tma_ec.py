@@ -17,13 +17,16 @@ polled before the epilogue) were built and measured slower (8192^2 18.7 vs 18.4 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._triton import ACT_CODES
+from . import device as _device
 from . import ec_self as _es
 from .ec_self import check_self_operands, self_plan, self_workspace
 from .w4a16_gemv_gluon import HAS_GLUON
-from .w4a16_gemv_tma_configs import ec_ok
+from .w4a16_gemv_tma_configs import ec_ok, norm_ok
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -264,3 +267,21 @@ class EcSelf:
         if self.plan(rows, config[0]) is None:
             raise ValueError(f"w4a16_gemv_tma: the one-launch EC's pieces of A {tuple(self.a.shape)} do not fit "
                              f"{rows} CTAs of {config[0]} warps (ec_self.self_plan): use the two-launch pair")
+
+
+EC_RC_MAX = 64  # the most EC columns per row the epilogue takes (its [BN, RC] operands live in registers)
+
+
+def can_implement(p, config: tuple, norm: bool = False, rc: Optional[int] = None) -> tuple:
+    """(ok, reason) of whether the TMA GEMV in ``config`` adds a decode EC of ``rc`` columns per row (None: not
+    known) in its epilogue for problem ``p`` (a ``lowering.problem.Problem``): at most EC_RC_MAX columns, PDL
+    runs here (sm_90+), the config has no K-split, and with ``norm`` it stages x in shared memory."""
+    if rc is not None and rc > EC_RC_MAX:
+        return False, f"EC rank {rc} > {EC_RC_MAX} columns per row"
+    if not _device.pdl(p.device):
+        return False, "no PDL here (needs sm_90+)"
+    if not ec_ok(config):
+        return False, f"TMA config {list(config)} has a K-split"
+    if norm and not norm_ok(config):
+        return False, f"TMA config {list(config)} does not stage x in shared memory without a K-split (RMSNorm)"
+    return True, f"the TMA GEMV {list(config)} adds the EC in its epilogue"

@@ -903,3 +903,19 @@ def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, 
     sig.update({c: "constexpr" for c in consts})
     src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the M = 1 CUDA-core GEMV (``_w4a16_gemv1_kernel``) runs problem ``p`` (a
+    ``lowering.problem.Problem``): whole 32-column chunks that never straddle a group, a contiguous weight,
+    zero points on every part of a concatenation or on none. (The M > 1 GEMV and the tiled GEMM take any
+    shape the Triton kernels run: ``_triton.can_implement``.)"""
+    if p.M != 1:
+        return False, f"M = {p.M} (needs M = 1)"
+    if p.K % 32 or not (p.G >= p.K or p.G % 32 == 0):
+        return False, f"K = {p.K}, G = {p.G} (needs K % 32 == 0 and G >= K or G % 32 == 0)"
+    if not p.weight_contiguous:
+        return False, "the packed weight is not contiguous"
+    if not p.zeros_consistent:
+        return False, "zero points on some parts only"
+    return True, "M = 1, 32-column chunks inside groups"
