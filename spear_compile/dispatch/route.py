@@ -512,8 +512,8 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
 def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     """(BNW, BMX, STAGES, WARPS[, PF]) of the "in_gemm_self" EC structure's launch: its own fastest measured config
     (``ecself`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else ``wgmma_ra_config``. Why its own:
-    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (session
-    22): W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
+    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (H200):
+    W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
     128 x 256 tile of the run before."""
     got = _t.tuned_table().get(_t.ec_self_key(M, N, K, G))
     return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
