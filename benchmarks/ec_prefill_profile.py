@@ -27,8 +27,8 @@ shrink - slower than cuBLAS everywhere, removed: there ``shrink_gate`` is the sp
 
 ``--ra-sweep`` times only the register-operand parts, for every config of ``RA_CONFIGS`` and every number of
 shrink roles per x block (``ra[cfg]``, ``ra_ec[cfg]``, ``ra_self[cfg]`` with the default split,
-``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``, ``.../deep`` with the roles' ring S times deeper where it
-fits), plus "in_gemm_self" as the dispatch runs it.
+``ra_self[cfg]/sS`` for S in ``ec_gemm_self.SPLITS``, the roles' ring S times deeper where it fits, as it
+ships), plus "in_gemm_self" as the dispatch runs it.
 
 Usage (GPU): python benchmarks/ec_prefill_profile.py --out DIR [--shapes 4096x4096 ...] [--ms 1024 4096]
 """
@@ -150,11 +150,10 @@ def ra_sweep(N: int, K: int, M: int, r: int = 64) -> dict:
         for sp in (None,) + SPLITS:
             if sp is not None and not split_ok(sp, cfg[1]):
                 continue
-            for deep in (False, True) if sp is not None and sp > 1 else (None,):
-                name = f"ra_self[{c}]" + ("" if sp is None else f"/s{sp}") + ("/deep" if deep else "")
-                parts[name] = (lambda cfg, sp, deep: lambda i: (
-                    RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, Bc, W1, b1, W2, b2, alpha, "silu",
-                                                   config=cfg, split=sp, deep=deep)))(cfg, sp, deep)
+            name = f"ra_self[{c}]" + ("" if sp is None else f"/s{sp}")
+            parts[name] = (lambda cfg, sp: lambda i: (
+                RA.w4a16_gemm_wgmma_ra_ec_self(xs[i], *q(i), G, None, A, Bc, W1, b1, W2, b2, alpha, "silu",
+                                               config=cfg, split=sp)))(cfg, sp)
     parts["in_gemm_self"] = lambda i: ec_overlapped(xs[i], *q(i), G, None, *ec, "silu", structure="in_gemm_self")
     row = {"N": N, "K": K, "M": M, "r": r, "gemm_choice": list(RT.gemm_config(M, N, K, G)),
            "ra_config": RT.wgmma_ra_config(M, N, K, G)}

@@ -63,8 +63,6 @@ def main() -> None:
         N, K = (int(v) for v in shape.split("x"))
         r = int(r)
         cfg = tuple(T.tuned_table().get(GT.tma_key(N, K, G)) or (4, 2, 2, 2, 2))
-        if len(cfg) == 7 and cfg[6]:
-            cfg = cfg[:5]  # the EC epilogue needs a non-persistent config
         copies = min(copies_for(N * K // 2), 8)
         ws = make_weights(N, K, copies)
         ec = make_ec(N, K, r)

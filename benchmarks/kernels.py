@@ -207,11 +207,7 @@ def lab_gemv(args) -> None:
             ref_ec = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full"] = rel_err(out, ref_ec)
-            # the one-launch EC's parts (EC_PARTS bits: 1 own pieces of h, 2 collect + gate, 8 B (g h))
-            for parts, name in ((11, "ec_full"), (0, "ec_operands_only"), (1, "ec_pieces_only"),
-                                (3, "ec_pieces_collect")):
-                timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, nib=nib,
-                                                     ec_parts=parts))
+            timeit("ec_full", lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, nib=nib))
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
             old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
@@ -312,12 +308,6 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
         timeit(name, lambda i, fn=fn: fn(xs[i], i))
     ok = {k: v for k, v in row["us"].items() if v and (k.startswith("self_") or k.startswith("tmaself_"))
           and row["err"].get(k) is not None and row["err"][k] < MAX_LAB_ERR}
-    best_tma = min((k for k in ok if k.startswith("tmaself_")), key=ok.get, default=None)
-    if best_tma:  # where its time goes (PARTS: 1 own pieces, 2 collect + gate, 8 the term added)
-        cfg = tuple(int(v) for v in best_tma.split("_")[1:])
-        for parts in (0, 1, 3):
-            timeit(f"tmaself_parts{parts}",
-                   lambda i, p=parts: tma_self_gemv(xs[i], *args_w(i), G, None, ec, "silu", cfg, parts=p))
     pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
     key, table = T.gemv1self_key(N, K, G), T.tuned_table()
     old = table.get(key)

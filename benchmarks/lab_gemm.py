@@ -1,7 +1,8 @@
 """Large-M W4A16 GEMM lab: the warpgroup-MMA kernels with in-loop dequantization
 (``lowering/w4a16_gemm_wgmma.py``; with ``--ra``, its register-operand form ``w4a16_gemm_wgmma_ra.py``)
 against dequantize + cuBLAS (one pass and pipelined in 4 slices) and cuBLAS bf16 itself, all in one run,
-per shape and M. ``--diag`` adds each kernel's diagnostic variants (parts of the K step removed; timed only).
+per shape and M. (The kernels' diagnostic variants, parts of the K step removed and timed only, were removed
+from the product; their findings are in docs/kernels.md, their code in git history.)
 
 Every wgmma config is first checked against the reference (``dequantize_ref`` + an fp32 matmul; bf16
 output rounding ~2e-3 relative) and only timed if it passes. Timing: CUDA graphs with input copies
@@ -9,7 +10,7 @@ rotating through more than 3x the L2 (``tuning.bench_graph``), so each call read
 Writes ``lab_gemm_<GPU>.json`` (every number, GPU, versions, date) and prints ratio lines.
 
     python benchmarks/lab_gemm.py --out $OUT [--shapes 8192x8192 ...] [--ms 256 1024 4096] [--configs 128,128,5,8 ...]
-        [--ra 128,256,3,8 ...] [--diag]
+        [--ra 128,256,3,8 ...]
 """
 from __future__ import annotations
 
@@ -43,8 +44,6 @@ def main() -> None:
                     help="plain wgmma configs (default: its searched list; none given: none)")
     ap.add_argument("--ra", nargs="*", default=None, metavar="BNW,BMX,STAGES,WARPS",
                     help="also the register-operand kernel (w4a16_gemm_wgmma_ra) in these configs (none given: its list)")
-    ap.add_argument("--diag", action="store_true", help="also time the kernel's diagnostic variants (no expansion "
-                    "arithmetic; no expansion or stores; no MMAs) for each config that passed")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs is not None else WG.WGMMA_CONFIGS
@@ -95,10 +94,6 @@ def main() -> None:
                 lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=T.DEQUANT_CUBLAS_PIPE), copies)
             for name, c, fn in ok:
                 row[name] = bench_graph(lambda i: fn(xs[i], *args_w(i), G, None, config=c), copies)
-                if args.diag:  # each part of a K step (wrong results: timed only)
-                    for d in ((1, 2, 3) if fn is WG.w4a16_gemm_wgmma else (1, 2, 3, 4)):
-                        row[f"{name}_diag{d}"] = bench_graph(
-                            lambda i, c=c, fn=fn, d=d: fn(xs[i], *args_w(i), G, None, config=c, diag=d), copies)
             best = min((n for n, _, _ in ok), key=lambda n: row[n], default=None)
             row["best_wgmma"] = best
             cb = row["cublas_bf16"]
@@ -113,12 +108,6 @@ def main() -> None:
             if bad:
                 line += f"  FAILED: {bad}"
             print(line, flush=True)
-            if args.diag:
-                for n, _, fn in ok:
-                    names = (("no-expand-math", "no-expand", "no-MMA") if fn is WG.w4a16_gemm_wgmma
-                             else ("no-MMA", "no-CTA-barrier", "no-expand", "no-scale-loads"))
-                    print(f"   {n}: full {row[n]:.1f}  " + "  ".join(
-                        f"{d} {row[f'{n}_diag{i}']:.1f}" for i, d in enumerate(names, 1)) + " us", flush=True)
             res["rows"].append(row)
             with open(os.path.join(args.out, f"lab_gemm_{gpu_key()}.json"), "w") as f:
                 json.dump(res, f, indent=1)

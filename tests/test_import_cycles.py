@@ -85,16 +85,9 @@ def _edges_within(graph: dict, comp: list) -> list:
     return sorted(f"{a} -> {b}" for a in comp for b in graph[a] if b in comp)
 
 
-# Cycles through modules outside the kernel / dispatch / pass layers, each held by one function-level import,
-# listed here until those modules change: quant/format.py's ``QuantizedWeight.dequantize`` imports the
-# reference dequantization that itself unpacks with format's ``unpack_int4``; artifacts.py reads the
-# package's ``__version__``. Any other cycle fails.
-KNOWN = [["spear_compile.ops.w4a16_ref", "spear_compile.quant.format"]]
-
-
 def test_no_import_cycles():
     graph = import_graph()
-    found = [c for c in cycles(graph) if c not in KNOWN]
+    found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(
         f"  {' / '.join(c)}\n    " + "\n    ".join(_edges_within(graph, c)) for c in found)
 

@@ -15,7 +15,7 @@
 #                  (add --write-table to write the per-rank choice into the tuned table; copied to OUT_DIR/table)
 #   gpu-tests      pytest of the kernels, the dispatch, the backend and the GPU calibration / sampling
 #                  paths (extra args replace the default paths)
-#   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs, --diag for part-by-part timing
+#   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs against dequantize + cuBLAS
 #   ec-prefill     benchmarks/ec_prefill_profile.py: the prefill EC structures part by part
 #   ec-tma-parts   benchmarks/ec_tma_parts.py: the decode EC on the TMA GEMV part by part
 #   determinism    benchmarks/determinism.py, then benchmarks/determinism_e2e.py

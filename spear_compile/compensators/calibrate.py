@@ -33,6 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import check_types
+from ..ops.packing import unpack_int4
 from ..quant.linear import QuantLinear
 from .sampling import eos_ids, force_first, sample_static
 
@@ -260,8 +261,6 @@ class QuantParams:
     scales put every module's step size on one scale for one learning rate."""
 
     def __init__(self, m: QuantLinear):
-        from ..quant.format import unpack_int4
-
         self.module = m
         self.q = unpack_int4(m.qweight)  # uint8 codes [N, K]: 1 byte per weight
         self.s0, self.z0 = m.scales.detach().float().clone(), m.zeros.detach().float().clone()

@@ -127,11 +127,11 @@ def launch_ec_decode(rt: Route, x2, qweight, scales, zeros, G: int, bias, ec: tu
 
 
 def tma_self_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple,
-                  out=None, parts: int = 11) -> torch.Tensor:
-    """The decode EC in one launch of the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``); the other arguments are
-    ``w4a16_gemv_tma``'s."""
+                  out=None, publish: bool = True) -> torch.Tensor:
+    """The decode EC in one launch of the TMA kernel (``w4a16_gemv_tma_ec.EcSelf``; ``publish``: see there); the
+    other arguments are ``w4a16_gemv_tma``'s."""
     return _gt.w4a16_gemv_tma(x2, qweight, scales, zeros, G, bias, config=config, out=out,
-                              ec=_gte.EcSelf(ec, act, parts))
+                              ec=_gte.EcSelf(ec, act, publish))
 
 
 def tma_ec_gemv(x2, qweight, scales, zeros, G: int, bias, ec: tuple, act: str, config: tuple, b, roff,

@@ -32,8 +32,7 @@ Kernels (``Route.kernel``):
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -44,67 +43,18 @@ from ..lowering import ec_gemm_self as _egs
 from ..lowering import ec_self as _es
 from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
-from ..lowering import w4a16_gemv_gluon as _gl
 from ..lowering import w4a16_gemv_tma as _gt
+from ..lowering import w4a16_gemv_tma_ec as _gte
+from ..lowering import ec_shrink_splitk as _sk
+from ..lowering.problem import OPS, Problem  # noqa: F401  (re-exported: the route's callers build problems here)
 from ..lowering import w4a16_triton as _t
 from .. import envs
 from . import table as _table
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16)
+TRITON_DTYPES = _triton.TRITON_DTYPES
 W4_GEMV_MAX_M = 1  # without an EC the GEMVs beat the small-M GEMM only at M = 1 (H200, bf16)
-EC_RC_MAX = 64  # the most EC columns per row the TMA epilogue takes (its [BN, RC] operands live in registers)
+EC_RC_MAX = _gte.EC_RC_MAX  # the most EC columns per row the TMA epilogue takes
 OVERLAP_STRUCTURES = ("auto",) + _table.STRUCTURES
-OPS = ("w4a16", "ec", "w4a16_cat", "w4a16_glu", "ec_cat", "ec_glu")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What is computed. ``N``: output rows (the concatenation's total for ``*_cat``, F per half for
-    ``*_glu``); ``parts``: the rows of each part of a concatenation; ``rank``: the EC's rank (the largest
-    part's for concatenations; ``ranks``: every part's, summed for the block-diagonal EC); ``lowering``
-    / ``crossover``: the phase-dispatch decision. The tensor facts default to what the passes' fake
-    values cannot contradict; the CUDA implementations fill them from the tensors (``from_tensors``)."""
-
-    op: str
-    M: int
-    N: int
-    K: int
-    G: int
-    dtype: torch.dtype = torch.bfloat16
-    param_dtypes: tuple = ()  # scales' and zero points' dtypes (present ones)
-    bias_dtype: Optional[torch.dtype] = None
-    device: torch.device = torch.device("cpu")
-    layout: str = "spear"
-    lowering: str = "auto"
-    crossover: int = 16
-    has_zeros: bool = True
-    zeros_consistent: bool = True  # concatenations: all parts have zero points or none does
-    weight_contiguous: bool = True
-    params_contiguous: bool = True  # scales and zero points
-    zeros_integer: Optional[bool] = None  # None: not known (fake values): taken as integral
-    out_contiguous: bool = True
-    parts: tuple = ()
-    rank: Optional[int] = None  # EC rank (None: no EC)
-    rank_total: Optional[int] = None  # the block-diagonal EC's rank (concatenations)
-    gate_width: Optional[int] = None  # the EC gate's hidden width D
-    ec_dtypes: tuple = ()  # (A, B) dtypes
-    a_contiguous: bool = True
-    b_contiguous: bool = True
-    norm: bool = False
-    act: str = "silu"
-    words: bool = False  # the CUDA-core GEMV's layout is given (a concatenation's), not made from the weight
-    zeros_probe: Optional[Callable] = field(default=None, compare=False, repr=False)  # zeros_integer, if asked
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"Problem: op={self.op!r}; expected one of {OPS}")
-
-    @property
-    def has_ec(self) -> bool:
-        return self.rank is not None
-
-    def replace(self, **kw) -> "Problem":
-        return dataclasses.replace(self, **kw)
 
 
 @dataclass(frozen=True)
@@ -141,51 +91,29 @@ def _route(kernel, config=(), reasons=(), parts=(), **options) -> Route:
     return Route(kernel, tuple(config), tuple(reasons), tuple(parts), tuple(sorted(options.items())))
 
 
-# ---------------------------------------------------------------- can_implement, per kernel
-# Each returns (ok, reason): the reason says why not (or what it runs with).
+# ---------------------------------------------------------------- the kernels' constraints, with the choices made here
+# Each kernel file's ``can_implement`` returns (ok, reason) for its own hardware / shape / dtype constraints; these
+# add what is chosen here: the tuned table, the kill switches, the order.
 
-def triton_ok(p: Problem) -> tuple:
-    if not _triton.HAS_TRITON:
-        return False, "Triton is not installed"
-    if p.device.type != "cuda":
-        return False, f"activations on {p.device.type}"
-    if p.layout != "spear":
-        return False, f"layout {p.layout!r} (the Triton kernels read the spear packing)"
-    if p.dtype not in TRITON_DTYPES:
-        return False, f"activations {p.dtype} (the Triton kernels take fp16 / bf16)"
-    return True, "CUDA, spear layout, fp16 / bf16"
-
-
-def gemv1_can_implement(p: Problem) -> tuple:
-    """The M = 1 CUDA-core GEMV: whole 32-column chunks that never straddle a group, a contiguous weight."""
-    if p.M != 1:
-        return False, f"M = {p.M} (needs M = 1)"
-    if p.K % 32 or not (p.G >= p.K or p.G % 32 == 0):
-        return False, f"K = {p.K}, G = {p.G} (needs K % 32 == 0 and G >= K or G % 32 == 0)"
-    if not p.weight_contiguous:
-        return False, "the packed weight is not contiguous"
-    if not p.zeros_consistent:
-        return False, "zero points on some parts only"
-    return True, "M = 1, 32-column chunks inside groups"
+# (the kernel files' checks under the names the route's callers use)
+triton_ok = _triton.can_implement
+gemv1_can_implement = _t.can_implement
+wgmma_can_implement = _wg.can_implement
+wgmma_ra_can_implement = _ra.can_implement
 
 
 def tma_config(p: Problem, rows: int) -> tuple:
     """(the tuned TMA config for ``rows`` x K, or None; reason): the TMA GEMV runs a shape only where the
-    table measured it faster than the CUDA-core GEMV, and only on sm_90+ with Gluon, bf16 activations and
-    parameters, K and G multiples of 128."""
+    table measured it faster than the CUDA-core GEMV (unless SPEAR_NO_TMA_GEMV), and only where the kernel
+    can run (``w4a16_gemv_tma.can_implement``)."""
     if envs.no_tma_gemv():
         return None, "SPEAR_NO_TMA_GEMV is set"
     cfg = _table.configs().get(_table.Gemv1TmaKey(rows, p.K, p.G))
     if cfg is None:
         return None, f"no measured TMA win for {rows}x{p.K} g{p.G}"
-    if not _gt.HAS_TMA:
-        return None, "this Triton has no Gluon TMA"
-    if not _gl.gluon_ok(1, p.K, p.G, p.dtype):
-        return None, f"{p.dtype}, K = {p.K}, G = {p.G} (the TMA GEMV needs M = 1, bf16, K and G multiples of 128)"
-    if not _gt._tma_capable(p.device):
-        return None, "not a sm_90+ GPU"
-    if any(d != torch.bfloat16 for d in p.param_dtypes):
-        return None, f"scales / zero points {p.param_dtypes} (needs bf16)"
+    ok, why = _gt.can_implement(p)
+    if not ok:
+        return None, why
     return tuple(cfg), f"TMA GEMV measured faster for {rows}x{p.K} g{p.G}: config {list(cfg)}"
 
 
@@ -194,51 +122,18 @@ def pdl_ok(p: Problem) -> bool:
 
 
 def ec_epilogue_ok(cfg: Optional[tuple], p: Problem, norm: bool, rc: Optional[int]) -> tuple:
-    """Whether the TMA GEMV in ``cfg`` adds a decode EC in its epilogue here (PDL runs, the config has no
-    K-split and is not persistent, with ``norm`` stages x in shared memory, at most EC_RC_MAX columns)."""
+    """Whether the TMA GEMV in ``cfg`` adds a decode EC in its epilogue here: a config, SPEAR_NO_TMA_EC unset,
+    and the epilogue's own constraints (``w4a16_gemv_tma_ec.can_implement``)."""
     if cfg is None:
         return False, "no TMA config"
     if envs.no_tma_ec():
         return False, "SPEAR_NO_TMA_EC is set"
-    if rc is not None and rc > EC_RC_MAX:
-        return False, f"EC rank {rc} > {EC_RC_MAX} columns per row"
-    if not pdl_ok(p):
-        return False, "no PDL here (needs sm_90+)"
-    if not _gt.ec_ok(cfg):
-        return False, f"TMA config {list(cfg)} has a K-split or is persistent"
-    if norm and not _gt.norm_ok(cfg):
-        return False, f"TMA config {list(cfg)} does not stage x in shared memory without a K-split (RMSNorm)"
-    return True, f"the TMA GEMV {list(cfg)} adds the EC in its epilogue"
-
-
-def wgmma_can_implement(p: Problem) -> tuple:
-    """The shared-memory-operand wgmma GEMM: sm_90+, bf16 activations and parameters, aligned shapes."""
-    if not _wg.hopper(p.device):
-        return False, "not a sm_90+ GPU"
-    dts = tuple(p.param_dtypes) + ((p.bias_dtype,) if p.bias_dtype is not None else ())
-    if not _wg.wgmma_ok(p.M, p.N, p.K, p.G, p.dtype, dts):
-        return False, f"{p.dtype}, params {dts}, N = {p.N}, K = {p.K}, G = {p.G} (needs bf16 and 64-aligned K, G)"
-    if not p.params_contiguous:
-        return False, "scales / zero points not contiguous"
-    return True, "sm_90+, bf16, aligned"
-
-
-def wgmma_ra_can_implement(p: Problem) -> tuple:
-    """The register-operand wgmma GEMM: as ``wgmma``, integer zero points (or none), M N < 2^31."""
-    ok, why = wgmma_can_implement(p)
-    if not ok:
-        return ok, why
-    if p.M * p.N >= _ra.MAX_OUT_ELEMENTS:
-        return False, f"M N = {p.M * p.N} >= 2^31"
-    zi = p.zeros_integer if p.zeros_integer is not None else (p.zeros_probe() if p.zeros_probe else None)
-    if p.has_zeros and zi is False:
-        return False, "zero points are not small integers"
-    return True, why
+    return _gte.can_implement(p, cfg, norm, rc)
 
 
 def self_plan_ok(p: Problem, R: int, grid: int, warps: int) -> bool:
     """Whether the one-launch EC's pieces of A fit ``grid`` programs of ``warps`` warps here."""
-    return _es.self_plan(R, p.K, grid, 32 * warps, _es.sm_count(p.device)) is not None
+    return _es.can_implement(p, R, grid, warps)[0]
 
 
 # ---------------------------------------------------------------- the routes
@@ -249,7 +144,7 @@ def _gemv1_config(p: Problem, N: int, ec: bool) -> tuple:
 
 
 def _w4_gemv(p: Problem, why: list) -> Route:
-    ok, r = gemv1_can_implement(p)
+    ok, r = _t.can_implement(p)
     if ok:
         cfg, r2 = tma_config(p, p.N)
         if cfg is not None:
@@ -270,7 +165,7 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
         cfg, src = list(_t._default_gemm(p.M)), f"M = {p.M} default (nothing measured)"
     cfg = tuple(cfg)
     if cfg[0] in (_t.WGMMA, _t.WGMMA_RA):
-        check = wgmma_can_implement if cfg[0] == _t.WGMMA else wgmma_ra_can_implement
+        check = _wg.can_implement if cfg[0] == _t.WGMMA else _ra.can_implement
         ok, r = check(p)
         if ok and p.out_contiguous:
             return _route("gemm_" + cfg[0], cfg[1:], why + [f"{src}: {cfg[0]} ({r})"])
@@ -353,11 +248,9 @@ def ec_decode_route(p: Problem, N: Optional[int] = None, why: Optional[list] = N
 
 
 def _tma_runs(p: Problem) -> bool:
-    """The TMA kernel's own constraints (sm_90+, Gluon, bf16 activations and parameters, aligned K, G) for
-    a config given by the one-launch entry."""
-    if envs.no_tma_gemv() or not _gt.HAS_TMA or not _gl.gluon_ok(1, p.K, p.G, p.dtype):
-        return False
-    return _gt._tma_capable(p.device) and all(d == torch.bfloat16 for d in p.param_dtypes)
+    """Whether the TMA kernel runs here (SPEAR_NO_TMA_GEMV unset, ``w4a16_gemv_tma.can_implement``) for a config
+    given by the one-launch entry."""
+    return not envs.no_tma_gemv() and _gt.can_implement(p)[0]
 
 
 def ec_overlapped_route(p: Problem, structure: str = "auto", why: Optional[list] = None) -> Route:
@@ -388,9 +281,9 @@ def ec_overlapped_route(p: Problem, structure: str = "auto", why: Optional[list]
 
 
 def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> Optional[Route]:
-    ok, r = wgmma_can_implement(p)
-    if not ok or p.rank > 128:
-        why.append(f"in_gemm: {r if not ok else f'rank {p.rank} > 128'}")
+    ok, r = _wg.can_implement(p, ec=True)
+    if not ok:
+        why.append(f"in_gemm: {r}")
         return None
     use_ra = gemm.kernel == "gemm_wgmma_ra"
     if self_:
@@ -399,11 +292,12 @@ def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> O
         got = t.get(_table.EcSelfKey(b, p.N, p.K, p.G))
         if got is None:
             got = list(gemm.config) if use_ra else t.get(_table.GemmRaKey(b, p.N, p.K, p.G))
-        ra_ok, r2 = wgmma_ra_can_implement(p)
-        if got is not None and ra_ok and _self_takes(p) is None:
+        ra_ok, r2 = _ra.can_implement(p)
+        self_ok, r3 = _egs.can_implement(p)
+        if got is not None and ra_ok and self_ok:
             return _route("ec_in_gemm_self", tuple(got), why)
-        why.append(f"in_gemm_self: {'no measured config' if got is None else r2 if not ra_ok else _self_takes(p)}")
-    shrink = "splitk" if splitk and p.a_contiguous else "cublas"
+        why.append(f"in_gemm_self: {'no measured config' if got is None else r2 if not ra_ok else r3}")
+    shrink = "splitk" if splitk and _sk.can_implement(p)[0] else "cublas"
     if use_ra:
         return _route("ec_in_gemm_ra", gemm.config, why + ["the register-operand GEMM takes the expand"],
                       shrink=shrink, pdl=capability.pdl_launch(p.device))
@@ -413,22 +307,10 @@ def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> O
     return _route("ec_in_gemm", cfg, why + ["the shared-memory-operand wgmma GEMM takes the expand"], shrink=shrink)
 
 
-def _self_takes(p: Problem) -> Optional[str]:
-    """``ec_gemm_self.self_takes`` on the problem's facts (B is padded to bf16 by the dispatch)."""
-    a_dtype = p.ec_dtypes[0] if p.ec_dtypes else torch.bfloat16
-    if a_dtype != torch.bfloat16:
-        return f"A {a_dtype} (needs bf16)"
-    if p.gate_width is not None and p.gate_width > _egs.D_MAX:
-        return f"gate of {p.gate_width} hidden units (needs at most {_egs.D_MAX})"
-    if p.rank > _egs.R_SHRINK or not p.a_contiguous:
-        return f"A [{p.rank}, K] (needs a contiguous [R <= {_egs.R_SHRINK}, K])"
-    return None
-
-
 def _ec_route(p: Problem, why: list) -> Route:
     if use_fused(p.lowering, p.M, p.crossover):
         why = why + [f"lowering {p.lowering!r} at M = {p.M}: the fused decode EC"]
-        ok, r = gemv1_can_implement(p)
+        ok, r = _t.can_implement(p)
         if ok:
             return ec_decode_route(p, why=why)
         cfg = tuple(_table.configs().get(_table.GemvKey(p.N, p.K, p.G, 1), _t.GEMV_CONFIGS[0]))
@@ -437,12 +319,13 @@ def _ec_route(p: Problem, why: list) -> Route:
 
 
 def _cat_route(p: Problem, why: list) -> Route:
-    ok, r = gemv1_can_implement(p)
+    ok, r = _t.can_implement(p)
     if ok:
         cfg, r2 = tma_config(p, p.N)
-        if cfg is not None and (not p.norm or _gt.norm_ok(cfg)):
+        ok2, r3 = _gt.can_implement(p, cfg, norm=p.norm) if cfg is not None else (False, r2)
+        if ok2:
             return _route("cat_tma", cfg, why + [r2])
-        why = why + [f"TMA GEMV: {r2 if cfg is None else 'cannot stage the RMSNorm'}"]
+        why = why + [f"TMA GEMV: {r3}"]
         return _route("cat_gemv1", _gemv1_config(p, p.N, False), why)
     return _parts_route(p, why + [f"one GEMV: {r}"])
 
@@ -457,27 +340,28 @@ def glu_config(p: Problem) -> tuple:
     """(the TMA config whose GLU epilogue runs a gate / up pair of F = p.N rows each, or None; reason)."""
     if len(p.parts) != 2 or p.parts[1] != p.N:
         return None, "not two halves of F rows"
-    ok, r = gemv1_can_implement(p)
+    ok, r = _t.can_implement(p)
     if not ok:
         return None, r
     cfg, r = tma_config(p, 2 * p.N)
     if cfg is None:
         return None, r
-    if _gt.unpack_config(cfg)[5] != 1 or p.N % (_gt.tile_geometry(cfg)[0] // 2):
-        return None, f"TMA config {list(cfg)} has a K-split or rows that do not divide F = {p.N}"
+    ok, r2 = _gt.can_implement(p, cfg, glu=True)
+    if not ok:
+        return None, r2
     return cfg, r
 
 
 def _glu_route(p: Problem, why: list) -> Route:
     cfg, r = glu_config(p)
-    if cfg is not None and p.act == "silu" and (not p.norm or _gt.norm_ok(cfg)):
+    if cfg is not None and p.act == "silu" and (not p.norm or _gt.can_implement(p, cfg, norm=True)[0]):
         return _route("glu_tma", cfg, why + [r, "silu(gate) * up in the TMA GEMV's epilogue"])
     cat = route(p.replace(op="w4a16_cat", N=2 * p.N))
     return _route("glu_of", (), why + [f"GLU epilogue: {r if cfg is None else 'not this act / norm'}"], parts=(cat,))
 
 
 def _ec_cat_route(p: Problem, why: list) -> Route:
-    ok, r = gemv1_can_implement(p)
+    ok, r = _t.can_implement(p)
     if ok:
         cfg, r2 = tma_config(p, p.N)
         ok2, r3 = ec_epilogue_ok(cfg, p, p.norm, p.rank)
@@ -504,7 +388,7 @@ _OPS: dict[str, Callable] = {"w4a16": _w4_route, "ec": _ec_route, "w4a16_cat": _
 
 def route(p: Problem) -> Route:
     """The route that runs ``p`` (see the module docstring for the kernels)."""
-    ok, r = triton_ok(p)
+    ok, r = _triton.can_implement(p)
     if not ok:
         return _route("reference", (), [r])
     return _OPS[p.op](p, [])
@@ -612,7 +496,7 @@ def wgmma_choices() -> list:
 
 
 def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
-    """(BNW, BMX, STAGES, WARPS[, PF[, SK]]) of the register-operand GEMM for this shape, for the EC structures
+    """(BNW, BMX, STAGES, WARPS[, PF]) of the register-operand GEMM for this shape, for the EC structures
     built on it ("in_gemm_self"): the table's GEMM choice when it is that kernel, else its fastest measured config
     (``gemmra`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else None (not measured). So a structure
     that needs this GEMM does not depend on which GEMM wins the W4 table by a near tie (11008x4096 M = 1024
@@ -628,8 +512,8 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
 def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     """(BNW, BMX, STAGES, WARPS[, PF]) of the "in_gemm_self" EC structure's launch: its own fastest measured config
     (``ecself`` keys, written by ``benchmarks/kernels.py`` at M >= 256), else ``wgmma_ra_config``. Why its own:
-    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (session
-    22): W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
+    the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (H200):
+    W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
     128 x 256 tile of the run before."""
     got = _t.tuned_table().get(_t.ec_self_key(M, N, K, G))
     return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)

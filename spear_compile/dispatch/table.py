@@ -65,7 +65,8 @@ def m_bucket(M: int) -> int:
 
 @dataclass(frozen=True)
 class Key:
-    """A table key: the kind plus its fields, written ``kind|f1|f2|...`` in files."""
+    """A table key: the kind plus its integer fields, written ``kind|f1|f2|...`` in files. The fields are
+    checked by name: every one a positive integer (``ec`` 0 or 1), ``M`` a row bucket, ``R`` a rank bucket."""
 
     KIND: ClassVar[str] = ""
 
@@ -76,6 +77,10 @@ class Key:
                 raise ValueError(f"{self.KIND} key: {f.name}={v!r} must be a positive integer")
         if hasattr(self, "ec") and self.ec not in (0, 1):
             raise ValueError(f"{self.KIND} key: ec={self.ec!r} must be 0 or 1")
+        if hasattr(self, "M") and (not _pow2(self.M) or self.M > M_BUCKET_MAX):
+            raise ValueError(f"{self.KIND} key: M={self.M} must be a row bucket (a power of two <= {M_BUCKET_MAX})")
+        if hasattr(self, "R") and not _pow2(self.R):
+            raise ValueError(f"{self.KIND} key: R={self.R} must be a rank bucket (a power of two)")
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,104 +92,35 @@ class Key:
         return self.wire()
 
 
-@dataclass(frozen=True)
-class _NKG(Key):
-    N: int
-    K: int
-    G: int
+def _key(name: str, kind: str, fields: str, doc: str, **defaults) -> type:
+    """A frozen ``Key`` dataclass ``name`` of kind ``kind`` with the integer ``fields`` (in file order; ``defaults``
+    for the trailing ones)."""
+    ns = {"__module__": __name__, "__qualname__": name, "__doc__": doc, "KIND": kind,
+          "__annotations__": {f: int for f in fields.split()}, **defaults}
+    return dataclass(frozen=True)(type(name, (Key,), ns))
 
 
-@dataclass(frozen=True)
-class _MNKG(Key):
-    M: int
-    N: int
-    K: int
-    G: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not _pow2(self.M) or self.M > M_BUCKET_MAX:
-            raise ValueError(f"{self.KIND} key: M={self.M} must be a row bucket (a power of two <= {M_BUCKET_MAX})")
-
-
-@dataclass(frozen=True)
-class GemvKey(_NKG):
-    """The M > 1 GEMV's tile for [N, K] weights of group size G, without / with a fused EC."""
-    KIND: ClassVar[str] = "gemv"
-    ec: int = 0
-
-
-@dataclass(frozen=True)
-class Gemv1Key(_NKG):
-    """The M = 1 CUDA-core GEMV's tile, without / with the EC in the same launch."""
-    KIND: ClassVar[str] = "gemv1"
-    ec: int = 0
-
-
-@dataclass(frozen=True)
-class Gemv1PdlKey(_NKG):
-    """The GEMV tile of the decode EC's producer + PDL-launched GEMV pair."""
-    KIND: ClassVar[str] = "gemv1pdl"
-
-
-@dataclass(frozen=True)
-class Gemv1TmaEcKey(_NKG):
-    """Whether a single decode EC of this shape takes the TMA GEMV's EC pair (1) or the CUDA-core pair (0)."""
-    KIND: ClassVar[str] = "gemv1tmaec"
-
-
-@dataclass(frozen=True)
-class Gemv1TmaKey(_NKG):
-    """The TMA-fed Gluon GEMV's config, present only where it measured faster than the CUDA-core GEMV."""
-    KIND: ClassVar[str] = "gemv1tma"
-
-
-@dataclass(frozen=True)
-class Gemv1SelfKey(_NKG):
-    """The one-launch decode EC (measured at rank 64): which kernel and config, where it measured fastest."""
-    KIND: ClassVar[str] = "gemv1self"
-
-
-@dataclass(frozen=True)
-class Gemv1SelfRankKey(_NKG):
-    """The one-launch decode EC's choice for one rank bucket R (a power of two)."""
-    KIND: ClassVar[str] = "gemv1selfr"
-    R: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not _pow2(self.R):
-            raise ValueError(f"gemv1selfr key: R={self.R} must be a rank bucket (a power of two)")
-
-
-@dataclass(frozen=True)
-class GemmKey(_MNKG):
-    """The W4 GEMM for M rows (bucket): which kernel and its config."""
-    KIND: ClassVar[str] = "gemm"
-
-
-@dataclass(frozen=True)
-class GemmWgKey(_MNKG):
-    """The shared-memory-operand wgmma GEMM's fastest config (host of the "in_gemm" EC structure)."""
-    KIND: ClassVar[str] = "gemmwg"
-
-
-@dataclass(frozen=True)
-class GemmRaKey(_MNKG):
-    """The register-operand wgmma GEMM's fastest config (host of the "in_gemm_self" EC structure)."""
-    KIND: ClassVar[str] = "gemmra"
-
-
-@dataclass(frozen=True)
-class EcSelfKey(_MNKG):
-    """The "in_gemm_self" EC structure's own launch config."""
-    KIND: ClassVar[str] = "ecself"
-
-
-@dataclass(frozen=True)
-class EcStructKey(_MNKG):
-    """The prefill EC structure measured fastest."""
-    KIND: ClassVar[str] = "ecstruct"
+_NKG, _MNKG = "N K G", "M N K G"
+GemvKey = _key("GemvKey", "gemv", _NKG + " ec", "The M > 1 GEMV's tile for [N, K] weights of group size G, without / "
+               "with a fused EC.", ec=0)
+Gemv1Key = _key("Gemv1Key", "gemv1", _NKG + " ec", "The M = 1 CUDA-core GEMV's tile, without / with the EC in the same "
+                "launch.", ec=0)
+Gemv1PdlKey = _key("Gemv1PdlKey", "gemv1pdl", _NKG, "The GEMV tile of the decode EC's producer + PDL-launched GEMV pair.")
+Gemv1TmaEcKey = _key("Gemv1TmaEcKey", "gemv1tmaec", _NKG, "Whether a single decode EC of this shape takes the TMA GEMV's "
+                     "EC pair (1) or the CUDA-core pair (0).")
+Gemv1TmaKey = _key("Gemv1TmaKey", "gemv1tma", _NKG, "The TMA-fed Gluon GEMV's config, present only where it measured "
+                   "faster than the CUDA-core GEMV.")
+Gemv1SelfKey = _key("Gemv1SelfKey", "gemv1self", _NKG, "The one-launch decode EC (measured at rank 64): which kernel "
+                    "and config, where it measured fastest.")
+Gemv1SelfRankKey = _key("Gemv1SelfRankKey", "gemv1selfr", _NKG + " R", "The one-launch decode EC's choice for one rank "
+                        "bucket R (a power of two).", R=1)
+GemmKey = _key("GemmKey", "gemm", _MNKG, "The W4 GEMM for M rows (bucket): which kernel and its config.")
+GemmWgKey = _key("GemmWgKey", "gemmwg", _MNKG, "The shared-memory-operand wgmma GEMM's fastest config (host of the "
+                 "\"in_gemm\" EC structure).")
+GemmRaKey = _key("GemmRaKey", "gemmra", _MNKG, "The register-operand wgmma GEMM's fastest config (host of the "
+                 "\"in_gemm_self\" EC structure).")
+EcSelfKey = _key("EcSelfKey", "ecself", _MNKG, "The \"in_gemm_self\" EC structure's own launch config.")
+EcStructKey = _key("EcStructKey", "ecstruct", _MNKG, "The prefill EC structure measured fastest.")
 
 
 @dataclass(frozen=True)
@@ -285,19 +221,19 @@ class Crossover(Value):
 
 
 def _tma_config(vals, what: str) -> tuple:
-    cfg = _pos_ints(vals, what, (5, 6, 7))
+    cfg = _pos_ints(vals, what, (5, 6))
     warps, rb, ch, stages, ops = cfg[:5]
     split = cfg[5] if len(cfg) > 5 else 1
     if not all(_pow2(v) for v in (warps, rb, ch)) or stages < 2 or ops not in TMA_OPS or split not in (1, 2):
-        raise ValueError(f"{what}: (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]]) = {list(cfg)}: WARPS, RB, CH "
+        raise ValueError(f"{what}: (WARPS, RB, CH, STAGES, OPS[, SPLIT]) = {list(cfg)}: WARPS, RB, CH "
                          f"powers of two, STAGES >= 2, OPS in {TMA_OPS}, SPLIT 1 or 2")
     return cfg
 
 
-def _ra_config(vals, what: str, n=(4, 5, 6)) -> tuple:
+def _ra_config(vals, what: str, n=(4, 5)) -> tuple:
     cfg = _pos_ints(vals, what, n)
     if not all(v > 0 for v in cfg[:4]):
-        raise ValueError(f"{what}: (BNW, BMX, STAGES, WARPS[, PF[, SK]]) = {list(cfg)} must be positive")
+        raise ValueError(f"{what}: (BNW, BMX, STAGES, WARPS[, PF]) = {list(cfg)} must be positive")
     return cfg
 
 
@@ -342,8 +278,8 @@ def _self_choice(w, what: str, pair_ok: bool) -> SelfChoice:
     if w[0] == "cc":
         return SelfChoice("cc", _gemv1_tile(w[1:], what))
     cfg = _tma_config(w[1:], what)
-    if (cfg[5] if len(cfg) > 5 else 1) != 1 or (cfg[6] if len(cfg) > 6 else 0) != 0:
-        raise ValueError(f"{what}: the one-launch EC on the TMA kernel needs no K-split and no persistence")
+    if (cfg[5] if len(cfg) > 5 else 1) != 1:
+        raise ValueError(f"{what}: the one-launch EC on the TMA kernel needs no K-split")
     return SelfChoice("tma", cfg)
 
 
@@ -382,7 +318,7 @@ def parse_value(key: Key, w) -> Value:
     if kind == "gemmra":
         return TileConfig(_ra_config(w, what))
     if kind == "ecself":
-        return TileConfig(_ra_config(w, what, (4, 5)))
+        return TileConfig(_ra_config(w, what))
     raise ValueError(f"no value schema for key kind {kind!r}")  # pragma: no cover
 
 

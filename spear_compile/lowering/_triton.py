@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:  # pragma: no cover - exercised by whichever environment runs
     import triton
     import triton.language as tl
@@ -47,3 +49,20 @@ if HAS_TRITON:
             return tl.maximum(z, 0.0)
         else:  # exact (erf) GELU, as torch's default
             return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the Triton kernels can run problem ``p`` (a ``lowering.problem.Problem``) at all:
+    Triton installed, activations on CUDA, the spear packing, fp16 / bf16 activations."""
+    if not HAS_TRITON:
+        return False, "Triton is not installed"
+    if p.device.type != "cuda":
+        return False, f"activations on {p.device.type}"
+    if p.layout != "spear":
+        return False, f"layout {p.layout!r} (the Triton kernels read the spear packing)"
+    if p.dtype not in TRITON_DTYPES:
+        return False, f"activations {p.dtype} (the Triton kernels take fp16 / bf16)"
+    return True, "CUDA, spear layout, fp16 / bf16"

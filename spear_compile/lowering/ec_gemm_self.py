@@ -42,7 +42,7 @@ step from its own TMA-fed x box, with no weight expansion.
 Measured (H200, docs/kernels.md): 4096^2 M = 1024 53-54 us against the register-operand GEMM's
 51-52 alone and "in_gemm"'s 61; with split roles, kernels.py M = 256 / 1024 on the five issue shapes:
 EC64 / W4 within 1.10x on 8 of 10 cells in each of three runs; 4096^2 M = 256 missed (1.18-1.27x: the roles' K
-loop); with the deeper role ring (``ROLE_DEEP``): that cell 1.05x, and 10 of 10 cells within 1.10x in
+loop); with the deeper role ring (each role's ring STAGES x split deep): that cell 1.05x, and 10 of 10 cells within 1.10x in
 both runs. The first version loaded the gate's weights from global memory row by row (2-byte scalars, ~60 us per
 gate); they are staged in shared memory now.
 
@@ -65,12 +65,12 @@ R_SHRINK = 64  # rows of the shrink MMA (one warpgroup's M): ranks up to 64 take
 D_MAX = 16  # gate widths up to this take it (the first layer's outputs are kept in the A ring: 16 x BMX fp32)
 SPIN_MAX = 1 << 22  # polls of a block's flag (each <= ~1 us) before a tile traps
 SPLITS = (1, 2, 4)  # shrink roles per x block (each BMX / split tokens)
-# A role's ring STAGES x split deep (its x slots are 1 / split of the tile ring's, so the ring has room; its A ring
+# A role's ring is STAGES x split deep (its x slots are 1 / split of the tile ring's, so the ring has room; its A ring
 # and barriers grow), where the shared memory allows. Why: a role's K loop is latency-bound like a tile's (a step per
 # ~(TMA latency / slots in flight), whatever its bytes), so with as many steps as a tile it ends no earlier - on the
 # 64 x 128 tile at 4096^2 M = 256 the roles took ~27 us against the tiles' 24. Measured
-#: that cell 30.6 -> 25.8 us (its GEMM 24.5); where the roles were already hidden, unchanged.
-ROLE_DEEP = True
+# that cell 30.6 -> 25.8 us (its GEMM 24.5); where the roles were already hidden, unchanged. (The launch
+# wrapper, ``w4a16_gemm_wgmma_ra._launch``, deepens it whenever the config's shared memory allows.)
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -94,16 +94,14 @@ if HAS_WGMMA:
     def ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG, FLAGS, tag,
                        R, D,
                        RP_HG: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ACT: gl.constexpr,
-                       SPLIT: gl.constexpr = 1, SELF_DIAG: gl.constexpr = 0):
+                       SPLIT: gl.constexpr = 1):
         """Shrink role ``role``: part ``role % SPLIT`` (BXS = BMX / SPLIT tokens, ``xr_desc``'s box) of x block
         ``role // SPLIT``: h^T = A x^T [64, BXS] by wgmma over K (A padded to 64 rows with zeros on the host), the
         gate per token (its weights staged in ``w1s`` / ``w2s``, fp32 [64, D_MAX]), ``alpha g h`` stored into HG
         [M, RP_HG] (bf16), then the part's flag (``FLAGS[role]``) := tag. The role's ring has NS slots (``as_``'s
-        first dimension, with one barrier each in ``rbars``): STAGES, or with ``ROLE_DEEP`` STAGES x SPLIT; its x
-        slots are the tile ring ``xs`` ([STAGES, BMX, BK]) taken as [STAGES SPLIT, BXS, BK] (same 128-byte
-        swizzle), of which it uses the first NS.
-        ``SELF_DIAG`` (timing only, wrong results): bit 1 no K loop (h = 0). (A bit 2 without the gate layers
-        failed to compile on Triton 3.6 and was removed.)"""
+        first dimension, with one barrier each in ``rbars``): STAGES, or STAGES x SPLIT where the shared memory
+        allows; its x slots are the tile ring ``xs`` ([STAGES, BMX, BK]) taken as [STAGES SPLIT, BXS, BK] (same
+        128-byte swizzle), of which it uses the first NS."""
         BMX: gl.constexpr = xs.type.shape[1]
         BXS: gl.constexpr = xr_desc.block_type.shape[0]
         gl.static_assert(BXS * SPLIT == BMX, "the shrink role's x box must be the tile's x rows / SPLIT")
@@ -114,8 +112,6 @@ if HAS_WGMMA:
         xq = xs._reinterpret(gl.bfloat16, [STAGES * SPLIT, BXS, _BK], xr_desc.layout)
         off_m = (role // SPLIT) * BMX + (role % SPLIT) * BXS
         KT = K // _BK
-        if (SELF_DIAG & 1) != 0:
-            KT = 0
         for i in gl.static_range(NS):
             _shrink_request(xr_desc, a_desc, rbars.index(i), xq.index(i), as_.index(i), off_m, i, i < KT)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
@@ -176,12 +172,10 @@ if HAS_WGMMA:
         gl.atomic_xchg(FLAGS + role, tag, sem="release")
 
     @gluon.jit
-    def _wait_flag(flag, tag, SELF_DIAG: gl.constexpr):
+    def _wait_flag(flag, tag):
         """Spin until ``*flag == tag`` (acquire; 32 ns to 1 us back-off; after SPIN_MAX polls ``trap``: the
-        one-stream assumption broke). ``SELF_DIAG`` bit 4 (timing only): no wait."""
+        one-stream assumption broke)."""
         f = gl.atomic_add(flag, 0, sem="acquire")
-        if (SELF_DIAG & 4) != 0:
-            f = tag
         ns = 32
         polls = 0
         while f != tag:
@@ -194,14 +188,13 @@ if HAS_WGMMA:
                 gl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SPLIT: gl.constexpr = 1,
-                   SELF_DIAG: gl.constexpr = 0):
+    def ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS: gl.constexpr, SPLIT: gl.constexpr = 1):
         """This launch's ``alpha g h`` of block ``m_blk`` into the shared tile ``hgs`` [BMX, RP_HG], once the
         block's SPLIT shrink roles have published their parts (each its own flag, ``_wait_flag``)."""
         BMX: gl.constexpr = hgs.type.shape[0]
         RP: gl.constexpr = hgs.type.shape[1]
         for p in gl.static_range(SPLIT):
-            _wait_flag(FLAGS + m_blk * SPLIT + p, tag, SELF_DIAG)
+            _wait_flag(FLAGS + m_blk * SPLIT + p, tag)
         lh: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (RP // 8), RP // 8], [WARPS, 1], [1, 0])
         rows = m_blk * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(1, lh))
         cols = gl.arange(0, RP, layout=gl.SliceLayout(0, lh))
@@ -254,3 +247,17 @@ def self_takes(A: torch.Tensor, B: torch.Tensor, W1: torch.Tensor, K: int) -> Op
     if A.dim() != 2 or A.shape[0] > R_SHRINK or A.shape[1] != K or not A.is_contiguous():
         return f"A {tuple(A.shape)} (needs a contiguous [R <= {R_SHRINK}, K = {K}])"
     return None
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the in-launch shrink roles take problem ``p``'s EC (a ``lowering.problem.Problem``;
+    ``self_takes`` on its facts, B being padded to bf16 by the dispatch): bf16 A, a gate at most D_MAX wide,
+    a contiguous A [R <= R_SHRINK, K]. (The host GEMM's own constraints: ``w4a16_gemm_wgmma_ra.can_implement``.)"""
+    a_dtype = p.ec_dtypes[0] if p.ec_dtypes else torch.bfloat16
+    if a_dtype != torch.bfloat16:
+        return False, f"A {a_dtype} (needs bf16)"
+    if p.gate_width is not None and p.gate_width > D_MAX:
+        return False, f"gate of {p.gate_width} hidden units (needs at most {D_MAX})"
+    if p.rank > R_SHRINK or not p.a_contiguous:
+        return False, f"A [{p.rank}, K] (needs a contiguous [R <= {R_SHRINK}, K])"
+    return True, f"A [{p.rank}, K] bf16 contiguous, gate of at most {D_MAX}"

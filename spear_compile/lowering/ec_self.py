@@ -236,3 +236,11 @@ if HAS_TRITON:
         vals = v.to(tl.int32).to(tl.float32, bitcast=True)
         rows = tl.sum(tl.where(m, vals, 0.0), axis=1)  # [T]: T // R_P equal copies of each row's sum
         return tl.max(tl.reshape(rows, [T // R_P, R_P]), axis=0)
+
+
+def can_implement(p, R: int, grid: int, warps: int) -> tuple:
+    """(ok, reason) of whether the one-launch EC's pieces of A [R, K] fit ``grid`` programs of ``warps`` warps on
+    problem ``p``'s device (``self_plan``; ``p`` a ``lowering.problem.Problem``)."""
+    if self_plan(R, p.K, grid, 32 * warps, sm_count(p.device)) is None:
+        return False, f"its pieces of A [{R}, {p.K}] do not fit {grid} programs of {warps} warps"
+    return True, f"A [{R}, {p.K}] in pieces over {grid} programs"

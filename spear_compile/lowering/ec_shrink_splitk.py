@@ -184,3 +184,11 @@ def compile_sm90(dtype: str = "bf16", r_p: int = 64, d_p: int = 16):
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS,
                                                                               num_stages=NUM_STAGES))
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the split-K shrink + gate takes problem ``p``'s EC (a ``lowering.problem.Problem``):
+    a contiguous A (``ec_shrink_gate_splitk`` reads it in K slices)."""
+    if not p.a_contiguous:
+        return False, "A is not contiguous"
+    return True, "A contiguous"

@@ -185,7 +185,7 @@ if HAS_WGMMA:
     def _w4a16_gemm_wgmma_kernel(x_desc, w_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                                  G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, ZINT: gl.constexpr,
                                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                 HAS_EC: gl.constexpr = False, DIAG: gl.constexpr = 0):
+                                 HAS_EC: gl.constexpr = False):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BKW: gl.constexpr = _BK // 8
@@ -234,17 +234,13 @@ if HAS_WGMMA:
                 sn, zn = _group_params(S, Z, offs_n, mask_n, gn, NG, HAS_Z)
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
             buf = dq.index(i % 3)
-            if DIAG == 0 or DIAG == 3:
-                buf.store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN, ZINT))
-            elif DIAG == 1:  # (diagnostic: the tile's stores without the expansion's arithmetic)
-                buf.store(gl.reshape(gl.full([BN, _BK // 8, 8], 0, gl.bfloat16, l3), [BN, _BK]))
+            buf.store(_dequant(ws.index(slot).load(lw), s, z, HAS_Z, BN, ZINT))
             fence_async_shared()
             gl.thread_barrier()
             nt = i + STAGES - 2
             ns = nt % STAGES
             _request_step(x_desc, w_desc, bars.index(ns), xs.index(ns), ws.index(ns), off_m, off_n, nt, nt < KT)
-            if DIAG != 3:  # (diagnostic 3: no MMA)
-                acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(xs.index(slot), buf.permute((1, 0)), acc, is_async=True)
             # wait in the same iteration (a wait at the top of the next one makes ptxas serialise every MMA:
             # C7515, the pending MMA's accumulators cross the loop's back edge)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -410,15 +406,13 @@ def check_ec_operands(name: str, hg: torch.Tensor, B: torch.Tensor, M: int, N: i
 
 def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
-                     out: Optional[torch.Tensor] = None, ec: Optional[tuple] = None, diag: int = 0) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, ec: Optional[tuple] = None) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) through the warpgroup-MMA kernel (CUDA sm_90+ only).
     ``qweight``: spear-packed uint8 [N, K / 2]; ``scales`` / ``zeros``: bf16 [N, K / G] (per-channel:
     [N, 1]); config = (BM, BN, STAGES, WARPS), default ``WGMMA_CONFIGS[0]``. ``ec``: (hg, B) with hg the
     EC's ``alpha g h`` [M, R_P] and B its [N, R] expand matrix (bf16, R <= R_P, R_P a power of two >= 16):
     ``hg B^T`` is added as one more K step (the "in_gemm" EC structure, ``dispatch/cuda.py:_ec_in_gemm``); the
-    ring loses stages until it fits. ``diag`` (benchmarks only, wrong results): 1 stores the tile without
-    the expansion's arithmetic, 2 skips expansion and stores (the MMAs read stale tiles), 3 skips the
-    MMAs - what each part of a K step costs."""
+    ring loses stages until it fits."""
     bm, bn, stages, warps = check_config(tuple(config or WGMMA_CONFIGS[0]))
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma", x2, qweight, scales, zeros, G, bias, out)
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma", x2, qweight, out, ec, M, N, bm, bn)
@@ -430,7 +424,7 @@ def w4a16_gemm_wgmma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         xd, wd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         M, N, K, scales.shape[1], G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         ZINT=zeros is not None and integer_zeros(zeros),
-        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, HAS_EC=ec is not None, DIAG=diag, num_warps=warps)
+        HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, HAS_EC=ec is not None, num_warps=warps)
     return y
 
 
@@ -475,3 +469,22 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: 
     types = dict(**descs, **rest)
     consts.update(HAS_EC=bool(r_p))
     return compile_gluon_sm90(_w4a16_gemm_wgmma_kernel, types, consts, warps)
+
+
+EC_R_MAX = 128  # the most EC columns the expand step ("in_gemm") takes
+
+
+def can_implement(p, ec: bool = False) -> tuple:
+    """(ok, reason) of whether this GEMM runs problem ``p`` (a ``lowering.problem.Problem``): a sm_90+ GPU, bf16
+    activations and parameters, 64-aligned K and G (``wgmma_ok``), contiguous scales and zero points; with ``ec``
+    (the "in_gemm" structure) also an EC of rank at most EC_R_MAX."""
+    if not hopper(p.device):
+        return False, "not a sm_90+ GPU"
+    dts = tuple(p.param_dtypes) + ((p.bias_dtype,) if p.bias_dtype is not None else ())
+    if not wgmma_ok(p.M, p.N, p.K, p.G, p.dtype, dts):
+        return False, f"{p.dtype}, params {dts}, N = {p.N}, K = {p.K}, G = {p.G} (needs bf16 and 64-aligned K, G)"
+    if not p.params_contiguous:
+        return False, "scales / zero points not contiguous"
+    if ec and p.rank > EC_R_MAX:
+        return False, f"rank {p.rank} > {EC_R_MAX}"
+    return True, "sm_90+, bf16, aligned"

@@ -29,14 +29,13 @@ gate kernel that writes hg = alpha g h, when ``ec_wait``) executes ``griddepcont
 reads only what existed before the gate ran (x, the weight, its scales, B). Measured:
 the fastest EC structure on 6 of the 8 shapes x M where the table runs this kernel, at 1.03-1.23x W4.
 
-Config (BNW, BMX, STAGES, WARPS[, PF[, SK]]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
+Config (BNW, BMX, STAGES, WARPS[, PF]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
 N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used), PF = 2
-brings them through the TMA ring with the step's words (``ring_row_params``; faster);
-SK = 1 runs the last partial wave of tiles stream-K (``sk_plan``, ``_ra_sk_unit``: measured slower, so neither
-is searched; docs/kernels.md).
+brings them through the TMA ring with the step's words (``ring_row_params``; faster). (A stream-K tail of the
+last partial wave measured slower and was removed: docs/kernels.md.)
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
 The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
-``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]])`` (``dispatch/route.py:gemm_route``).
+``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF])`` (``dispatch/route.py:gemm_route``).
 """
 from __future__ import annotations
 
@@ -46,14 +45,14 @@ import torch
 
 from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
+from .w4a16_gemm_wgmma import can_implement as wg_can_implement
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
 from ._triton import ACT_CODES, next_pow2
 from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
 from .w4a16_gemm_wgmma import _descriptor
-from . import ec_gemm_self, ec_self
+from . import ec_self
 from .w4a16_gemm_wgmma import _layout, desc_types
 from .w4a16_gemv_gluon import compile_gluon_sm90
-from .ec_gemm_self import SPLITS, split_ok
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -61,7 +60,7 @@ if HAS_WGMMA:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from .ec_gemm_self import _D_MAX, _wait_flag, ec_shrink_role, ec_wait_hg
+    from .ec_gemm_self import _D_MAX, ec_shrink_role, ec_wait_hg
     from .w4a16_gemv_tma_ec import _self_ticket as ec_ticket
     from .w4a16_gemm_wgmma import _BK, _request_step
 
@@ -158,19 +157,16 @@ if HAS_WGMMA:
     def _ra_step(i, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z, offs_n, mask_n, NG, n,
                  off_m, off_n, k0, base, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  STAGES: gl.constexpr, BNW: gl.constexpr, lw: gl.constexpr, a_layout: gl.constexpr,
-                 PF: gl.constexpr, DIAG: gl.constexpr = 0, RP: gl.constexpr = False, RPL: gl.constexpr = None):
-        """Step i of a run of n K steps starting at K step k0 (ring position base + i: a stream-K unit runs
-        several runs through one ring): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
+                 PF: gl.constexpr, RP: gl.constexpr = False, RPL: gl.constexpr = None):
+        """Step i of a run of n K steps starting at K step k0 (ring position base + i): expand, issue the MMA, wait for step i - 1's (``keep``, its A, stays
         alive until then), refill step i - 1's ring slot. Returns the accumulator, this step's A (to keep for the
         next wait) and the row parameters for step i + 1: with PF its loads are issued before this step's
         expansion (meant to take an L2 round trip off each step's path; measured 5-11 % slower, so off: docs/kernels.md
         measured on an H200), else this step's are loaded here, where they are used; with ``RP`` they come with the step's
-        words through the ring (``ring_row_params``) and are read from shared memory after its wait.
-        ``DIAG`` (timing only, wrong results): 1 no MMA, 2 no CTA barrier, 3 no expansion (A from ``keep``), 4 no
-        row-parameter loads in the loop (step 0's scales and zero points throughout)."""
+        words through the ring (``ring_row_params``) and are read from shared memory after its wait."""
         r = base + i
         slot = r % STAGES
-        if PER_CHANNEL or DIAG == 4 or RP:
+        if PER_CHANNEL or RP:
             cn, sn = c, s
         elif PF:
             cn, sn = _row_params(S, Z, offs_n, mask_n, gl.minimum((k0 + i + 1) * _BK // G, NG - 1), NG, HAS_Z)
@@ -178,20 +174,13 @@ if HAS_WGMMA:
             c, s = _row_params(S, Z, offs_n, mask_n, (k0 + i) * _BK // G, NG, HAS_Z)
             cn, sn = c, s
         mbarrier.wait(bars.index(slot), (r // STAGES) & 1)
-        if RP and DIAG != 4:
+        if RP:
             c, s = _ring_params(rps.index(slot), RPL, gl.SliceLayout(1, lw))
             cn, sn = c, s
-        if DIAG == 3:
-            a = keep
-        else:
-            a = _expand_a(ws.index(slot).load(lw), sel, c, s, HAS_Z, BNW, a_layout)
-        if DIAG == 1:  # a volatile no-op keeps the expansion
-            gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=gl.bfloat16, is_pure=False, pack=2)
-        else:
-            acc = warpgroup_mma(a, xs.index(slot).permute((1, 0)), acc, is_async=True)
+        a = _expand_a(ws.index(slot).load(lw), sel, c, s, HAS_Z, BNW, a_layout)
+        acc = warpgroup_mma(a, xs.index(slot).permute((1, 0)), acc, is_async=True)
         acc, keep = warpgroup_mma_wait(num_outstanding=1, deps=(acc, keep))  # step i - 1's MMAs are done
-        if DIAG != 2:
-            gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
+        gl.thread_barrier()  # ... in every warpgroup, and every warp has read step i - 1's words
         prev = gl.maximum(i - 1, 0)
         nt = prev + STAGES
         ps = (base + prev) % STAGES
@@ -203,8 +192,7 @@ if HAS_WGMMA:
     @gluon.jit
     def _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G: gl.constexpr,
                 PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                SRC: gl.constexpr, PF: gl.constexpr, DIAG: gl.constexpr, RP: gl.constexpr = False,
-                RPL: gl.constexpr = None):
+                SRC: gl.constexpr, PF: gl.constexpr, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """The accumulator [BNW, BMX] (fp32, every MMA retired) of n >= 1 K steps from K step k0 of the tile at
         (off_n, off_m), through the ring from position ``base`` (a whole tile: k0 = 0, n = K / BK, base = 0)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
@@ -235,14 +223,14 @@ if HAS_WGMMA:
         for j in range(n // 2):
             acc, a0, c, s = _ra_step(2 * j, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z,
                                      offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES,
-                                     BNW, lw, a_layout, PF, DIAG, RP, RPL)
+                                     BNW, lw, a_layout, PF, RP, RPL)
             acc, keep, c, s = _ra_step(2 * j + 1, acc, a0, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S,
                                        Z, offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z,
-                                       STAGES, BNW, lw, a_layout, PF, DIAG, RP, RPL)
+                                       STAGES, BNW, lw, a_layout, PF, RP, RPL)
         if n % 2 == 1:
             acc, keep, c, s = _ra_step(n - 1, acc, keep, x_desc, w_desc, rp_desc, xs, ws, rps, bars, sel, c, s, S, Z,
                                        offs_n, mask_n, NG, n, off_m, off_n, k0, base, G, PER_CHANNEL, HAS_Z, STAGES,
-                                       BNW, lw, a_layout, PF, DIAG, RP, RPL)
+                                       BNW, lw, a_layout, PF, RP, RPL)
         acc, keep = warpgroup_mma_wait(num_outstanding=0, deps=(acc, keep))
         return acc
 
@@ -264,8 +252,7 @@ if HAS_WGMMA:
                  hgs, ecbars, HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
-                 DIAG: gl.constexpr, SELF_DIAG: gl.constexpr, SPLIT: gl.constexpr = 1, RP: gl.constexpr = False,
-                 RPL: gl.constexpr = None):
+                 SPLIT: gl.constexpr = 1, RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
@@ -278,10 +265,10 @@ if HAS_WGMMA:
             mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
         acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G,
-                      PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, DIAG, RP, RPL)
+                      PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, RP, RPL)
         if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
             if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
-                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT, SELF_DIAG)
+                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT)
                 fence_async_shared()
                 gl.thread_barrier()
             else:
@@ -298,82 +285,17 @@ if HAS_WGMMA:
         _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
 
     @gluon.jit
-    def _partial_ptrs(WSP, v, mma: gl.constexpr, BNW: gl.constexpr, BMX: gl.constexpr):
-        """Unit v's partial tile in WSP ([BNW, BMX] fp32 in the MMA layout: each thread reads back what its
-        counterpart in the owner's CTA wrote)."""
-        rows = gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
-        return WSP + v * (BNW * BMX) + gl.expand_dims(rows, 1) * BMX + gl.expand_dims(cols, 0)
-
-    @gluon.jit
-    def _ra_sk_unit(u, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, WSP, FLAGS, DP,
-                    UNITS, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr, PF: gl.constexpr,
-                    SK_DELAY: gl.constexpr = False, RP: gl.constexpr = False, RPL: gl.constexpr = None):
-        """Stream-K unit u of UNITS (``sk_plan``): K steps [lo, hi) of the stream-K tiles' steps laid end to end
-        (tile DP + t holds steps [t KT, (t + 1) KT)), lo = u TOT // UNITS. A run that starts inside a tile (only
-        the unit's first) is a partial: stored to WSP[u] (fp32, in the MMA layout) and published by FLAGS[u] :=
-        tag (release). A run from a tile's first step is its owner's: it adds the partials of the units that
-        start inside the tile, u + 1, u + 2, ... in that order (acquire; deterministic), then stores the tile.
-        The owner's run ends its unit's range and the partials begin theirs, so the owner waits little; and it
-        waits only on later tickets, which run once any CTA ahead of them finishes: no deadlock as long as all
-        UNITS (<= the SM count) can be resident at once (with fewer SMs given to the kernel - MPS, green contexts -
-        an owner traps after SPIN_MAX polls). ``sk_unit_runs`` is this schedule in Python (the tests' mirror:
-        change both together)."""
-        BMX: gl.constexpr = x_desc.block_type.shape[0]
-        BNW: gl.constexpr = w_desc.block_type.shape[0]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, BMX, 16])
-        KT = K // _BK
-        num_m = gl.cdiv(M, BMX)
-        TOT = (num_m * gl.cdiv(N, BNW) - DP) * KT
-        lo = u * TOT // UNITS
-        hi = (u + 1) * TOT // UNITS
-        i = lo
-        base = 0
-        for seg in range((hi - 1) // KT - lo // KT + 1):
-            t = i // KT
-            k0 = i - t * KT
-            n = gl.minimum(KT - k0, hi - i)
-            tile = DP + t
-            off_m = (tile % num_m) * BMX
-            off_n = (tile // num_m) * BNW
-            gl.thread_barrier()  # every warp is done with the previous run's ring slots and partial reads
-            fence_async_shared()  # (the words' generic reads before the next run's TMA writes into their slots)
-            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, k0, n, base, G,
-                          PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, 0, RP, RPL)
-            if k0 > 0:  # the tile's later steps: a partial for its owner
-                if SK_DELAY:  # (tests) ~20 us late, so the owner's wait and the flag's tag are exercised
-                    for _ in range(20):
-                        gl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                                  is_pure=False, pack=1)
-                gl.store(_partial_ptrs(WSP, u, mma, BNW, BMX), acc)
-                gl.thread_barrier()  # every thread's part is written before the (cumulative) release below
-                gl.atomic_xchg(FLAGS + u, tag, sem="release")
-            else:  # the owner: the partials of units u + 1 .. (those with lo(v) < the tile's end), in order
-                vend = gl.minimum(UNITS, ((t + 1) * KT * UNITS + TOT - 1) // TOT)
-                for v in range(u + 1, vend):
-                    _wait_flag(FLAGS + v, tag, 0)
-                    acc += gl.load(_partial_ptrs(WSP, v, mma, BNW, BMX), cache_modifier=".cg")
-                _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
-            base += n
-            i += n
-
-    @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D, WSP, DP, UNITS,
+                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
-                                    EC_WAIT: gl.constexpr = False, DIAG: gl.constexpr = 0,
-                                    EC_SELF: gl.constexpr = False, ACT: gl.constexpr = 0,
-                                    SELF_DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
-                                    SK: gl.constexpr = False, SK_DELAY: gl.constexpr = False,
+                                    EC_WAIT: gl.constexpr = False, EC_SELF: gl.constexpr = False,
+                                    ACT: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
                                     RP: gl.constexpr = False, RPL: gl.constexpr = None):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
-        (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise), or with ``SK``
-        (no EC) by its ticket one of the DP data-parallel tiles or one of the UNITS stream-K units
-        (``_ra_sk_unit``; WSP their partials, FLAGS / TICK their flags and ticket). ``RP``: the row parameters come
+        (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise; RDEEP: the roles'
+        ring is STAGES x RDEEP deep). ``RP``: the row parameters come
         through the ring from ``rp_desc`` (``ring_row_params``; a stand-in otherwise)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
@@ -409,26 +331,15 @@ if HAS_WGMMA:
             num_m = gl.cdiv(M, BMX)
             if role < num_m * SPLIT:
                 ec_shrink_role(xr_desc, a_desc, xs, as_, w1s, w2s, rbars, role, M, K, W1, B1, W2, B2, ALPHA, HG,
-                               FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT, SELF_DIAG)
+                               FLAGS, tag, R, D, hg_desc.block_type.shape[1], STAGES, WARPS, ACT, SPLIT)
             else:
                 _ra_tile(role - num_m * SPLIT, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                          xs, ws, rps, bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES,
-                         WARPS, SRC, PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, SELF_DIAG, SPLIT, RP, RPL)
-        elif SK:
-            gl.static_assert(not HAS_EC, "stream-K runs without an EC")
-            tag, role = ec_ticket(TICK)
-            if role < DP:
-                _ra_tile(role, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps,
-                         bars, bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF,
-                         False, False, False, DIAG, 0, 1, RP, RPL)
-            else:
-                _ra_sk_unit(role - DP, tag, x_desc, w_desc, rp_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars,
-                            WSP, FLAGS, DP, UNITS, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC, PF, SK_DELAY,
-                            RP, RPL)
+                         WARPS, SRC, PF, HAS_EC, EC_WAIT, EC_SELF, SPLIT, RP, RPL)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
                      rps, bars, bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
-                     PF, HAS_EC, EC_WAIT, EC_SELF, DIAG, 0, 1, RP, RPL)
+                     PF, HAS_EC, EC_WAIT, EC_SELF, 1, RP, RPL)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if HAS_EC:
@@ -439,7 +350,7 @@ if HAS_WGMMA:
                 mbarrier.invalidate(rbars.index(i))
 
 
-# (BNW, BMX, STAGES, WARPS[, PF[, SK]]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the
+# (BNW, BMX, STAGES, WARPS[, PF]). 128 x 256 tiles feed each expanded weight tile to 256 rows of x (the
 # widest MMA): the 128 x 128 tile was 1.8x slower . The 4-warp 64 x 256 tile doubles the CTA count where the
 # grid would be small (N = 4096 at M = 256), and 64 x 128 doubles it again (there 64 tiles of 64 x 256 leave half
 # the H200's 132 SMs idle). PF = 1 variants are the lab's (docs/kernels.md).
@@ -448,84 +359,18 @@ if HAS_WGMMA:
 # where the 3-stage ring measured slower, 149.7 -> 159.0); PF = 0 stays searched beside it.
 _TILES = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
 RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64, 128, 4, 4, 2)] + _TILES
-# SK = 1 (a stream-K tail, ``sk_plan``) is not searched: measured slower than the plain tiles on every cell it
-# changes; the lab times it
-# (``benchmarks/lab_gemm.py --ra 128,256,3,8,0,1``).
 
 
-def check_ra_config(config: tuple) -> tuple[int, int, int, int, int, int]:
-    """(BNW, BMX, STAGES, WARPS, PF, SK) of a config (PF and SK default 0), or a ValueError naming the rule it
-    breaks."""
+def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
+    """(BNW, BMX, STAGES, WARPS, PF) of a config (PF defaults to 0), or a ValueError naming the rule it breaks."""
     vals = tuple(int(v) for v in config)
-    if len(vals) not in (4, 5, 6):
-        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected "
-                         f"(BNW, BMX, STAGES, WARPS[, PF[, SK]])")
-    bnw, bmx, stages, warps, pf, sk = vals + (0,) * (6 - len(vals))
+    if len(vals) not in (4, 5):
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF])")
+    bnw, bmx, stages, warps, pf = vals + (0,) * (5 - len(vals))
     if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1, 2):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
                          f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1, 2}}")
-    if sk not in (0, 1):
-        raise ValueError(f"W4A16 register-operand GEMM config {config}: SK (stream-K tail) must be 0 or 1")
-    return bnw, bmx, stages, warps, pf, sk
-
-
-def sk_plan(tiles: int, sms: Optional[int], kt: int) -> tuple[int, int]:
-    """(data-parallel tiles, stream-K units) for a grid of ``tiles`` output tiles of ``kt`` K steps on ``sms``
-    SMs, taken as one CTA per SM (true of the 8-warp tiles; a smaller tile that fits several per SM is only
-    planned less well). Why: 11008x4096 at M = 1024 has 344 tiles of 128 x 256, 2.6 waves run as 3. The whole
-    waves run as tiles; only the last partial wave's tiles are split by K steps evenly over min(sms, their
-    steps) units (a tile split between units is summed by its first unit), so the last wave ends with every SM
-    busy. Only that tail: a first version streamed the
-    last 1-2 waves' worth (CUTLASS's rule), and it was 2-24 % slower - units that start at scattered K offsets
-    no longer read a weight tile in step with the other x blocks' units, so it came from HBM again (8192^2
-    M = 1024, all 256 tiles streamed: +28 us, about 3 more reads of its 32 MB); a tail's tiles (11008x4096
-    M = 1024: 80, ~13 MB of weight and x) stay in L2. Whole waves, a single partial wave, or no SM count: no
-    stream-K (0 units)."""
-    if not sms or tiles <= sms or tiles % sms == 0:
-        return tiles, 0
-    dp = tiles // sms * sms
-    return dp, min(sms, (tiles - dp) * kt)
-
-
-def sk_unit_runs(u: int, sk_tiles: int, kt: int, units: int) -> list[tuple[int, int, int, list[int]]]:
-    """The runs of stream-K unit ``u`` as ``_ra_sk_unit`` computes them (its Python mirror, for tests):
-    (stream-K tile, first K step, steps, units whose partials the run adds); a run with k0 > 0 is a partial
-    (it adds none), a run from k0 = 0 is its tile's owner."""
-    tot = sk_tiles * kt
-    lo, hi = u * tot // units, (u + 1) * tot // units
-    runs, i = [], lo
-    for _ in range((hi - 1) // kt - lo // kt + 1):
-        t, k0 = divmod(i, kt)
-        n = min(kt - k0, hi - i)
-        adds = [] if k0 else list(range(u + 1, min(units, ((t + 1) * kt * units + tot - 1) // tot)))
-        runs.append((t, k0, n, adds))
-        i += n
-    return runs
-
-
-_SK_WORKSPACES: dict = {}
-
-
-def sk_workspace(device: torch.device, grid: int, units: int, tile_elems: int) -> Optional[tuple]:
-    """(ticket int64 [1], flags int32 [units], partials fp32 [units x tile_elems], flat) for a stream-K launch,
-    or None inside a CUDA-graph capture that would have to make them (the caller then runs the plain tiles,
-    which that graph keeps: run the call once before capturing, as ``tuning.capture_graph`` does). Ticket and
-    flags are kept per (device, grid, units): launches of one grid size run one after another, so each moves
-    the ticket on by exactly its grid and its tags are new (a stale flag never reads as set). The partials are
-    shared by the stream-K launches of the device with the same size, for the same reason; never freed or
-    grown (a captured graph keeps their address). So stream-K launches must not run at once on two streams of
-    one device: the library runs its GEMMs on the current stream (only EC shrink kernels go to a side stream).
-    Not keyed by stream, because a CUDA-graph capture runs on a stream of its own."""
-    key, pkey = (str(device), grid, units), (str(device), units * tile_elems)
-    if key not in _SK_WORKSPACES or pkey not in _SK_WORKSPACES:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        if key not in _SK_WORKSPACES:
-            _SK_WORKSPACES[key] = (torch.zeros(1, dtype=torch.int64, device=device),
-                                   torch.zeros(units, dtype=torch.int32, device=device))
-        if pkey not in _SK_WORKSPACES:
-            _SK_WORKSPACES[pkey] = torch.empty(units * tile_elems, dtype=torch.float32, device=device)
-    return _SK_WORKSPACES[key] + (_SK_WORKSPACES[pkey],)
+    return bnw, bmx, stages, warps, pf
 
 
 _RING_PARAMS: dict = {}
@@ -567,19 +412,13 @@ def takes(x2: torch.Tensor, N: int, G: int, scales, zeros, bias) -> bool:
 def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor],
                         config: tuple = RA_CONFIGS[0], out: Optional[torch.Tensor] = None,
-                        ec: Optional[tuple] = None, ec_wait: bool = False, diag: int = 0,
-                        sk_units: Optional[int] = None, sk_delay: bool = False) -> torch.Tensor:
+                        ec: Optional[tuple] = None, ec_wait: bool = False) -> torch.Tensor:
     """Y[M, N] = x2 @ dequant(W)^T (+ bias) with the weight as the MMA's register operand (CUDA sm_90+ only).
     Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
     ``ec`` = (hg, B): ``hg B^T`` added as one more K step (hg the EC's ``alpha g h`` [M, R_P], B [N, R],
     as ``w4a16_gemm_wgmma``); ``ec_wait``: launched with programmatic dependent launch behind the kernel
-    that writes hg (which must trigger its dependents), waiting only before hg is read.
-    A config with SK = 1 (and no ``ec``) runs the last tiles stream-K where the grid is not whole waves
-    (``sk_plan``, ``_ra_sk_unit``); ``sk_units`` (tests) runs every tile stream-K over that many units, and
-    ``sk_delay`` (tests) stores the partials ~20 us late, so that the owners really wait on their flags.
-    ``diag`` (benchmarks only, wrong results): 1 skips the MMAs, 2 the per-step CTA barrier, 3 the expansion, 4
-    the row-parameter loads in the K loop."""
-    bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
+    that writes hg (which must trigger its dependents), waiting only before hg is read."""
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
     if zeros is not None and not integer_zeros(zeros):
         raise ValueError("w4a16_gemm_wgmma_ra: zero points must be integers of magnitude < 128 (use the plain "
@@ -596,37 +435,15 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                          "gate kernel runs (call ring_row_params(scales, zeros) first: made here it would be kernels "
                          "between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
-    sk_ops = None
-    if (sk_units is not None or sk_delay) and (not sk or ec is not None or diag):
-        raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units / sk_delay need a stream-K config (SK = 1; got {config}) "
-                         f"without ec or diag")
-    if sk and ec is None and not diag:
-
-        tiles, sms = -(-M // bmx) * -(-N // bnw), ec_self.sm_count(x2.device)
-        if sk_units is None:
-            dp, units = sk_plan(tiles, sms, K // BK)
-        else:  # (tests: a given number of units over all the tiles)
-            dp, units = 0, int(sk_units)
-            if not 1 <= units <= min(tiles * (K // BK), sms or 1):
-                raise ValueError(f"w4a16_gemm_wgmma_ra: sk_units={sk_units}; needs 1 .. min(K steps of all "
-                                 f"{tiles} tiles, SMs)")
-        if units and (units + 1) * (tiles - dp) * (K // BK) >= 2 ** 31:  # the kernel's 32-bit schedule arithmetic
-            raise ValueError(f"w4a16_gemm_wgmma_ra: {units} stream-K units over {tiles - dp} tiles of {K // BK} K "
-                             f"steps overflow the kernel's 32-bit step indices")
-        ws = sk_workspace(x2.device, dp + units, units, bnw * bmx) if units else None
-        if ws is not None:
-            sk_ops = ws + (dp, units)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
-                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, diag, None,
-                   sk_ops=sk_ops, sk_delay=sk_delay)
+                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, None)
 
 
-def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait, diag,
-            self_ops, self_diag=0, sk_ops=None, sk_delay=False):
+def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait,
+            self_ops):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
-    b2, alpha, flags, ticket, R, D, act code, split, deep) also ``split`` shrink roles per x block, whose ring is
-    ``split`` times deeper with ``deep`` where the shared memory allows; with ``sk_ops`` = (ticket, flags,
-    partials, DP, UNITS) DP tiles and UNITS stream-K units), the ring shortened until it fits."""
+    b2, alpha, flags, ticket, R, D, act code, split) also ``split`` shrink roles per x block, whose ring is
+    ``split`` times deeper where the shared memory allows: ``role_depth``), the ring shortened until it fits."""
     bnw, bmx, stages, warps, pf = cfg
     rp = ring_params_wanted(cfg, G, K, N)
     pf = pf if pf < 2 else 0
@@ -641,23 +458,17 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
         table = ring_row_params(scales, zeros)
         rpd = TensorDescriptor(table, list(table.shape), list(table.stride()), [2, bnw], RP_SMEM)
     if self_ops is None:
-        self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0, False)
-    ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split, deep = self_ops
-    rdeep = split if deep and split > 1 and ra_smem_bytes(
-        (bnw, bmx, stages, warps, 2 * rp), r_p, True, split) <= SMEM_LIMIT else 1
+        self_ops = (xd, xd, scales, scales, scales, scales, scales, scales, scales, scales, 1, 1, 0, 0)
+    ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split = self_ops
+    rdeep = role_depth((bnw, bmx, stages, warps, 2 * rp), r_p, split)
     num_m = -(-M // bmx)
     grid = (num_m * -(-N // bnw) + num_m * split,)
-    wsp, dp, units = scales, 0, 0
-    if sk_ops is not None:
-        tick, flags, wsp, dp, units = sk_ops
-        grid = (dp + units,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, rpd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, wsp, dp, units,
+        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
-        HAS_EC=has_ec, EC_WAIT=ec_wait, DIAG=diag, EC_SELF=ec_self, ACT=act, SELF_DIAG=self_diag,
-        SPLIT=max(split, 1), RDEEP=rdeep, SK=sk_ops is not None, SK_DELAY=bool(sk_delay), RP=rp,
+        HAS_EC=has_ec, EC_WAIT=ec_wait, EC_SELF=ec_self, ACT=act, SPLIT=max(split, 1), RDEEP=rdeep, RP=rp,
         RPL=_rp_layout(warps) if rp else None, num_warps=warps,
         **({"launch_pdl": True} if ec_wait else {}))
     return y
@@ -670,17 +481,15 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
                                 zeros: Optional[torch.Tensor], G: int, bias: Optional[torch.Tensor], A, B, W1, b1,
                                 W2, b2, alpha, act: str = "silu", config: tuple = RA_CONFIGS[0],
                                 out: Optional[torch.Tensor] = None, hg: Optional[torch.Tensor] = None,
-                                split: Optional[int] = None, deep: Optional[bool] = None,
-                                self_diag: int = 0) -> torch.Tensor:
+                                split: Optional[int] = None) -> torch.Tensor:
     """``x2 @ dequant(W)^T (+ bias) + alpha B (g * A x2)`` in one launch: the output tiles plus 1-4 shrink roles
     per block of x rows (the "in_gemm_self" EC structure, ``ec_gemm_self.py``). B bf16 [N, R] contiguous with
     R % 8 == 0 (the caller pads it: ``dispatch/cuda.py:_ec_in_gemm``); A bf16 [R <= 64, K] contiguous (``ec_gemm_self.
     self_takes``); the rest as ``w4a16_gemm_wgmma_ra``. ``hg``: the [M, R_P] bf16 buffer the shrink roles write
     ``alpha g h`` into (tests read it; default a fresh one). ``split``: shrink roles per x block, each taking
-    BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid). ``deep``: each role's ring
-    ``split`` times deeper where the shared memory allows (default ``ec_gemm_self.ROLE_DEEP``). ``self_diag``
-    (timing only, wrong results): ``ec_gemm_self.ec_shrink_role`` / ``ec_wait_hg``."""
-    bnw, bmx, stages, warps, pf, _ = check_ra_config(config)  # (SK: the in-launch EC's tiles are data-parallel)
+    BMX / split tokens (1, 2 or 4; default ``ec_gemm_self.self_split`` of the grid); each role's ring is
+    ``split`` times deeper where the shared memory allows (``role_depth``)."""
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra_ec_self", x2, qweight, scales, zeros, G, bias, out)
     x2 = x2.contiguous()  # (once: the tiles' and the shrink roles' descriptors read the same copy)
     why = self_takes(A, B, W1, K)
@@ -728,51 +537,67 @@ def w4a16_gemm_wgmma_ra_ec_self(x2: torch.Tensor, qweight: torch.Tensor, scales:
     tick, flags = self_workspace(A, tiles + num_m * split, num_m * split)
     ad = _descriptor(a64, [R_SHRINK, BK], gl.bfloat16)
     xrd = xd if split == 1 else _descriptor(x2, [bmx // split, BK], gl.bfloat16)
-
-    deep = ec_gemm_self.ROLE_DEEP if deep is None else bool(deep)
-    ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split, deep)
+    ops = (ad, xrd, hg, W1, b1, W2, b2, alpha, flags, tick, R, D, ACT_CODES[act], split)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
-                   (bnw, bmx, stages, warps, pf), True, False, 0, ops, self_diag)
+                   (bnw, bmx, stages, warps, pf), True, False, ops)
 
 
 def ra_smem_bytes(config: tuple, r_p: int = 0, ec_self: bool = False, rdeep: int = 1) -> int:
     """Shared memory of a config: the ring (x and word tiles; with PF = 2 the row parameters), and with an EC of R_P
     columns its B rows and alpha g h tiles; ``ec_self``: also the shrink role's ring of A tiles [64, BK] (STAGES x
     ``rdeep`` slots, a barrier each) and its gate weights."""
-    bnw, bmx, stages, _, pf, _ = check_ra_config(config)
+    bnw, bmx, stages, _, pf = check_ra_config(config)
     return (stages * (bmx * BK * 2 + bnw * BK // 2 + 8 + (4 * bnw if pf == 2 else 0)) + (bnw + bmx) * r_p * 2 + 16
             + (stages * rdeep * (64 * BK * 2 + 8) + 2 * 64 * 16 * 4 + 128 if ec_self else 0))
 
 
-def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
-                    has_bias: bool = True, diag: int = 0, r_p: int = 0, ec_wait: bool = True,
-                    ec_self: bool = False, self_diag: int = 0, split: int = 1, rdeep: int = 1) -> dict:
-    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
-    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block; a config with SK = 1 (no EC):
-    the stream-K form."""
+def role_depth(config: tuple, r_p: int, split: int) -> int:
+    """How many times STAGES deep the shrink roles' ring is ("in_gemm_self"): ``split`` where a config's shared
+    memory with the deeper ring fits (``ra_smem_bytes``), else 1."""
+    return split if split > 1 and ra_smem_bytes(config, r_p, True, split) <= SMEM_LIMIT else 1
 
-    bnw, bmx, stages, warps, pf, sk = check_ra_config(config)
-    if sk and r_p:
-        raise ValueError("compile_ra_sm90: stream-K (SK = 1) runs without an EC (r_p = 0)")
+
+def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
+                    has_bias: bool = True, r_p: int = 0, ec_wait: bool = True,
+                    ec_self: bool = False, split: int = 1) -> dict:
+    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
+    (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block, their ring as deep as the launch
+    makes it (``role_depth``)."""
+
+    bnw, bmx, stages, warps, pf = check_ra_config(config)
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
 
     if not split_ok(split, bmx):
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
-    if rdeep not in (1, split):
-        raise ValueError(f"compile_ra_sm90: rdeep={rdeep}; needs 1 or split = {split}")
     rp = pf == 2 and not per_channel
     while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps, 2 * rp), r_p, ec_self) > SMEM_LIMIT:
         stages -= 1
+    rdeep = role_depth((bnw, bmx, stages, warps, 2 * rp), r_p, split) if ec_self else 1
     dt = desc_types(bmx, bnw, r_p)
     dt["rp_desc"] = f"tensordesc<bf16[2, {bnw}],{RP_SMEM!r}>" if rp else dt["w_desc"]
     a_t = f"tensordesc<bf16[64, {BK}],{_layout([64, BK], gl.bfloat16)!r}>" if ec_self else dt["x_desc"]
     xr_t = f"tensordesc<bf16[{bmx // split}, {BK}],{_layout([bmx // split, BK], gl.bfloat16)!r}>"
     types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
                  a_desc=a_t, xr_desc=xr_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
-                 FLAGS="*i32", TICK="*i64", R="i32", D="i32", WSP="*fp32", DP="i32", UNITS="i32")
+                 FLAGS="*i32", TICK="*i64", R="i32", D="i32")
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
-                  SRC=_a_source_layout(warps), PF=pf if pf < 2 else 0, DIAG=diag, HAS_EC=bool(r_p), RP=rp,
+                  SRC=_a_source_layout(warps), PF=pf if pf < 2 else 0, HAS_EC=bool(r_p), RP=rp,
                   RPL=_rp_layout(warps) if rp else None, EC_WAIT=bool(r_p) and ec_wait and not ec_self,
-                  EC_SELF=ec_self, ACT=0, SELF_DIAG=self_diag, SPLIT=split, RDEEP=rdeep, SK=bool(sk))
+                  EC_SELF=ec_self, ACT=0, SPLIT=split, RDEEP=rdeep)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the register-operand GEMM runs problem ``p`` (a ``lowering.problem.Problem``): as
+    the plain kernel (``w4a16_gemm_wgmma.can_implement``), integer zero points (or none; asked of the probe only
+    here, the check reads the tensor), M N < 2^31."""
+    ok, why = wg_can_implement(p)
+    if not ok:
+        return ok, why
+    if p.M * p.N >= MAX_OUT_ELEMENTS:
+        return False, f"M N = {p.M * p.N} >= 2^31"
+    zi = p.zeros_integer if p.zeros_integer is not None else (p.zeros_probe() if p.zeros_probe else None)
+    if p.has_zeros and zi is False:
+        return False, "zero points are not small integers"
+    return True, why

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ..ops.packing import unpack_int4
 from ._triton import HAS_TRITON
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
 
@@ -230,8 +231,6 @@ GLUON_CONFIGS = [(8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1), (8, 1, 2, 1), (16, 2
 
 def repack_gluon(qweight: torch.Tensor) -> torch.Tensor:
     """spear-packed uint8 [N, K/2] -> int32 [N, K/8] in the layout the module docstring gives."""
-    from ..quant.format import unpack_int4  # (quant/__init__ registers the ops, whose CUDA side imports this)
-
     N, K = qweight.shape[0], qweight.shape[1] * 2
     if K % CHUNK:
         raise ValueError(f"repack_gluon: K={K} must be a multiple of {CHUNK}")

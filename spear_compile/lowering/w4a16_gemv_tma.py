@@ -17,8 +17,9 @@ current one, and the bytes in flight cost shared memory, not registers. What the
 H200): deeper rings did not help - bytes in flight were not the limit; what paid was taking the
 per-step global loads of x and the scales out of the loop (x staged in shared memory once, scales
 brought with each tile: OPS_SMEM) and giving each warp more slices per step (less per-step barrier and
-wait overhead). K-split configs (two programs per row block) and a persistent variant (a few
-programs per SM streaming many row blocks) were both slower (kept, measured, mostly out of the table).
+wait overhead). K-split configs (two programs per row block) were slower (kept, measured, out of the
+shipped table); a persistent variant (a few programs per SM streaming many row blocks) was slower too and
+was removed (docs/kernels.md).
 After the leaner K step (above), 0.58x tinygemm at 28672x8192 and 0.63x at 8192x8192; an
 L2 prefetch of the tiles past the ring was slower everywhere, like deeper rings (removed).
 
@@ -26,7 +27,7 @@ Epilogue / prologue options used by the decode fusions (``passes/fuse_glu.py``, 
 GLU (gate / up rows interleaved per CTA, silu(gate) * up stored) and NORM (x RMS-normalised as it is
 staged in shared memory), both for OPS_SMEM configs without a K-split; and the decode EC's term added
 to the rows before them (``w4a16_gemv_tma_ec``: the kernel PDL-launched behind the EC's producer grid;
-no K-split, not persistent).
+no K-split).
 
 Layout: the gluon words (``repack_gluon``) are re-tiled once per weight (``repack_tiles``) so that one
 CTA's tile for one K step (BN rows x NB slices of 128 columns) is one contiguous block, stored as
@@ -51,7 +52,6 @@ import torch
 from ..dispatch import table as _table
 from . import device as _device
 from ._triton import next_pow2
-from .device import sm_count
 from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
 from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
@@ -66,7 +66,7 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _store_rows, _x_index
+    from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _x_index
     from .w4a16_gemv_tma_ec import (_ec_operands, _ec_rows, _self_collect, _self_gate_operands, _self_own,
                                     _self_publish, _self_rows, _self_slots, _self_ticket)
 
@@ -292,11 +292,6 @@ if HAS_TMA:
         lanes) and the CTA stores Y[pid BN / 2 + i] = silu(gate_i) * up_i, rounded as the unfused
         graph rounds: gate and up to bf16, silu in fp32 to bf16, the product to bf16."""
         buf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        _store_glu_buf(buf, out, Y, N, pid, BN, WARPS)
-
-    @gluon.jit
-    def _store_glu_buf(buf, out, Y, N, pid, BN: gl.constexpr, WARPS: gl.constexpr):
-        """``_store_glu`` through a caller's [BN] fp32 shared buffer (the persistent kernel reuses one)."""
         H: gl.constexpr = BN // 2
         buf.store(out)
         gl.thread_barrier()
@@ -340,7 +335,7 @@ if HAS_TMA:
                                HAS_ROFF: gl.constexpr = False, GH_COPIES: gl.constexpr = 16,
                                WAIT: gl.constexpr = False, SELF: gl.constexpr = False, PW: gl.constexpr = 256,
                                PPC_P: gl.constexpr = 1, NC_P: gl.constexpr = 1, SPIN: gl.constexpr = 0,
-                               D_P: gl.constexpr = 1, ACT: gl.constexpr = 0, PARTS: gl.constexpr = 11):
+                               D_P: gl.constexpr = 1, ACT: gl.constexpr = 0, PUBLISH: gl.constexpr = True):
         """One CTA per BN rows; K steps of NB * 128 columns; tile t + STAGES - 1 is requested (one
         thread, TMA) before the warps wait for tile t. A CTA barrier before each request keeps a
         buffer from being refilled while a slower warp still reads it. KP: K padded to whole steps.
@@ -356,9 +351,8 @@ if HAS_TMA:
         EC's A and gate; the CTA's pieces of h are requested before x's staging and published after the
         first K step (their loads have had x's staging and that step to land), the slots are read at the
         start of the last K step (their round trip overlaps it), and after the loop the term is collected,
-        gated and added. PARTS (as the CUDA-core kernel's EC_PARTS): 1 own pieces, 2 collect + gate, 8 the
-        term added; without 1 (tests) every CTA computes the missing pieces itself after SPIN re-reads,
-        the other subsets are timing studies with a wrong result."""
+        gated and added. Without ``PUBLISH`` (tests) no CTA publishes its own pieces, so every CTA computes the
+        missing pieces itself after SPIN re-reads (the same result)."""
         BN: gl.constexpr = 16 * RB
         NB: gl.constexpr = WARPS * CH
         STEP: gl.constexpr = 128 * NB
@@ -437,89 +431,20 @@ if HAS_TMA:
                                   OPS == 2)
             if OPS == 1:
                 xb, sc, zz = xn, scn, zzn
-            if HAS_EC and SELF and (PARTS & 1) != 0:
+            if HAS_EC and SELF and PUBLISH:
                 if t == 0:
                     _self_publish(GH, sp, smp, sa, sx, tag)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if SPLIT == 1:
             term = 0.0
-            if HAS_EC and SELF and (PARTS & 2) != 0:
+            if HAS_EC and SELF:
                 h = _self_collect(sv, sptr, sm, GH, EA, X, K, R, NC, tag, PW, PPC_P, SPIN, WARPS, RC_P)
                 term = _self_rows(h, w1, b1, w2, b2, ecb, eca, gl.SliceLayout(1, gl.SliceLayout(0, mma)), ACT)
-                if (PARTS & 8) == 0:  # (timing: the term computed, then dropped in a way the compiler keeps)
-                    term = gl.where(term == 12345.0, term, 0.0)
             _epilogue(acc, acc1, S, Z, BIAS, Y, N, pid, ecb, ecg, ecm, eca, GH, R, GHS, term, BN, mma, WARPS,
                       PER_CHANNEL, HAS_Z, HAS_BIAS, GLU, HAS_EC, GH_COPIES, WAIT, SELF)
         else:
             _split_store(acc, acc1, S, Z, BIAS, Y, WS, CNT, N, pid, BN, mma, SPLIT, PER_CHANNEL, HAS_Z, HAS_BIAS)
-
-    @gluon.jit
-    def _w4a16_gemv_tma_persistent_kernel(X, desc, sdesc, S, Z, BIAS, Y, NW, EPS, N, K, NG, ROWS,
-                                          WL: gl.constexpr, TL: gl.constexpr, G: gl.constexpr, WARPS: gl.constexpr,
-                                          RB: gl.constexpr, CH: gl.constexpr, STAGES: gl.constexpr,
-                                          KP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
-                                          HAS_BIAS: gl.constexpr, GLU: gl.constexpr = False,
-                                          NORM: gl.constexpr = False):
-        """Persistent OPS = 2 variant of ``_w4a16_gemv_tma_kernel``: program pid takes row blocks pid,
-        pid + P, pid + 2P, ... (P programs, a few per SM) and streams all their K steps as one sequence of
-        tiles through one ring, so x (and the RMSNorm, if NORM) is staged once per program instead of once
-        per row block, and the ring is refilled across row-block boundaries instead of draining and filling
-        again. Each row block's rows are stored (plain, bias, or GLU) when its last K step is done."""
-        BN: gl.constexpr = 16 * RB
-        NB: gl.constexpr = WARPS * CH
-        STEP: gl.constexpr = 128 * NB
-        TR: gl.constexpr = NB * BN * 16 // 256
-        KT: gl.constexpr = KP // STEP
-        SZ_TMA: gl.constexpr = not PER_CHANNEL
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
-                                                      instr_shape=[1, 16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        pid = gl.program_id(0)
-        P = gl.num_programs(0)
-        T = ((ROWS - pid + P - 1) // P) * KT  # this program's tiles: its row blocks x K steps
-        smem, ssmem, bars = _ring(desc, sdesc, STAGES, TR, NB, BN, SZ_TMA)
-        if SZ_TMA:  # bytes each slot's barrier expects: the weight tile and its (scale, zero) pairs
-            nbytes: gl.constexpr = desc.block_type.nbytes + sdesc.block_type.nbytes
-        else:
-            nbytes: gl.constexpr = desc.block_type.nbytes
-        for i in gl.static_range(STAGES - 1):
-            tile = (pid + (i // KT) * P) * KT + i % KT  # tile index in the re-tiled weight
-            _request_tile(desc, sdesc, smem, ssmem, bars, i, tile * TR, tile, nbytes, i < T, SZ_TMA)
-        x_k, x_c0 = _x_index(NB, lb)
-        xsmem, xsum = _stage_x(X, NW, EPS, K, 0, NB, STEP, KT, WARPS, NORM)
-        zero = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
-        acc = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
-        acc1 = gl.zeros([NB, BN, 8], gl.float32, layout=mma)
-        if PER_CHANNEL:  # unused: per-channel scales apply once per row block, in the epilogue
-            sc = 0.0
-            zz = 0.0
-        if GLU:
-            gbuf = gl.allocate_shared_memory(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for t in range(T):
-            gl.thread_barrier()  # tile t - 1's buffer (and the GLU buffer) have been read by every warp
-            nt = t + STAGES - 1
-            ntile = (pid + (nt // KT) * P) * KT + nt % KT
-            _request_tile(desc, sdesc, smem, ssmem, bars, nt % STAGES, ntile * TR, ntile, nbytes, nt < T, SZ_TMA)
-            mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
-            kk = t % KT
-            xb = _x_operand(xsmem, kk, x_c0, lb)
-            if SZ_TMA:
-                sc, zz = _scale_operands(ssmem, t % STAGES, NB, BN, mma)
-            acc, acc1 = _tile_mma(smem, t % STAGES, xb, sc, zz, acc, acc1, _x_sums(xsum, kk, zero, mma), zero, WL, TL,
-                                  NB, BN, la, PER_CHANNEL, True)
-            if kk == KT - 1:  # the row block's last K step: store its rows, start the next one
-                rb = pid + (t // KT) * P
-                if GLU:
-                    _store_glu_buf(gbuf, _rows_out(acc, acc1, S, Z, N, rb, BN, mma, PER_CHANNEL, HAS_Z)[0], Y, N, rb,
-                                   BN, WARPS)
-                else:
-                    _store_rows(acc, acc1, S, Z, BIAS, Y, N, rb, BN, mma, PER_CHANNEL, HAS_Z, HAS_BIAS)
-                acc = zero
-                acc1 = zero
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
 
 
 def _layouts(config: tuple):
@@ -540,7 +465,7 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
     integer arguments are marked divisible by 16, as a launch with such shapes specialises them (a
     shape like N = 200 compiles a slightly different variant)."""
 
-    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
+    warps, rb, ch, stages, ops, split = unpack_config(config)
     bn, step, tr = tile_geometry(config)
     wl, tl_, smem = _layouts(config)
     types = dict(X="*bf16", desc=f"tensordesc<i32[{tr}, {ROW}],{smem!r}>",
@@ -557,14 +482,6 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
                       D_P=16, ACT=0)
     elif ec:  # the decode EC's epilogue as a concatenation runs it (64 columns per row, row offsets, PDL wait)
         consts.update(HAS_EC=True, RC_P=64, HAS_ROFF=True, GH_COPIES=16, WAIT=True)
-    if persist:
-        for name in ("WS", "CNT", "EB", "ROFF", "GH", "ALPHA", "RC", "R", "GHS", "EA", "EW1", "EB1", "EW2", "EB2", "D",
-                     "NC", "OWNERS"):
-            del types[name]
-        types["ROWS"] = "i32"
-        for name in ("OPS", "SPLIT"):
-            del consts[name]
-        return compile_gluon_sm90(_w4a16_gemv_tma_persistent_kernel, types, consts, warps)
     return compile_gluon_sm90(_w4a16_gemv_tma_kernel, types, consts, warps)
 
 
@@ -644,13 +561,13 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     silu(gate) * up (no bias, no K-split). ``norm``: (weight [K], eps) of an RMSNorm applied to x as the
     kernel stages it (OPS = 2, no K-split; ``norm_ok``). ``ec``: the decode EC's term added to every row
     before the bias / GLU (``EcEpilogue``: the pair's epilogue; ``EcSelf``: the one-launch form, without
-    norm or GLU; either with no K-split and not persistent: ``ec_ok``)."""
+    norm or GLU; either with no K-split: ``ec_ok``)."""
     M, K = x2.shape
     if not gluon_ok(M, K, G, x2.dtype):
         raise ValueError(f"w4a16_gemv_tma: M={M}, K={K}, G={G}, {x2.dtype}; needs M = 1, bf16, "
                          f"K % {CHUNK} == 0 and G % {CHUNK} == 0 (or per-channel)")
     config = tuple(config or TMA_CONFIGS[0])
-    warps, rb, ch, stages, ops, split, persist = unpack_config(config)
+    warps, rb, ch, stages, ops, split = unpack_config(config)
     per_channel = G >= K
     N = scales.shape[0]
     if scales.dim() != 2 or scales.shape[1] != (1 if per_channel else K // G):
@@ -695,17 +612,6 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     wl, tl_, _ = _layouts(config)
     y = out if out is not None else torch.empty(M, N // 2 if glu else N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    if persist:  # a few programs per SM, each taking every P-th row block (P = the grid)
-        grid = min(rows, persist * sm_count(x2.device))
-        _w4a16_gemv_tma_persistent_kernel[(grid,)](
-            x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
-            norm[0] if norm is not None else scales, float(norm[1]) if norm is not None else 0.0,
-            N, K, scales.shape[1], rows,
-            WL=wl, TL=tl_, G=G, WARPS=warps, RB=rb, CH=ch, STAGES=stages, KP=kt * step,
-            PER_CHANNEL=per_channel, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, GLU=glu,
-            NORM=norm is not None, num_warps=warps,
-        )
-        return y
     ws, cnt = split_workspace(x2.device, rows * bn, rows) if split > 1 else (scales, scales)
     self_args = (scales,) * 5 + (1, 1, 1)  # the one-launch EC's A, gate, D, NC, OWNERS (dummies unless ec.self)
     if ec is None:  # EC operands unused without HAS_EC: fixed dummies, so nothing else specialises the kernel
@@ -717,7 +623,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         ec_args = (ec.b, cnt, slots, ec.alpha, R, R, 0)
         self_args = (ec.a, ec.w1, ec.b1, ec.w2, ec.b2, ec.w1.shape[0], plan.nc, plan.owners)
         ec_consts = dict(HAS_EC=True, RC_P=max(16, next_pow2(R)), SELF=True, PW=plan.pw, PPC_P=plan.ppc_p,
-                         NC_P=plan.nc_p, SPIN=SPIN, D_P=next_pow2(ec.w1.shape[0]), ACT=ec.act, PARTS=ec.parts)
+                         NC_P=plan.nc_p, SPIN=SPIN, D_P=next_pow2(ec.w1.shape[0]), ACT=ec.act, PUBLISH=ec.publish)
     else:
         ec_args = (ec.b, ec.roff if ec.roff is not None else cnt, ec.gh, ec.alpha, ec.b.shape[-1], ec.r,
                    ec.gh.stride(0))
@@ -743,3 +649,23 @@ def glu_interleave(t: torch.Tensor, F: int, half: int) -> torch.Tensor:
     if F % half or t.shape[0] != 2 * F:
         raise ValueError(f"glu_interleave: {tuple(t.shape)} is not two halves of {F} rows in blocks of {half}")
     return t.reshape(2, F // half, half, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def can_implement(p, config: Optional[tuple] = None, norm: bool = False, glu: bool = False) -> tuple:
+    """(ok, reason) of whether the TMA GEMV runs problem ``p`` (a ``lowering.problem.Problem``): this Triton has
+    Gluon TMA, M = 1, bf16 activations, K and G multiples of 128 (or per-channel), a sm_90+ GPU, bf16 scales and
+    zero points; with ``config``, also the RMSNorm prologue (``norm``: ``norm_ok``) and the GLU epilogue
+    (``glu``: no K-split, and the config's row blocks divide F = ``p.N`` rows per half)."""
+    if not HAS_TMA:
+        return False, "this Triton has no Gluon TMA"
+    if not gluon_ok(1, p.K, p.G, p.dtype):
+        return False, f"{p.dtype}, K = {p.K}, G = {p.G} (the TMA GEMV needs M = 1, bf16, K and G multiples of 128)"
+    if not _tma_capable(p.device):
+        return False, "not a sm_90+ GPU"
+    if any(d != torch.bfloat16 for d in p.param_dtypes):
+        return False, f"scales / zero points {p.param_dtypes} (needs bf16)"
+    if config is not None and norm and not norm_ok(config):
+        return False, f"TMA config {list(config)} does not stage x in shared memory without a K-split (RMSNorm)"
+    if config is not None and glu and (unpack_config(config)[5] != 1 or p.N % (tile_geometry(config)[0] // 2)):
+        return False, f"TMA config {list(config)} has a K-split or rows that do not divide F = {p.N}"
+    return True, "sm_90+, Gluon TMA, bf16, K and G multiples of 128"

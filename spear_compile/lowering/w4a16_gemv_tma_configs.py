@@ -13,13 +13,11 @@ ROW = 256  # int32 words per row of the TMA view (1 KB: the box's inner dimensio
 # this step, OPS_SMEM stages all of x in shared memory once and brings the scales with the tile by
 # TMA), SPLIT, the programs per row block that share its K steps (default 1; 2 doubles the grid where
 # the row blocks alone fill half the GPU: measured slower on every benchmark shape on an H200, one config
-# kept for its tests), and PERSIST, persistent programs per SM (default 0: one program per row block;
-# ``_w4a16_gemv_tma_persistent_kernel``).
+# kept for its tests). (A persistent variant, a few programs per SM streaming many row blocks, measured
+# slower and was removed: docs/kernels.md.)
 OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM = 0, 1, 2
 TMA_CONFIGS = [(4, 2, 2, 2, 2), (8, 2, 2, 2, 2), (2, 2, 2, 2, 2), (4, 2, 4, 2, 2), (2, 2, 4, 2, 2),
-               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 2, 3, 2), (4, 4, 2, 2, 2),
-               (4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 3, 2, 1, 4), (4, 2, 4, 2, 2, 1, 2), (8, 2, 2, 3, 2, 1, 1),
-               (2, 2, 2, 2, 2, 1, 4)]
+               (4, 2, 1, 2, 2), (8, 2, 1, 3, 0), (4, 2, 2, 2, 2, 2), (4, 2, 2, 3, 2), (4, 4, 2, 2, 2)]
 
 
 def tile_geometry(config: tuple) -> tuple[int, int, int]:
@@ -30,29 +28,24 @@ def tile_geometry(config: tuple) -> tuple[int, int, int]:
 
 
 def unpack_config(config: tuple) -> tuple:
-    """(WARPS, RB, CH, STAGES, OPS, SPLIT, PERSIST): SPLIT (K runs per row block) defaults to 1,
-    PERSIST (persistent programs per SM; 0 = one program per row block) to 0."""
-    if len(config) not in (5, 6, 7):
-        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]])")
+    """(WARPS, RB, CH, STAGES, OPS, SPLIT): SPLIT (K runs per row block) defaults to 1."""
+    if len(config) not in (5, 6):
+        raise ValueError(f"TMA GEMV config {config}: expected (WARPS, RB, CH, STAGES, OPS[, SPLIT])")
     vals = tuple(int(v) for v in config)
-    warps, rb, ch, stages, ops, split, persist = vals + (1, 0)[len(vals) - 5:]
+    warps, rb, ch, stages, ops, split = vals + (1,)[len(vals) - 5:]
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (warps, rb, ch))
     if not pow2 or stages < 1 or ops not in (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM) or split not in (1, 2):
         raise ValueError(f"TMA GEMV config {config}: WARPS, RB and CH must be powers of two, STAGES >= 1, OPS in "
                          f"{{0, 1, 2}} and SPLIT 1 or 2 (two partials add up the same in either order)")
-    if persist < 0 or (persist and (ops != OPS_SMEM or split != 1)):
-        raise ValueError(f"TMA GEMV config {config}: PERSIST (programs per SM) must be >= 0, and a persistent "
-                         f"config stages x in shared memory (OPS {OPS_SMEM}) without a K-split")
-    return warps, rb, ch, stages, ops, split, persist
+    return warps, rb, ch, stages, ops, split
 
 
 def ec_ok(config: tuple) -> bool:
-    """Whether a config can add the decode EC in its epilogue: no K-split, not persistent."""
-    _, _, _, _, _, split, persist = unpack_config(config)
-    return split == 1 and persist == 0
+    """Whether a config can add the decode EC in its epilogue: no K-split."""
+    return unpack_config(config)[5] == 1
 
 
 def norm_ok(config: tuple) -> bool:
     """Whether a config can normalise x as it stages it: x in shared memory (OPS 2), no K-split."""
-    _, _, _, _, ops, split, _ = unpack_config(config)
+    _, _, _, _, ops, split = unpack_config(config)
     return ops == OPS_SMEM and split == 1

@@ -17,13 +17,16 @@ polled before the epilogue) were built and measured slower (8192^2 18.7 vs 18.4 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._triton import ACT_CODES
+from . import device as _device
 from . import ec_self as _es
 from .ec_self import check_self_operands, self_plan, self_workspace
 from .w4a16_gemv_gluon import HAS_GLUON
-from .w4a16_gemv_tma_configs import ec_ok
+from .w4a16_gemv_tma_configs import ec_ok, norm_ok
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -211,7 +214,7 @@ class EcEpilogue:
 
     def check(self, N: int, config: tuple) -> None:
         if not ec_ok(config):
-            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 (no K-split), not config {config}")
         if self.b.dim() != 2 or self.b.shape[0] != N or not self.b.is_contiguous():
             raise ValueError(f"w4a16_gemv_tma: EC rows {tuple(self.b.shape)} must be a contiguous [{N}, RC] matrix")
         if self.roff is not None and (tuple(self.roff.shape) != (N,) or self.roff.dtype != torch.int32):
@@ -231,15 +234,14 @@ class EcEpilogue:
 class EcSelf:
     """The one-launch decode EC's operands for the TMA kernel (``ec_self.py``): ``ec = (A, B, W1, b1, W2,
     b2, alpha)`` of one EC (no concatenation's row offsets), the gate activation ``act``; the kernel's
-    CTAs compute h's pieces themselves and each gates for itself. ``parts`` (tests and timing studies,
-    the kernel's PARTS): 11 everything; 10 no CTA publishes its own pieces, so every CTA takes the path
-    that computes missing ones itself (same result); other subsets leave stages out (wrong results)."""
+    CTAs compute h's pieces themselves and each gates for itself. ``publish`` (tests): off, no CTA publishes
+    its own pieces, so every CTA takes the path that computes missing ones itself (the same result)."""
 
     self = True
 
-    def __init__(self, ec: tuple, act: str = "silu", parts: int = 11):
+    def __init__(self, ec: tuple, act: str = "silu", publish: bool = True):
         self.a, self.b, self.w1, self.b1, self.w2, self.b2, self.alpha = ec
-        self.act, self.parts = ACT_CODES[act], parts
+        self.act, self.publish = ACT_CODES[act], bool(publish)
 
     def plan(self, rows: int, warps: int):
         """The piece plan for ``rows`` CTAs of ``warps`` warps (``ec_self.self_plan``), or None."""
@@ -250,7 +252,7 @@ class EcSelf:
 
     def check(self, N: int, K: int, config: tuple, rows: int, x2: torch.Tensor) -> None:
         if not ec_ok(config):
-            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 and no persistence, not config {config}")
+            raise ValueError(f"w4a16_gemv_tma: the EC epilogue needs SPLIT 1 (no K-split), not config {config}")
         R = self.a.shape[0]
         if tuple(self.b.shape) != (N, R) or not self.b.is_contiguous():
             raise ValueError(f"w4a16_gemv_tma: EC B {tuple(self.b.shape)} must be a contiguous [{N}, {R}] matrix")
@@ -265,3 +267,21 @@ class EcSelf:
         if self.plan(rows, config[0]) is None:
             raise ValueError(f"w4a16_gemv_tma: the one-launch EC's pieces of A {tuple(self.a.shape)} do not fit "
                              f"{rows} CTAs of {config[0]} warps (ec_self.self_plan): use the two-launch pair")
+
+
+EC_RC_MAX = 64  # the most EC columns per row the epilogue takes (its [BN, RC] operands live in registers)
+
+
+def can_implement(p, config: tuple, norm: bool = False, rc: Optional[int] = None) -> tuple:
+    """(ok, reason) of whether the TMA GEMV in ``config`` adds a decode EC of ``rc`` columns per row (None: not
+    known) in its epilogue for problem ``p`` (a ``lowering.problem.Problem``): at most EC_RC_MAX columns, PDL
+    runs here (sm_90+), the config has no K-split, and with ``norm`` it stages x in shared memory."""
+    if rc is not None and rc > EC_RC_MAX:
+        return False, f"EC rank {rc} > {EC_RC_MAX} columns per row"
+    if not _device.pdl(p.device):
+        return False, "no PDL here (needs sm_90+)"
+    if not ec_ok(config):
+        return False, f"TMA config {list(config)} has a K-split"
+    if norm and not norm_ok(config):
+        return False, f"TMA config {list(config)} does not stage x in shared memory without a K-split (RMSNorm)"
+    return True, f"the TMA GEMV {list(config)} adds the EC in its epilogue"

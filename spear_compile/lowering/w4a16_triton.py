@@ -13,7 +13,7 @@ FFMA); biased mode places every nibble where 2^E <= 2^15 and removes sum_k 2^E x
 per 32-column chunk. With ``HAS_EC`` and ``SELF`` the EC runs in the same launch (``ec_self.py``):
 the first programs to start (by ticket) compute the pieces of ``h = A x`` right after requesting their
 first weight tile and publish them tagged; after its weight loop every program reads all pieces, gates
-and adds ``alpha * B[rows] (g * h)``. Without ``SELF`` (EC_PARTS bits 8 and 16) g * h comes from a
+and adds ``alpha * B[rows] (g * h)``. Without ``SELF`` (the pair; ``PDL_WAIT``) g * h comes from a
 separate producer grid (``ec_decode_triton.py``, launched before this one, which then runs under
 programmatic dependent launch and waits with ``griddepcontrol.wait`` only before the epilogue).
 
@@ -46,6 +46,7 @@ import torch
 
 from ..dispatch import table as _table
 from ..dispatch.table import TunedTable
+from ..ops.packing import unpack_int4
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from . import ec_self as _es
 from .layout_cache import derived_cached, derived_peek  # noqa: F401  (the kernels' operands are cached there)
@@ -300,14 +301,15 @@ if HAS_TRITON:
         G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
         NIB: tl.constexpr, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        HAS_EC: tl.constexpr, EC_PARTS: tl.constexpr, SELF: tl.constexpr, PW: tl.constexpr, PPC_P: tl.constexpr,
+        HAS_EC: tl.constexpr, PUBLISH: tl.constexpr, PDL_WAIT: tl.constexpr, SELF: tl.constexpr, PW: tl.constexpr,
+        PPC_P: tl.constexpr,
         NC_P: tl.constexpr, SPIN: tl.constexpr, R_P: tl.constexpr, D_P: tl.constexpr, ACT: tl.constexpr,
         GH_COPIES: tl.constexpr, SLOT_T: tl.constexpr,
     ):
-        """EC_PARTS: SELF - 1 this program's pieces of h (if its ticket makes it an owner), 2 the collect +
-        gate, 8 the ``alpha B (g h)`` epilogue (11 everything; 10 the same result with every program
-        computing the pieces itself; other subsets are timing studies with a wrong result); the pair - 8
-        the epilogue reading g * h from GH, 16 ``griddepcontrol.wait`` before it."""
+        """SELF: the one launch - ``PUBLISH`` this program's pieces of h (if its ticket makes it an owner; off,
+        in tests, every program computes the pieces itself: the same result), collect, gate, add
+        ``alpha B (g h)``. Else the pair's epilogue reads g * h from GH, after ``griddepcontrol.wait`` with
+        ``PDL_WAIT``."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -326,7 +328,7 @@ if HAS_TRITON:
             mask_r = offs_r < R
             if SELF:
                 tag, role = ec_ticket(TICK)
-                if (EC_PARTS & 1) != 0:
+                if PUBLISH:
                     ec_produce_own(SLOTS, A, X, K, R, NC, OWNERS, role, tag, PW, PPC_P)
                 w1, b1, w2, b2 = _ec_gate_operands(W1, B1, W2, B2, R, D, R_P, D_P)
             # EC operands that do not depend on h: load them before the weight stream
@@ -362,17 +364,14 @@ if HAS_TRITON:
             out += bias
         if HAS_EC:
             if SELF:
-                if (EC_PARTS & 2) != 0:
-                    h = ec_collect(SLOTS, A, X, K, R, NC, tag, PW, PPC_P, R_P, NC_P, SPIN, SLOT_T)
-                    gh = _ec_gate(h, w1, b1, w2, b2, ACT)
-                    if (EC_PARTS & 8) != 0:
-                        out += alpha * tl.sum(bt * gh[None, :], axis=1)
+                h = ec_collect(SLOTS, A, X, K, R, NC, tag, PW, PPC_P, R_P, NC_P, SPIN, SLOT_T)
+                gh = _ec_gate(h, w1, b1, w2, b2, ACT)
+                out += alpha * tl.sum(bt * gh[None, :], axis=1)
             else:
-                if (EC_PARTS & 16) != 0:  # g * h comes from a separate producer grid (ec_decode_triton.py)
+                if PDL_WAIT:  # g * h comes from a separate producer grid (ec_decode_triton.py)
                     gdc_wait()
-                if (EC_PARTS & 8) != 0:
-                    gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
-                    out += alpha * tl.sum(bt * gh[None, :], axis=1)
+                gh = tl.load(GH + (pid % GH_COPIES) * R_P + offs_r, cache_modifier=".cg")
+                out += alpha * tl.sum(bt * gh[None, :], axis=1)
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
 
     @triton.jit
@@ -652,8 +651,6 @@ def repack_gemv(qweight: torch.Tensor) -> torch.Tensor:
     Nibble i (bits 4i..4i+3) of word 4c + j holds column 32c + 4i + j, so the activations a
     thread needs for one nibble position of its four words are 4 contiguous values.
     """
-    from ..quant.format import unpack_int4  # (quant/__init__ registers the ops, whose CUDA side imports this)
-
     N, K = qweight.shape[0], qweight.shape[1] * 2
     q = unpack_int4(qweight).view(N, K // 32, 8, 4).transpose(2, 3)  # [N, chunk, j, i]
     b = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()  # byte b of a word: nibbles 2b, 2b+1
@@ -696,15 +693,15 @@ def check_x(kernel: str, x2: torch.Tensor, qweight: Optional[torch.Tensor], word
 
 def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, nib: Optional[str] = None,
-                ec_parts: Optional[int] = None, pair: bool = False, launch_pdl: bool = False,
+                publish: bool = True, pair: bool = False, launch_pdl: bool = False,
                 words: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
     ``nib`` (a GEMV1_NIBS key) defaults to GEMV1_BF16_NIB for bf16 activations (its error is at
     most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations.
     With ``ec``: the EC in the same launch (``ec_self.py``), or with ``pair`` the epilogue of the
     two-launch pair, reading g * h from the producer grid's workspace (``ec_decode_triton.py``; waits
-    for that grid when ``launch_pdl``). ``ec_parts`` leaves EC stages out (kernel docstring: timing
-    studies, except the one launch's 2 | 8 - every program computes the pieces itself, the same result).
+    for that grid when ``launch_pdl``). ``publish`` (tests): off, no program of the one launch publishes its
+    pieces of h, so every program computes them itself (the readers' fallback; the same result).
     ``words``: the GEMV layout itself (``qweight`` is then unused): the concatenated weights of
     ``w4a16_cat.py``."""
     M, K = x2.shape
@@ -733,7 +730,6 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         if pair:
             ws, _ = ec_workspace(x2.device, r_p)
             slots, gh, tick = dummy, ws[GEMV_MAX_M:GEMV_MAX_M + GH_COPIES], dummy
-            parts = 8 | (16 if launch_pdl else 0) if ec_parts is None else ec_parts
         else:
 
             plan = self_plan(R, K, grid, 32 * warps, _es.sm_count(x2.device))
@@ -743,11 +739,9 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
             check_self_operands(A, K, x2)
             tick, slots = self_workspace(A, grid, plan)
             gh = dummy
-            parts = 11 if ec_parts is None else ec_parts
     else:
         A = B = W1 = b1 = W2 = b2 = alpha = slots = gh = tick = dummy
         R = D = r_p = d_p = 1
-        parts = 0
 
     _w4a16_gemv1_kernel[(grid,)](
         x2, words, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy, y,
@@ -755,7 +749,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         N, K, K // 8, K // G, R, D, plan.nc if plan else 1, plan.owners if plan else 1, *_MAGICS,
         G=G, BLOCK_N=bn, BLOCK_W=bw, PREFETCH=bool(prefetch), NIB=GEMV1_NIBS[nib], ASM=not INTERPRET,
         PER_CHANNEL=G >= K, HAS_Z=zeros is not None, HAS_BIAS=bias is not None, HAS_EC=ec is not None,
-        EC_PARTS=parts, SELF=plan is not None, PW=plan.pw if plan else 1, PPC_P=plan.ppc_p if plan else 1,
+        PUBLISH=bool(publish), PDL_WAIT=pair and launch_pdl, SELF=plan is not None, PW=plan.pw if plan else 1, PPC_P=plan.ppc_p if plan else 1,
         NC_P=plan.nc_p if plan else 1, SPIN=SPIN, R_P=r_p, D_P=d_p, ACT=ACT_CODES[act], GH_COPIES=GH_COPIES,
         SLOT_T=slot_rows(r_p, warps, plan.nc_p if plan else 1), num_warps=warps, num_stages=1,
         **({"launch_pdl": True} if launch_pdl else {}),
@@ -844,7 +838,7 @@ DEQUANT_TILE = (16, 128)  # (rows, packed bytes) per program of the dequantize p
 DEQUANT_CUBLAS = ("dequant_cublas",)  # table value: dequantize to a scratch weight, then cuBLAS
 DEQUANT_CUBLAS_PIPE = ("dequant_cublas_pipe", 4)  # the same in 4 row slices, dequant overlapped with the GEMMs
 WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-loop-dequant GEMM (w4a16_gemm_wgmma)
-# ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, SK]]): the same, weight as the MMA's register operand
+# ("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF]): the same, weight as the MMA's register operand
 WGMMA_RA = "wgmma_ra"
 
 
@@ -904,8 +898,24 @@ def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, 
     sig.update(QW="*i32", ALPHA="*fp32", SLOTS="*i64", GH="*fp32", TICK="*i64")
     sig.update({p: "i32" for p in "N K KW NG R D NC OWNERS MAG7 MAG11 MAG15 MAG19 MAG23".split()})
     consts = dict(G=128, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=True, NIB=0, ASM=True, PER_CHANNEL=False,
-                  HAS_Z=True, HAS_BIAS=False, HAS_EC=True, EC_PARTS=11, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
+                  HAS_Z=True, HAS_BIAS=False, HAS_EC=True, PUBLISH=True, PDL_WAIT=False, SELF=True, PW=512, PPC_P=4, NC_P=nc_p,
                   SPIN=4096, R_P=r_p, D_P=16, ACT=0, GH_COPIES=4, SLOT_T=_es.slot_rows(r_p, warps, nc_p))
     sig.update({c: "constexpr" for c in consts})
     src = ASTSource(fn=_w4a16_gemv1_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+
+
+def can_implement(p) -> tuple:
+    """(ok, reason) of whether the M = 1 CUDA-core GEMV (``_w4a16_gemv1_kernel``) runs problem ``p`` (a
+    ``lowering.problem.Problem``): whole 32-column chunks that never straddle a group, a contiguous weight,
+    zero points on every part of a concatenation or on none. (The M > 1 GEMV and the tiled GEMM take any
+    shape the Triton kernels run: ``_triton.can_implement``.)"""
+    if p.M != 1:
+        return False, f"M = {p.M} (needs M = 1)"
+    if p.K % 32 or not (p.G >= p.K or p.G % 32 == 0):
+        return False, f"K = {p.K}, G = {p.G} (needs K % 32 == 0 and G >= K or G % 32 == 0)"
+    if not p.weight_contiguous:
+        return False, "the packed weight is not contiguous"
+    if not p.zeros_consistent:
+        return False, "zero points on some parts only"
+    return True, "M = 1, 32-column chunks inside groups"

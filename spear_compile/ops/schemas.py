@@ -14,7 +14,9 @@ Extra arguments that do not change the numbers:
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+import inspect
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -97,270 +99,6 @@ def check_ec_shapes(K: int, N: int, A, B, W1, b1, W2, b2, alpha, act: str, where
         raise QuantFormatError(f"{where}: EC alpha must hold one value, got shape {tuple(alpha.shape)}")
 
 
-@torch.library.custom_op("spear::w4a16_linear", mutates_args=())
-def w4a16_linear(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Optional[Tensor],
-    group_size: int,
-    bias: Optional[Tensor],
-    layout: str = "spear",
-    lowering: str = "auto",
-    crossover: int = 16,
-) -> Tensor:
-    """4-bit-weight linear, ``x [..., K] -> [..., N]``; see module docstring."""
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear", crossover)
-    return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
-
-
-@w4a16_linear.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto", crossover=16):
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, "spear::w4a16_linear", crossover)
-    return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
-
-
-@torch.library.custom_op("spear::ec_linear", mutates_args=())
-def ec_linear(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Optional[Tensor],
-    group_size: int,
-    bias: Optional[Tensor],
-    A: Tensor,
-    B: Tensor,
-    W1: Tensor,
-    b1: Tensor,
-    W2: Tensor,
-    b2: Tensor,
-    alpha: Tensor,
-    act: str = "silu",
-    layout: str = "spear",
-    lowering: str = "auto",
-    crossover: int = 16,
-) -> Tensor:
-    """W4A16 linear plus a gated low-rank error compensator; see module docstring."""
-    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
-                 crossover)
-    return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
-
-
-def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
-                 crossover=16, where="spear::ec_linear"):
-    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover)
-    check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
-    K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
-    if K is not None and N is not None:
-        check_ec_shapes(K, N, A, B, W1, b1, W2, b2, alpha, act, where)
-
-
-@ec_linear.register_fake
-def _(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu", layout="spear",
-      lowering="auto", crossover=16):
-    _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
-                 crossover)
-    return x.new_empty((*x.shape[:-1], out_features(qweight, scales, layout)))
-
-
-@torch.library.custom_op("spear::w4a16_linear_cat", mutates_args=())
-def w4a16_linear_cat(
-    x: Tensor,
-    qweights: list[Tensor],
-    scales: list[Tensor],
-    zeros: list[Optional[Tensor]],
-    group_size: int,
-    biases: list[Optional[Tensor]],
-    layout: str = "spear",
-    norm_weight: Optional[Tensor] = None,
-    norm_eps: float = 1e-6,
-) -> Tensor:
-    """Several 4-bit linears that read the same ``x``, outputs concatenated along the last dim:
-    ``cat([w4a16_linear(x, qweights[i], ...) for i], -1)``. Made by the ``fuse_shared_input``
-    pass (q/k/v, gate/up at decode) so that a GPU runs one GEMV over all of them. With
-    ``norm_weight`` the linears read ``rms_norm(x, norm_weight, norm_eps)`` (``rms_norm_ref``; set
-    by the ``fuse_rmsnorm`` pass, so that the GEMV normalises x as it stages it)."""
-    _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")
-    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return torch.cat([w4a16_linear_ref(x, q, s, z, group_size, b, layout)
-                      for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
-
-
-def check_norm(x, norm_weight, norm_eps, where: str) -> None:
-    """An RMSNorm prologue's weight must be one value per input feature, in x's dtype; eps > 0."""
-    if norm_weight is None:
-        return
-    K = _static(x.shape[-1])
-    if norm_weight.dim() != 1 or (K is not None and _static(norm_weight.shape[0]) not in (None, K)):
-        raise QuantFormatError(f"{where}: norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
-    if norm_weight.dtype != x.dtype:
-        raise QuantFormatError(f"{where}: norm_weight dtype {norm_weight.dtype} differs from x's {x.dtype}")
-    if not norm_eps > 0:
-        raise QuantFormatError(f"{where}: norm_eps={norm_eps} must be > 0")
-    check_same_device(x, {"norm_weight": norm_weight}, where)
-
-
-def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
-    n = len(qweights)
-    if n == 0 or not (len(scales) == len(zeros) == len(biases) == n):
-        raise QuantFormatError(f"spear::w4a16_linear_cat: qweights, scales, zeros and biases must be non-empty lists "
-                               f"of one length, got {n}, {len(scales)}, {len(zeros)}, {len(biases)}")
-    for i, (q, s, z, b) in enumerate(zip(qweights, scales, zeros, biases)):
-        check_w4a16_args(x, q, s, z, group_size, b, layout, "auto", f"spear::w4a16_linear_cat (part {i})")
-
-
-@w4a16_linear_cat.register_fake
-def _(x, qweights, scales, zeros, group_size, biases, layout="spear", norm_weight=None, norm_eps=1e-6):
-    _check_cat(x, qweights, scales, zeros, group_size, biases, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")
-    n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
-    return x.new_empty((*x.shape[:-1], n))
-
-
-@torch.library.custom_op("spear::w4a16_linear_glu", mutates_args=())
-def w4a16_linear_glu(
-    x: Tensor,
-    qweights: list[Tensor],
-    scales: list[Tensor],
-    zeros: list[Optional[Tensor]],
-    group_size: int,
-    act: str = "silu",
-    layout: str = "spear",
-    norm_weight: Optional[Tensor] = None,
-    norm_eps: float = 1e-6,
-) -> Tensor:
-    """A gated MLP's input side, ``act(x Wg^T) * (x Wu^T)`` for ``qweights = [gate, up]`` (4-bit, no
-    bias), rounded as the unfused graph rounds (``ops/refs.py:glu_of``). Made by the ``fuse_glu``
-    pass at decode so that a GPU runs one GEMV over both weights whose epilogue applies the gate and
-    stores only the product (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
-    _check_glu(x, qweights, scales, zeros, group_size, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_glu")
-    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, group_size, None, layout)
-                             for q, s, z in zip(qweights, scales, zeros)], dim=-1), act)
-
-
-def _check_glu(x, qweights, scales, zeros, group_size, act, layout) -> None:
-    if len(qweights) != 2:
-        raise QuantFormatError(f"spear::w4a16_linear_glu: expected [gate, up] weights, got {len(qweights)}")
-    if act not in GLU_ACTS:
-        raise QuantFormatError(f"spear::w4a16_linear_glu: unknown gate activation {act!r}; expected one of {GLU_ACTS}")
-    _check_cat(x, qweights, scales, zeros, group_size, [None, None], layout)
-    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
-    if None not in n and n[0] != n[1]:
-        raise QuantFormatError(f"spear::w4a16_linear_glu: gate has {n[0]} outputs but up has {n[1]}")
-
-
-@w4a16_linear_glu.register_fake
-def _(x, qweights, scales, zeros, group_size, act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
-    _check_glu(x, qweights, scales, zeros, group_size, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_glu")
-    return x.new_empty((*x.shape[:-1], out_features(qweights[0], scales[0], layout)))
-
-
-@torch.library.custom_op("spear::ec_linear_cat", mutates_args=())
-def ec_linear_cat(
-    x: Tensor,
-    qweights: list[Tensor],
-    scales: list[Tensor],
-    zeros: list[Optional[Tensor]],
-    group_size: int,
-    biases: list[Optional[Tensor]],
-    As: list[Tensor],
-    Bs: list[Tensor],
-    W1s: list[Tensor],
-    b1s: list[Tensor],
-    W2s: list[Tensor],
-    b2s: list[Tensor],
-    alphas: list[Tensor],
-    act: str = "silu",
-    layout: str = "spear",
-    norm_weight: Optional[Tensor] = None,
-    norm_eps: float = 1e-6,
-) -> Tensor:
-    """Several EC-compensated 4-bit linears that read the same ``x``, outputs concatenated along the
-    last dim: ``cat([ec_linear(x, qweights[i], ..., As[i], ...) for i], -1)``. Made by the
-    ``fuse_shared_input`` pass when ``CompileConfig.fuse_shared_input_ec`` is on, so that a GPU runs
-    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``).
-    ``norm_weight``: as in ``w4a16_linear_cat`` (the EC's producer and the GEMV each normalise x)."""
-    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
-    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
-                      ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
-                     dim=-1)
-
-
-def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act,
-                  layout) -> None:
-    lists = (qweights, scales, zeros, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
-    if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
-        raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
-                               f"got {[len(v) for v in lists]}")
-    for i, part in enumerate(ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
-                                       alphas)):
-        _check_ec_op(x, *part, act, layout, "auto", where=f"spear::ec_linear_cat (part {i})")
-
-
-@ec_linear_cat.register_fake
-def _(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu",
-      layout="spear", norm_weight=None, norm_eps=1e-6):
-    _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
-    n = sum(out_features(q, s, layout) for q, s in zip(qweights, scales))
-    return x.new_empty((*x.shape[:-1], n))
-
-
-@torch.library.custom_op("spear::ec_linear_glu", mutates_args=())
-def ec_linear_glu(
-    x: Tensor,
-    qweights: list[Tensor],
-    scales: list[Tensor],
-    zeros: list[Optional[Tensor]],
-    group_size: int,
-    As: list[Tensor],
-    Bs: list[Tensor],
-    W1s: list[Tensor],
-    b1s: list[Tensor],
-    W2s: list[Tensor],
-    b2s: list[Tensor],
-    alphas: list[Tensor],
-    act: str = "silu",
-    layout: str = "spear",
-    norm_weight: Optional[Tensor] = None,
-    norm_eps: float = 1e-6,
-) -> Tensor:
-    """``silu(gate) * up`` of a gate / up pair of EC-compensated 4-bit linears (no biases): the
-    ``w4a16_linear_glu`` of ``ec_linear_cat``, rounded as the unfused graph rounds (``glu_of``). ``act`` is
-    the ECs' gate activation (the GLU's is silu). Made by the ``fuse_glu`` pass at decode so that a GPU
-    runs one GEMV whose epilogue adds each row's EC and stores only the product
-    (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
-    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
-    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return glu_of(torch.cat([ec_linear_ref(x, *part, act, layout) for part in
-                             ec_parts(qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
-                                      alphas)], dim=-1))
-
-
-def _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout) -> None:
-    if len(qweights) != 2:
-        raise QuantFormatError(f"spear::ec_linear_glu: expected [gate, up] weights, got {len(qweights)}")
-    _check_ec_cat(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
-    if None not in n and n[0] != n[1]:
-        raise QuantFormatError(f"spear::ec_linear_glu: gate has {n[0]} outputs but up has {n[1]}")
-
-
-@ec_linear_glu.register_fake
-def _(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act="silu", layout="spear",
-      norm_weight=None, norm_eps=1e-6):
-    _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
-    check_norm(x, norm_weight, norm_eps, "spear::ec_linear_glu")
-    return x.new_empty((*x.shape[:-1], out_features(qweights[0], scales[0], layout)))
-
-
 # ---------------------------------------------------------------------------- autograd
 # Differentiable inputs by position; qweight/scales/zeros are frozen quantized state.
 _W4A16_DIFF = (0, 5)  # x, bias
@@ -394,7 +132,265 @@ def _make_backward(ref, diff_positions: Sequence[int], n_inputs: int, n_ref_args
     return setup_context, backward
 
 
-_sc, _bw = _make_backward(w4a16_linear_ref, _W4A16_DIFF, 9, 7)
-torch.library.register_autograd("spear::w4a16_linear", _bw, setup_context=_sc)
-_sc, _bw = _make_backward(ec_linear_ref, _EC_DIFF, 17, 15)
-torch.library.register_autograd("spear::ec_linear", _bw, setup_context=_sc)
+# ---------------------------------------------------------------------------- registration
+# Every op is its reference-running body (whose signature is the op's schema), registered by ``_op``: the eager
+# implementation checks the arguments, then runs the body; the fake checks them and returns [..., N] (``out_n``);
+# ops with ``diff`` positions get a backward that re-runs the reference under autograd (``_make_backward``).
+
+
+def _n_one(a: dict) -> int:
+    return out_features(a["qweight"], a["scales"], a["layout"])
+
+
+def _n_sum(a: dict) -> int:
+    return sum(out_features(q, s, a["layout"]) for q, s in zip(a["qweights"], a["scales"]))
+
+
+def _n_half(a: dict) -> int:
+    return out_features(a["qweights"][0], a["scales"][0], a["layout"])
+
+
+def _op(name: str, check: Callable, out_n: Callable, norm: bool = False, diff: Sequence[int] = (),
+        ref: Optional[Callable] = None, n_ref_args: int = 0):
+    """Register the decorated body as the custom op ``name``. ``check`` takes the op's arguments in order (with
+    ``norm``, all but the last two, ``norm_weight`` and ``norm_eps``, which ``check_norm`` takes); ``out_n`` the
+    bound arguments by name; ``diff``: the differentiable positions (the VJP of ``ref`` on the first
+    ``n_ref_args`` arguments)."""
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        def checked(args, kwargs) -> dict:
+            b = sig.bind(*args, **kwargs)
+            b.apply_defaults()
+            a = b.args
+            check(*(a[:-2] if norm else a))
+            if norm:
+                check_norm(a[0], a[-2], a[-1], name)
+            return b.arguments
+
+        @functools.wraps(fn)
+        def eager(*args, **kwargs):
+            checked(args, kwargs)
+            return fn(*args, **kwargs)
+
+        op = torch.library.custom_op(name, mutates_args=())(eager)
+
+        @op.register_fake
+        def _(*args, **kwargs):
+            a = checked(args, kwargs)
+            return a["x"].new_empty((*a["x"].shape[:-1], out_n(a)))
+
+        if diff:
+            sc, bw = _make_backward(ref, diff, len(sig.parameters), n_ref_args)
+            torch.library.register_autograd(name, bw, setup_context=sc)
+        return op
+
+    return deco
+
+
+@_op("spear::w4a16_linear", lambda *a: check_w4a16_args(*a[:8], "spear::w4a16_linear", a[8]), _n_one,
+     diff=_W4A16_DIFF, ref=w4a16_linear_ref, n_ref_args=7)
+def w4a16_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Optional[Tensor],
+    group_size: int,
+    bias: Optional[Tensor],
+    layout: str = "spear",
+    lowering: str = "auto",
+    crossover: int = 16,
+) -> Tensor:
+    """4-bit-weight linear, ``x [..., K] -> [..., N]``; see module docstring."""
+    return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
+
+
+@_op("spear::ec_linear", lambda *a: _check_ec_op(*a), _n_one, diff=_EC_DIFF, ref=ec_linear_ref, n_ref_args=15)
+def ec_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Optional[Tensor],
+    group_size: int,
+    bias: Optional[Tensor],
+    A: Tensor,
+    B: Tensor,
+    W1: Tensor,
+    b1: Tensor,
+    W2: Tensor,
+    b2: Tensor,
+    alpha: Tensor,
+    act: str = "silu",
+    layout: str = "spear",
+    lowering: str = "auto",
+    crossover: int = 16,
+) -> Tensor:
+    """W4A16 linear plus a gated low-rank error compensator; see module docstring."""
+    return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
+
+
+def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
+                 crossover=16, where="spear::ec_linear"):
+    check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover)
+    check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
+    K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))
+    if K is not None and N is not None:
+        check_ec_shapes(K, N, A, B, W1, b1, W2, b2, alpha, act, where)
+
+
+@_op("spear::w4a16_linear_cat", lambda *a: _check_cat(*a), _n_sum, norm=True)
+def w4a16_linear_cat(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    biases: list[Optional[Tensor]],
+    layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """Several 4-bit linears that read the same ``x``, outputs concatenated along the last dim:
+    ``cat([w4a16_linear(x, qweights[i], ...) for i], -1)``. Made by the ``fuse_shared_input``
+    pass (q/k/v, gate/up at decode) so that a GPU runs one GEMV over all of them. With
+    ``norm_weight`` the linears read ``rms_norm(x, norm_weight, norm_eps)`` (``rms_norm_ref``; set
+    by the ``fuse_rmsnorm`` pass, so that the GEMV normalises x as it stages it)."""
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
+    return torch.cat([w4a16_linear_ref(x, q, s, z, group_size, b, layout)
+                      for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)
+
+
+def check_norm(x, norm_weight, norm_eps, where: str) -> None:
+    """An RMSNorm prologue's weight must be one value per input feature, in x's dtype; eps > 0."""
+    if norm_weight is None:
+        return
+    K = _static(x.shape[-1])
+    if norm_weight.dim() != 1 or (K is not None and _static(norm_weight.shape[0]) not in (None, K)):
+        raise QuantFormatError(f"{where}: norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},)")
+    if norm_weight.dtype != x.dtype:
+        raise QuantFormatError(f"{where}: norm_weight dtype {norm_weight.dtype} differs from x's {x.dtype}")
+    if not norm_eps > 0:
+        raise QuantFormatError(f"{where}: norm_eps={norm_eps} must be > 0")
+    check_same_device(x, {"norm_weight": norm_weight}, where)
+
+
+def _check_cat(x, qweights, scales, zeros, group_size, biases, layout) -> None:
+    n = len(qweights)
+    if n == 0 or not (len(scales) == len(zeros) == len(biases) == n):
+        raise QuantFormatError(f"spear::w4a16_linear_cat: qweights, scales, zeros and biases must be non-empty lists "
+                               f"of one length, got {n}, {len(scales)}, {len(zeros)}, {len(biases)}")
+    for i, (q, s, z, b) in enumerate(zip(qweights, scales, zeros, biases)):
+        check_w4a16_args(x, q, s, z, group_size, b, layout, "auto", f"spear::w4a16_linear_cat (part {i})")
+
+
+@_op("spear::w4a16_linear_glu", lambda *a: _check_glu(*a), _n_half, norm=True)
+def w4a16_linear_glu(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    act: str = "silu",
+    layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """A gated MLP's input side, ``act(x Wg^T) * (x Wu^T)`` for ``qweights = [gate, up]`` (4-bit, no
+    bias), rounded as the unfused graph rounds (``ops/refs.py:glu_of``). Made by the ``fuse_glu``
+    pass at decode so that a GPU runs one GEMV over both weights whose epilogue applies the gate and
+    stores only the product (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
+    return glu_of(torch.cat([w4a16_linear_ref(x, q, s, z, group_size, None, layout)
+                             for q, s, z in zip(qweights, scales, zeros)], dim=-1), act)
+
+
+def _check_glu(x, qweights, scales, zeros, group_size, act, layout) -> None:
+    if len(qweights) != 2:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: expected [gate, up] weights, got {len(qweights)}")
+    if act not in GLU_ACTS:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: unknown gate activation {act!r}; expected one of {GLU_ACTS}")
+    _check_cat(x, qweights, scales, zeros, group_size, [None, None], layout)
+    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
+    if None not in n and n[0] != n[1]:
+        raise QuantFormatError(f"spear::w4a16_linear_glu: gate has {n[0]} outputs but up has {n[1]}")
+
+
+@_op("spear::ec_linear_cat", lambda *a: _check_ec_cat(*a), _n_sum, norm=True)
+def ec_linear_cat(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    biases: list[Optional[Tensor]],
+    As: list[Tensor],
+    Bs: list[Tensor],
+    W1s: list[Tensor],
+    b1s: list[Tensor],
+    W2s: list[Tensor],
+    b2s: list[Tensor],
+    alphas: list[Tensor],
+    act: str = "silu",
+    layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """Several EC-compensated 4-bit linears that read the same ``x``, outputs concatenated along the
+    last dim: ``cat([ec_linear(x, qweights[i], ..., As[i], ...) for i], -1)``. Made by the
+    ``fuse_shared_input`` pass when ``CompileConfig.fuse_shared_input_ec`` is on, so that a GPU runs
+    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``).
+    ``norm_weight``: as in ``w4a16_linear_cat`` (the EC's producer and the GEMV each normalise x)."""
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
+    return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+                      ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
+                     dim=-1)
+
+
+def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act,
+                  layout) -> None:
+    lists = (qweights, scales, zeros, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
+    if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
+        raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
+                               f"got {[len(v) for v in lists]}")
+    for i, part in enumerate(ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
+                                       alphas)):
+        _check_ec_op(x, *part, act, layout, "auto", where=f"spear::ec_linear_cat (part {i})")
+
+
+@_op("spear::ec_linear_glu", lambda *a: _check_ec_glu(*a), _n_half, norm=True)
+def ec_linear_glu(
+    x: Tensor,
+    qweights: list[Tensor],
+    scales: list[Tensor],
+    zeros: list[Optional[Tensor]],
+    group_size: int,
+    As: list[Tensor],
+    Bs: list[Tensor],
+    W1s: list[Tensor],
+    b1s: list[Tensor],
+    W2s: list[Tensor],
+    b2s: list[Tensor],
+    alphas: list[Tensor],
+    act: str = "silu",
+    layout: str = "spear",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """``silu(gate) * up`` of a gate / up pair of EC-compensated 4-bit linears (no biases): the
+    ``w4a16_linear_glu`` of ``ec_linear_cat``, rounded as the unfused graph rounds (``glu_of``). ``act`` is
+    the ECs' gate activation (the GLU's is silu). Made by the ``fuse_glu`` pass at decode so that a GPU
+    runs one GEMV whose epilogue adds each row's EC and stores only the product
+    (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
+    x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
+    return glu_of(torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+                             ec_parts(qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
+                                      alphas)], dim=-1))
+
+
+def _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout) -> None:
+    if len(qweights) != 2:
+        raise QuantFormatError(f"spear::ec_linear_glu: expected [gate, up] weights, got {len(qweights)}")
+    _check_ec_cat(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
+    if None not in n and n[0] != n[1]:
+        raise QuantFormatError(f"spear::ec_linear_glu: gate has {n[0]} outputs but up has {n[1]}")

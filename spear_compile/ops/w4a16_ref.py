@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..quant.format import unpack_int4
+from .packing import unpack_int4
 
 
 def dequantize_ref(

@@ -23,34 +23,11 @@ from typing import Optional
 import torch
 
 from ..errors import QuantFormatError  # noqa: F401  (defined with the library's other errors)
+from ..ops.packing import pack_int4, unpack_int4  # noqa: F401  (the packing lives with the references)
+from ..ops.w4a16_ref import dequantize_ref
 
 LAYOUTS = ("spear", "unpacked", "tinygemm_cpu", "tinygemm_cuda")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack integers 0..15 of shape [N, K] (K even) into uint8 [N, K // 2]."""
-    if q.dim() != 2:
-        raise QuantFormatError(f"pack_int4: expected a 2-D [N, K] tensor, got shape {tuple(q.shape)}")
-    if q.shape[1] % 2:
-        raise QuantFormatError(f"pack_int4: K={q.shape[1]} must be even to pack two nibbles per byte")
-    if q.is_floating_point() or q.is_complex():
-        raise QuantFormatError(f"pack_int4: expected an integer tensor, got {q.dtype}")
-    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
-        raise QuantFormatError(f"pack_int4: values must lie in [0, 15], got [{int(q.min())}, {int(q.max())}]")
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: uint8 [N, K // 2] -> uint8 [N, K]."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise QuantFormatError(
-            f"unpack_int4: expected uint8 [N, K//2], got {packed.dtype} of shape {tuple(packed.shape)}"
-        )
-    lo = packed & 0xF
-    hi = packed >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
 
 
 @dataclasses.dataclass
@@ -68,8 +45,6 @@ class QuantizedWeight:
         check_spear_weight(self.qweight, self.scales, self.zeros, self.group_size, self.in_features, "QuantizedWeight")
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        from ..ops.w4a16_ref import dequantize_ref
-
         w = dequantize_ref(self.qweight, self.scales, self.zeros, self.group_size, "spear")
         return w if dtype is None else w.to(dtype)
 

@@ -193,3 +193,33 @@ def test_problem_of_reads_the_tensor_facts():
     p = R.problem_of("ec", x, q, s, None, 64, None, ec)
     assert (p.M, p.N, p.K, p.G, p.rank, p.gate_width, p.has_zeros) == (3, 32, 64, 64, 8, 4, False)
     assert not p.a_contiguous and p.b_contiguous and p.param_dtypes == (torch.bfloat16,)
+
+
+def test_each_kernel_file_names_its_own_constraints(monkeypatch):
+    """``can_implement`` lives in the kernel files (the route only chooses): each returns (ok, reason), the
+    reason naming the constraint and the value; ``Problem`` comes from the leaf ``lowering/problem.py``."""
+    from spear_compile.lowering import _triton, ec_gemm_self, ec_self, ec_shrink_splitk, problem as P
+    from spear_compile.lowering import w4a16_gemm_wgmma as WG
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
+    from spear_compile.lowering import w4a16_gemv_tma_ec as GTE
+
+    assert R.Problem is P.Problem
+    hopper(monkeypatch)
+    p = problem(op="ec", M=256, N=512, K=1024, rank=8, ec_dtypes=(torch.bfloat16, torch.bfloat16))
+    assert _triton.can_implement(p)[0] == _triton.HAS_TRITON
+    assert T.can_implement(p) == (False, "M = 256 (needs M = 1)")
+    assert "K = 1000" in T.can_implement(p.replace(M=1, K=1000))[1]
+    assert WG.can_implement(p)[0] and "rank 200 > 128" in WG.can_implement(p.replace(rank=200), ec=True)[1]
+    assert "torch.float16" in WG.can_implement(p.replace(dtype=torch.float16))[1]
+    assert RA.can_implement(p.replace(zeros_integer=False)) == (False, "zero points are not small integers")
+    assert "R <= 64" in ec_gemm_self.can_implement(p.replace(rank=96))[1]
+    assert "gate of 32" in ec_gemm_self.can_implement(p.replace(gate_width=32))[1]
+    assert ec_shrink_splitk.can_implement(p.replace(a_contiguous=False)) == (False, "A is not contiguous")
+    assert "EC rank 65 > 64" in GTE.can_implement(p.replace(M=1), (4, 2, 2, 2, 2), rc=65)[1]
+    assert "K-split" in GTE.can_implement(p.replace(M=1), (4, 2, 2, 2, 2, 2))[1]
+    monkeypatch.setattr(GT, "HAS_TMA", True)
+    monkeypatch.setattr(GT, "_tma_capable", lambda device: True)
+    monkeypatch.setattr(GT, "gluon_ok", lambda M, K, G, dtype: True)
+    assert "needs bf16" in GT.can_implement(p.replace(M=1, param_dtypes=(torch.float16,)))[1]
+    assert "RMSNorm" in GT.can_implement(p.replace(M=1), (8, 2, 1, 3, 0), norm=True)[1]
+    assert not ec_self.can_implement(p.replace(M=1, K=1 << 20), 64, 1, 1)[0]

@@ -48,8 +48,7 @@ def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int]:
 
 
 def ra_loops(sass: str) -> list[tuple[int, int]]:
-    """(first, last) of every innermost loop that holds a register-operand HGMMA (the stream-K build has two:
-    the tiles' K loop and the units' runs); a loop with another HGMMA loop's backward branch inside is left
+    """(first, last) of every innermost loop that holds a register-operand HGMMA; a loop with another HGMMA loop's backward branch inside is left
     out (ptxas lays the outer loops out as overlapping ranges, not nested ones)."""
     loops = _hgmma_loops(instructions(sass))
     ends = {la for _, _, la in loops}  # (innermost: no other HGMMA loop's backward branch inside)

@@ -64,9 +64,8 @@ def test_one_launch_ec_ignores_stale_and_foreign_slots():
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("parts", [2 | 8])
-def test_one_launch_ec_without_owners_computes_the_pieces_itself(parts):
-    """No program publishes its own pieces (EC_PARTS without bit 1): every reader gives up waiting
+def test_one_launch_ec_without_owners_computes_the_pieces_itself():
+    """No program publishes its own pieces (``publish=False``): every reader gives up waiting
     after SPIN re-reads and computes the missing pieces - the path that keeps a launch whose programs
     are not all resident from deadlocking. Same bits as with the owners."""
     from spear_compile.lowering.ec_self import self_plan, self_workspace, sm_count
@@ -78,7 +77,7 @@ def test_one_launch_ec_without_owners_computes_the_pieces_itself(parts):
     y_own = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config)
     _, slots = self_workspace(ec[0], 4, self_plan(8, 320, 4, 64, sm_count(torch.device(DEV))))
     own_bits = (slots & 0xFFFFFFFF).clone()
-    y_fallback = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config, ec_parts=parts)
+    y_fallback = w4a16_gemv1(x, q, s, z, G, b, ec=ec, config=config, publish=False)
     _close(y_fallback, ec_linear_ref(x, q, s, z, G, b, *ec, "silu"), dtype)
     assert torch.equal(y_own, y_fallback)
     # the pieces themselves (fp32, before any rounding to fp16) have the same bits, now under the new tag

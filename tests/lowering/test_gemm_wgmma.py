@@ -130,13 +130,12 @@ def test_configs_and_inputs_are_checked_with_clear_errors():
 def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
 
-    assert ra.check_ra_config((128, 256, 3, 8)) == (128, 256, 3, 8, 0, 0)
-    assert ra.check_ra_config((128, 256, 3, 8, 0, 1)) == (128, 256, 3, 8, 0, 1)
-    with pytest.raises(ValueError, match="SK"):
-        ra.check_ra_config((128, 256, 3, 8, 0, 2))
+    assert ra.check_ra_config((128, 256, 3, 8)) == (128, 256, 3, 8, 0)
+    with pytest.raises(ValueError, match="expected"):
+        ra.check_ra_config((128, 256, 3, 8, 0, 1))  # (a sixth value, the removed stream-K tail, is refused)
     with pytest.raises(ValueError, match="BNW = 16 WARPS"):
         ra.check_ra_config((128, 256, 3, 4))
-    assert ra.check_ra_config((128, 256, 3, 8, 2)) == (128, 256, 3, 8, 2, 0)  # row parameters through the ring
+    assert ra.check_ra_config((128, 256, 3, 8, 2)) == (128, 256, 3, 8, 2)  # row parameters through the ring
     with pytest.raises(ValueError, match="PF in"):
         ra.check_ra_config((128, 256, 3, 8, 3))
     with pytest.raises(ValueError, match="expected"):
@@ -299,12 +298,11 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                        ((64, 256, 4, 4), dict(r_p=32, ec_self=True)),
                                        ((64, 256, 4, 4), dict(r_p=64, ec_self=True, split=4)),
                                        ((128, 256, 3, 8), dict(r_p=64, ec_self=True, split=2)),
-                                       ((64, 128, 4, 4), dict(r_p=64, ec_self=True, split=2, rdeep=2)),
-                                       ((128, 256, 3, 8, 0, 1), {}), ((128, 256, 3, 8, 1, 1), dict(has_bias=False)),
-                                       ((64, 256, 4, 4, 0, 1), dict(per_channel=True, has_z=False)),
+                                       ((64, 128, 4, 4), dict(r_p=64, ec_self=True, split=2)),
+                                       ((128, 256, 3, 8, 1), dict(has_bias=False)),
+                                       ((64, 256, 4, 4), dict(per_channel=True, has_z=False)),
                                        ((128, 256, 3, 8, 2), {}), ((64, 256, 4, 4, 2), dict(has_z=False)),
-                                       ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4)),
-                                       ((128, 256, 3, 8, 2, 1), {})])
+                                       ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
@@ -317,23 +315,18 @@ def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retire
     # per step, 4 k16 MMAs and 2 rows x 8 words per thread; steps in pairs plus a tail for an odd count
     # (+ the EC step; + with ec_self the shrink role's loop: one [64, BMX, BK] MMA per step)
     shrink = wg.BK // 16 if kw.get("ec_self") else 0
-    loops = 2 if len(config) == 6 and config[5] else 1  # stream-K: the tiles' K loop and the units' runs
-    assert asm["ptx"].count("wgmma.mma_async") == loops * 3 * wg.BK // 16 + kw.get("r_p", 0) // 16 + shrink
+    assert asm["ptx"].count("wgmma.mma_async") == 3 * wg.BK // 16 + kw.get("r_p", 0) // 16 + shrink
     assert asm["ptx"].count("griddepcontrol.wait") == (1 if kw.get("r_p") and not kw.get("ec_self") else 0)
     if kw.get("ec_self"):  # the shrink role's release of its flag, the tiles' acquire spin, the ticket, the trap
         ptx = asm["ptx"]
         assert "atom.global.gpu.release.exch.b32" in ptx and "ld.global.gpu.acquire.b32" in ptx
         assert "atom.global.gpu.relaxed.add.u64" in ptx and "trap;" in ptx and "nanosleep.u32" in ptx
         assert ptx.count("fence.proxy.async.shared::cta") >= 1  # alpha g h's generic stores before the EC MMA
-    if loops == 2:  # the partials' release, the owners' acquire spin and its trap, the ticket, L2-only reads
-        ptx = asm["ptx"]
-        assert "atom.global.gpu.release.exch.b32" in ptx and "ld.global.gpu.acquire.b32" in ptx
-        assert "atom.global.gpu.relaxed.add.u64" in ptx and "trap;" in ptx and "ld.global.cg" in ptx
-    assert asm["ptx"].count("prmt.b32") == loops * 3 * 2 * 8
+    assert asm["ptx"].count("prmt.b32") == 3 * 2 * 8
     log, sass = compile_sass(asm["ptx"])
     assert re.search(r" 0 bytes spill stores", log) and "C7515" not in log, log
     assert sum("HGMMA" in t for t in hgmma_loop(sass)) == 2 * wg.BK // 16
-    assert len(ra_loops(sass)) == loops  # (each checked below as a cycle)
+    assert len(ra_loops(sass)) == 1  # (checked below as a cycle)
     assert inflight_writes(sass) == []
     if len(config) > 4 and config[4] == 2:  # row parameters through the ring: no global load left in a K loop
         from .sass_wgmma import instructions
@@ -364,50 +357,6 @@ def test_ring_row_parameters_are_what_the_expansion_computes_and_made_once():
     s.mul_(2)
     t2 = ra.ring_row_params(s, z)
     assert t2 is not t and torch.equal(t2[1], s[:, 0])
-
-
-def test_stream_k_plan_runs_whole_waves_as_tiles_and_splits_the_tail_evenly():
-    """``sk_plan``: grids of whole waves, of one partial wave, or without an SM count run as plain tiles; else
-    the whole waves are tiles and the last partial wave's tiles go to one unit per SM (at most one per K step)."""
-    from spear_compile.lowering.w4a16_gemm_wgmma_ra import sk_plan
-
-    assert sk_plan(344, 132, 64) == (264, 132)  # 11008x4096 M = 1024 on 128 x 256: 2.6 waves
-    assert sk_plan(896, 132, 128) == (792, 132)  # 28672x8192 M = 1024
-    assert sk_plan(200, 132, 64) == (132, 132)
-    assert sk_plan(133, 132, 64) == (132, 64)  # one tile left: one unit per K step
-    assert sk_plan(128, 132, 64) == (128, 0) and sk_plan(264, 132, 64) == (264, 0)
-    assert sk_plan(344, None, 64) == (344, 0)
-
-
-@pytest.mark.parametrize("sk_tiles,kt,units", [(212, 64, 132), (200, 128, 132), (3, 5, 7), (1, 9, 9), (5, 2, 10),
-                                               (7, 13, 3)])
-def test_stream_k_units_cover_every_step_once_and_owners_add_exactly_the_partials(sk_tiles, kt, units):
-    """The units' runs (``sk_unit_runs``, the kernel's formulas in Python): every K step of every stream-K
-    tile in exactly one run; at most one partial per unit (its first run: one workspace slot each); each
-    tile's owner is the unit holding its first step, and it adds exactly the units with partials in that
-    tile, in unit order; every unit gets within one step of the same work."""
-    from spear_compile.lowering.w4a16_gemm_wgmma_ra import sk_unit_runs
-
-    covered = {t: [0] * kt for t in range(sk_tiles)}
-    partials, owners = {}, {}
-    sizes = []
-    for u in range(units):
-        runs = sk_unit_runs(u, sk_tiles, kt, units)
-        sizes.append(sum(n for _, _, n, _ in runs))
-        for j, (t, k0, n, adds) in enumerate(runs):
-            for k in range(k0, k0 + n):
-                covered[t][k] += 1
-            if k0:
-                assert j == 0 and not adds, (u, runs)
-                partials.setdefault(t, []).append(u)
-            else:
-                assert t not in owners
-                owners[t] = (u, adds)
-    assert all(c == [1] * kt for c in covered.values())
-    assert sorted(owners) == list(range(sk_tiles))
-    for t, (u, adds) in owners.items():
-        assert adds == sorted(partials.get(t, [])) and all(v > u for v in adds)
-    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
 def test_inflight_register_check_flags_an_overwritten_a_operand():
@@ -469,59 +418,6 @@ def test_register_operand_kernel_matches_the_reference_on_gpu(M, N, K, G, zeros,
         plain = outs.get(config[:4]) if config[:4] in outs else ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b,
                                                                                           config=config[:4])
         assert torch.equal(outs[config], plain), config
-
-
-@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("M,N,K,G,units,delay", [(1000, 520, 640, 128, 7, False), (333, 1032, 4096, 128, 11, True),
-                                                 (256, 256, 576, 64, 5, True), (64, 128, 128, 128, 2, False),
-                                                 (1024, 11008, 4096, 128, None, False), (300, 4096, 1024, 128, 100, True),
-                                                 (200, 264, 640, 128, 9, False)])
-def test_stream_k_matches_the_reference_and_repeats_bit_for_bit_on_gpu(M, N, K, G, units, delay):
-    """Stream-K (SK = 1): the tiles split by K steps over ``units`` units (None: the plan the GPU's SM count
-    gives, 11008x4096 M = 1024: 264 tiles then 132 units), partial sums added by each tile's owner. Within
-    bf16 rounding of the reference; bit for bit the same over repeated launches and CUDA-graph replays on
-    changing inputs (tags: a stale partial is never added); the plain tiles' result within one bf16 rounding
-    (a different fp32 summation order). ``delay``: the partials are stored ~20 us late, so the owners wait on
-    their flags (else they are long done when read, and a broken flag would go unseen). The last case runs
-    without zero points."""
-    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
-
-    cfgs = [(128, 256, 3, 8, 0, 1), (64, 256, 4, 4, 0, 1), (128, 256, 3, 8, 2, 1)]
-    for cfg in cfgs:
-        xs, refs = [], []
-        for seed in range(3):
-            torch.manual_seed(seed)
-            x, qw, s, z, b = _case(N, K, G, M=M, device="cuda")
-            z = z.round() if N != 264 else None
-            w = dequantize_ref(qw, s, z, min(G, K), "spear", torch.bfloat16).double()
-            xs.append((x, qw, s, z, b))
-            refs.append(x.double() @ w.t() + b.double())
-        run = lambda i: ra.w4a16_gemm_wgmma_ra(*xs[i][:4], G, xs[i][4], config=cfg, sk_units=units,  # noqa: E731
-                                               sk_delay=delay)
-        if units is None:
-            tiles = -(-M // cfg[1]) * -(-N // cfg[0])
-            assert ra.sk_plan(tiles, torch.cuda.get_device_properties(0).multi_processor_count, K // 64)[1] > 0, tiles
-        firsts = []
-        for i in range(3):
-            y = run(i)
-            err = (y.double() - refs[i]).abs()
-            assert (err <= refs[i].abs() * 2 ** -7 + 1e-2 * refs[i].abs().mean()).all(), (cfg, i, err.max())
-            plain = ra.w4a16_gemm_wgmma_ra(*xs[i][:4], G, xs[i][4], config=cfg[:5])
-            diff = (y.float() - plain.float()).abs()
-            assert (diff <= plain.float().abs() * 2 ** -7 + 1e-3 * plain.float().abs().mean()).all(), (cfg, i)
-            firsts.append(y.clone())
-        for i in (2, 0, 1, 0):
-            assert torch.equal(run(i), firsts[i]), (cfg, i)
-        outs = [None] * 3
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(3):
-                outs[i] = run(i)
-        for _ in range(3):
-            g.replay()
-            torch.cuda.synchronize()
-            for i in range(3):
-                assert torch.equal(outs[i], firsts[i]), (cfg, "graph", i)
 
 
 def test_in_launch_ec_says_which_ecs_it_cannot_take():
@@ -630,10 +526,9 @@ def test_in_launch_ec_kernel_with_other_gate_widths_and_short_k_on_gpu(D, K):
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", [(128, 256, 3, 8), (64, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 4, 2)])
 @pytest.mark.parametrize("M", [300, 37])  # 37: three of block 0's four parts lie wholly past M
-@pytest.mark.parametrize("deep", [False, True])
-def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M, deep):
-    """1, 2 and 4 shrink roles per x block (each BMX / split tokens, its own flag), with the roles' ring as deep as
-    the tiles' or (``deep``, where it fits) split times deeper: the reference's numbers, and the same alpha g h
+def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M):
+    """1, 2 and 4 shrink roles per x block (each BMX / split tokens, its own flag), with the roles' ring split
+    times deeper where it fits (``role_depth``): the reference's numbers, and the same alpha g h
     within one bf16 ulp whatever the split (each h element is one K-ordered sum)."""
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
     from spear_compile.ops.ec_ref import ec_linear_ref
@@ -647,8 +542,7 @@ def test_in_launch_ec_with_split_shrink_roles_on_gpu(config, M, deep):
     for split in (1, 2, 4) if config[1] == 256 else (1, 2):
         hg = torch.full((M, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
         for _ in range(2):  # a second launch on the same workspace (tags move on)
-            y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, hg=hg, split=split,
-                                               deep=deep)
+            y = ra.w4a16_gemm_wgmma_ra_ec_self(x, qw, s, z, 128, b, *ec, "silu", config=config, hg=hg, split=split)
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), (split, err.max())
         hgs.append(hg.double())

@@ -71,12 +71,11 @@ def test_tile_layout_is_contiguous_per_warp():
 
 def test_config_unpacking_and_host_errors():
     """Configs are validated, and shapes that do not fit raise before any launch (on CPU too)."""
-    assert gt.unpack_config((4, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 1, 0)
-    assert gt.unpack_config((4, 2, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 2, 0)
-    assert gt.unpack_config((4, 2, 2, 2, 2, 1, 4)) == (4, 2, 2, 2, 2, 1, 4)
+    assert gt.unpack_config((4, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 1)
+    assert gt.unpack_config((4, 2, 2, 2, 2, 2)) == (4, 2, 2, 2, 2, 2)
     for bad in ((4, 2, 2, 2), (4, 2, 3, 2, 2), (4, 2, 2, 0, 2), (4, 2, 2, 2, 3), (4, 2, 2, 2, 2, 3),
-                (4, 2, 2, 2, 2, 1, -1), (4, 2, 2, 2, 1, 1, 2), (4, 2, 2, 2, 2, 2, 2), (4, 2, 2, 2, 2, 1, 1, 1)):
-        with pytest.raises(ValueError, match="expected|powers of two|PERSIST"):
+                (4, 2, 2, 2, 2, 1, 4), (4, 2, 2, 2, 2, 1, 1, 1)):  # (a seventh value, the removed persistence)
+        with pytest.raises(ValueError, match="expected|powers of two"):
             gt.unpack_config(bad)
     x, q, qw, s, z, b = _case(64, 2560, 128)  # 2560 columns = 3 steps of 1024 (padded): SPLIT 2 cannot share them
     with pytest.raises(ValueError, match="splits K into 2 runs"):
@@ -137,7 +136,7 @@ def test_kernel_compiles_for_sm90_with_free_layout_conversions():
             "        # (no all-ones MMA), the other modes compute it by a second MMA per tile\n"
             "        n_mma = cfg[1] * cfg[2] * 8 * (1 if cfg[4] == 2 else 2)\n"
             "        assert ptx.count('mma.sync.aligned.m16n8k16') == n_mma, (cfg, ptx.count('mma.sync'))\n"
-            "    if len(cfg) == 5 or len(cfg) == 7:  # the GLU epilogue (not the K-split configs)\n"
+            "    if len(cfg) == 5:  # the GLU epilogue (not the K-split configs)\n"
             "        assert 'ex2' in compile_sm90(cfg, glu=True)['ptx'], cfg\n"
             "        if cfg[4] == 2:  # the RMSNorm prologue (x staged in shared memory)\n"
             "            assert 'rsqrt' in compile_sm90(cfg, norm=True, glu=True)['ptx'], cfg\n"
@@ -339,28 +338,3 @@ def test_rmsnorm_prologue_matches_norm_then_gemv_on_gpu(config, glu):
     with pytest.raises(ValueError, match="RMSNorm prologue"):
         gt.w4a16_gemv_tma(x, qs[0], ss[0], zs[0], G, None, config=(8, 1, 1, 4, 1), norm=(w, 1e-5))
 
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
-                    reason="runs the kernel: TMA needs CUDA sm_90+")
-@pytest.mark.parametrize("config", [(4, 2, 2, 3, 2, 1, 2), (2, 2, 2, 2, 2, 1, 4)])
-def test_persistent_programs_take_several_row_blocks_on_gpu(config, monkeypatch):
-    """The persistent kernel with a pretend 1-SM GPU: 2 or 4 programs share 7 row blocks unevenly (one
-    tile stream across row-block boundaries); plain with bias, GLU, and GLU with the RMSNorm prologue."""
-    from spear_compile.lowering import w4a16_cat as C
-
-    monkeypatch.setattr(gt, "sm_count", lambda device: 1)
-    N, K, G = 200, 1280, 128
-    x, q, qw, s, z, b = _case(N, K, G)
-    x, qw, s, z, b = (t.cuda() for t in (x, qw, s, z, b))
-    y = gt.w4a16_gemv_tma(x, qw, s, z, G, b, config=config)
-    ref = w4a16_linear_ref(x, qw, s, z, G, b)
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
-    F = 112  # 7 blocks of 16 outputs
-    x, qs, ss, zs = _glu_pair(F, K, G, seed=7)
-    x, qs, ss, zs = x.cuda(), [t.cuda() for t in qs], [t.cuda() for t in ss], [t.cuda() for t in zs]
-    w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
-    descs, _, s2, z2 = C.concatenated_glu_tma(qs, ss, zs, G, config)
-    for norm in (None, (w, 1e-5)):
-        y = gt.w4a16_gemv_tma(x, None, s2, z2, G, None, config=config, descs=descs, glu=True, norm=norm)
-        ref = _glu_ref(refs.rms_norm_ref(x, w, 1e-5) if norm else x, qs, ss, zs, G)
-        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -4,7 +4,7 @@ The TMA kernel is a Gluon kernel (not run by Triton's interpreter): on the CPU i
 (no spills) and the host checks and the dispatch are tested; the protocol itself (tags, tickets, the
 fallback) runs on the CPU through the CUDA-core kernel's Triton form in
 ``test_ec_self.py``. On a Hopper GPU the kernel runs against ``ec_linear_ref``: several launches, the
-fallback path (``parts=10``), and replays of a CUDA graph.
+fallback path (``publish=False``), and replays of a CUDA graph.
 """
 import pytest
 import torch
@@ -57,7 +57,7 @@ def test_one_launch_tma_ec_host_checks():
         ec[i] = bad
         with pytest.raises(ValueError, match=msg):
             EcSelf(ec).check(N, K, (4, 2, 2, 2, 2), 2, x)
-    with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
+    with pytest.raises(ValueError, match="needs SPLIT 1"):
         EcSelf(ok).check(N, K, (4, 2, 2, 2, 2, 2), 2, x)
     big = [torch.zeros(64, 16384)] + ok[1:]
     big[1] = torch.zeros(N, 64)
@@ -66,8 +66,8 @@ def test_one_launch_tma_ec_host_checks():
         EcSelf(big).check(N, 16384, (4, 2, 2, 2, 2), 2, torch.zeros(1, 16384))
 
 
-def test_one_launch_tma_ec_refuses_persistence_norm_and_glu():
-    """Refused before any launch (the persistent kernel has no EC, and the pieces read x unnormalised)."""
+def test_one_launch_tma_ec_refuses_a_k_split_norm_and_glu():
+    """Refused before any launch (a K-split has no EC epilogue, and the pieces read x unnormalised)."""
     from spear_compile.lowering.w4a16_gemv_tma_ec import EcSelf
 
     N, K, R, D = 256, 1024, 8, 4
@@ -75,8 +75,8 @@ def test_one_launch_tma_ec_refuses_persistence_norm_and_glu():
     ec = EcSelf([torch.zeros(R, K, dtype=bf), torch.zeros(N, R, dtype=bf), torch.zeros(D, R, dtype=bf),
                  torch.zeros(D, dtype=bf), torch.zeros(R, D, dtype=bf), torch.zeros(R, dtype=bf), torch.ones(())])
     x, q, s = torch.zeros(1, K, dtype=bf), torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 128, dtype=bf)
-    with pytest.raises(ValueError, match="needs SPLIT 1 and no persistence"):
-        gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 3, 2, 1, 2), ec=ec)
+    with pytest.raises(ValueError, match="needs SPLIT 1"):
+        gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 3, 2, 2), ec=ec)
     with pytest.raises(ValueError, match="neither an RMSNorm prologue nor the GLU"):
         gt.w4a16_gemv_tma(x, q, s, None, 128, None, config=(4, 2, 2, 2, 2), norm=(torch.ones(K, dtype=bf), 1e-5),
                           ec=ec)
@@ -108,8 +108,8 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
-    with pytest.raises(ValueError, match="persistence"):  # (the EC epilogue needs one CTA per row block)
-        use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 1, 2]})  # persistent
+    with pytest.raises(ValueError, match="no K-split"):  # (the EC epilogue needs one CTA per row block)
+        use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 2]})  # a K-split
     use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: False)  # no TMA here: the pair
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
@@ -160,10 +160,10 @@ def test_one_launch_tma_ec_matches_reference(config, N, K, G, R):
     assert _rel(no_ec, ref) > 5e-2  # dropping the EC term would fail
     tick, slots = self_workspace(ec[0], rows, plan)
     assert tick.item() == 3 * rows and ((slots >> 32) == 3).all()
-    # nobody publishes its own pieces (parts 10): every CTA computes the missing ones itself - same bits,
+    # nobody publishes its own pieces (publish=False): every CTA computes the missing ones itself - same bits,
     # in the pieces themselves (fp32, before any rounding to the output's dtype) and in the output
     own_bits = (slots & 0xFFFFFFFF).clone()
-    assert torch.equal(tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, parts=10), outs[0])
+    assert torch.equal(tma_self_gemv(x, q, s, z, G, b, ec, "silu", config, publish=False), outs[0])
     assert torch.equal(slots & 0xFFFFFFFF, own_bits) and ((slots >> 32) == 4).all()
 
 

@@ -75,10 +75,10 @@ def test_shipped_tables_are_well_formed():
 
                     assert val in OVERLAP_STRUCTURES and val != "auto"
                     continue
-                if kind == "gemv1tma":  # (WARPS, RB, CH, STAGES, OPS[, SPLIT[, PERSIST]]) of w4a16_gemv_tma
+                if kind == "gemv1tma":  # (WARPS, RB, CH, STAGES, OPS[, SPLIT]) of w4a16_gemv_tma
                     from spear_compile.lowering.w4a16_gemv_tma import OPS_SMEM, unpack_config
 
-                    warps, rb, ch, stages, ops, split, _ = unpack_config(val)
+                    warps, rb, ch, stages, ops, split = unpack_config(val)
                     assert all(isinstance(v, int) and v > 0 for v in (warps, rb, ch, stages, split))
                     assert 0 <= ops <= OPS_SMEM and stages >= 2 and len(key.split("|")) == 4
                     continue
