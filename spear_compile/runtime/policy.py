@@ -32,6 +32,8 @@ Contract of ``SloChunkPolicy.plan`` (the Hypothesis tests check each point):
    if the cut would leave fewer, the remainder is merged into this piece when that fits, else the piece
    shrinks to leave exactly ``min_chunk``; a partial piece shorter than ``min_chunk`` is not planned (the
    request waits). A whole remainder shorter than ``min_chunk`` (a short prompt) is planned as it is.
+   A remainder longer than ``max_chunk`` but shorter than ``2 * min_chunk`` has no cut that keeps both
+   sides at ``min_chunk`` (only when ``min_chunk > max_chunk / 2``): it gets the largest piece that fits.
 5. Forced admission: when the oldest request's minimal piece (``min_chunk``; its whole remainder when
    that is shorter, or when a ``min_chunk`` cut would leave a tiny tail and the whole remainder is within
    ``max_chunk``) would exceed the SLO even in a step of its own, it can never fit; it is then planned
@@ -219,6 +221,8 @@ class SloChunkPolicy:
         """The no-tiny-tail rule on the largest fitting piece ``c`` of a ``remaining`` prompt."""
         if c >= remaining:
             return remaining
+        if self.max_chunk < remaining < 2 * self.min_chunk:
+            return c  # no cut of this remainder keeps both sides >= min_chunk: the largest piece that fits
         if remaining - c < self.min_chunk:
             c = remaining - self.min_chunk  # merging the rest does not fit (c is the largest that does)
         return c if c >= self.min_chunk else 0

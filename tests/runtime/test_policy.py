@@ -93,8 +93,8 @@ def check_slo(policy, state, plan):
         assert plan.predicted_ms <= slo * (1 + TOL)  # never past the SLO prediction
     for rid, c in plan.prefill:
         R = waiting[rid].remaining_prompt
-        if c < R:  # no tiny pieces, no tiny tails
-            assert c >= policy.min_chunk and R - c >= policy.min_chunk
+        if c < R and not policy.max_chunk < R < 2 * policy.min_chunk:  # no tiny pieces, no tiny tails
+            assert c >= policy.min_chunk and R - c >= policy.min_chunk  # (where some cut allows it)
 
 
 @SETTINGS
@@ -185,6 +185,14 @@ def test_no_tiny_tail():
     plan = policy.plan(SchedulerState(tuple(RunningDecode(i, 100) for i in range(395)), (WaitingRequest("a", 0, 40),),
                                       KVCache(16, 1000)))
     assert plan.prefill == () and "waits" in plan.reason
+
+
+def test_a_remainder_no_cut_can_keep_at_min_chunk_still_progresses():
+    # max_chunk 4, min_chunk 4, a 5-token prompt: 4 + 1 or 1 + 4 are the only cuts; refusing both would starve it
+    policy = SloChunkPolicy(_model(), 50.0, max_chunk=4, min_chunk=4)
+    plan = policy.plan(SchedulerState((), (WaitingRequest("a", 0, 5),), KVCache(4, 2)))
+    assert plan.prefill == (("a", 4),) and not plan.forced
+    assert policy.plan(SchedulerState((), (WaitingRequest("a", 0, 1, 4),), KVCache(4, 1))).prefill == (("a", 1),)
 
 
 def test_forced_admission_when_a_piece_can_never_fit():
