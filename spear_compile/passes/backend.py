@@ -157,10 +157,10 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
         if records is None:
             compiled = _compile_uncached(compile_fx, gm, inputs, patches)
             records, source = ctx.plan_records or [], "passes"
+    fingerprint = ctx.config.fingerprint()
     if source == "passes":
-        compiled_plans.save(key, records, ctx.config.fingerprint())
-    compiled_plans.register(key, records, ctx.config.fingerprint(), [(i.name, i.tensor) for i in ctx.inputs],
-                            source)
+        compiled_plans.save(key, records, fingerprint)
+    compiled_plans.register(key, records, fingerprint, [(i.name, i.tensor) for i in ctx.inputs], source)
     return compiled if not extra else _with_extra_inputs(compiled, extra)
 
 

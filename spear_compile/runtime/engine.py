@@ -31,8 +31,8 @@ The policy: ``policy=`` any object with ``plan(state) -> StepPlan``. Without one
 a ``SloChunkPolicy`` from a latency model measured on this device for the model's plan (cached, see
 ``latency_cache``): after the warm-up has compiled the forward, the plan is what the spear backend
 recorded (``runtime.plan_of``: every op with its kernel route per M bucket); without compiling, the eager
-plan of the model's ``QuantLinear``s. Until then (the warm-up itself) a static chunk plans. With neither, a ``StaticChunkPolicy`` whose chunk is the step's token budget:
-transformers' FIFO behaviour (decodes first, then prefill in arrival order up to the budget).
+plan of the model's ``QuantLinear``s. Until then (the warm-up itself) a static chunk plans. With
+neither, a ``StaticChunkPolicy`` whose chunk is the step's token budget: transformers' FIFO behaviour (decodes first, then prefill in arrival order up to the budget).
 
 What transformers' continuous batching does not offer here: parallel sampling (``num_return_sequences``
 > 1 is refused), prefix sharing and CPU offloading (turned off: the policy does not model them). Dynamo
@@ -128,7 +128,7 @@ class Engine:
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
                  block_size: Optional[int] = None, num_blocks: Optional[int] = None,
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
-                 generation_config=None, cb_config: Optional[dict] = None, warmup: bool = True,
+                 generation_config=None, cb_config: Optional[dict] = None,
                  recompile_limit: Optional[int] = None, log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
@@ -147,7 +147,7 @@ class Engine:
         self.block_size, self.num_blocks, self.max_batch_tokens = block_size, num_blocks, max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.extra_cb = dict(cb_config or {})
-        self.warmup, self.recompile_limit, self.log = warmup, recompile_limit, log
+        self.recompile_limit, self.log = recompile_limit, log
         self.generation_config = self._generation_config(generation_config)
         self.steps: List[tuple] = []  # (SchedulerState, StepPlan, scheduled) per step when record_steps is on
         self.record_steps = False

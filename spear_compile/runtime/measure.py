@@ -8,9 +8,10 @@ steps for the top-down check (``latency.check``) and the overhead fit (``latency
 A route is measured by a runner: ``runner(linear, m, device, dtype) -> zero-argument callable`` that
 runs that linear once on ``m`` rows. The ``"reference"`` runner is dense ``F.linear`` plus, with an
 EC, the two skinny matmuls ``(x @ A) @ B`` (what an unfused EC costs). A linear the backend recorded
-(``PlannedLinear.ops``) is timed by running its compiled spear ops (``op_runner``), so the dispatch takes
-the route the compiled graph takes; other routes plug in through ``runners={"route name": runner}``. ``SyntheticStep`` runs a whole step from the same
-reference ops, for CPU checks; an engine's real step function replaces it on a GPU.
+(``PlannedLinear.ops``) is timed by running its compiled spear ops (``op_runner``, on the same weights
+at every M), so the dispatch takes the route the compiled graph takes; other routes plug in through
+``runners={"route name": runner}``. ``SyntheticStep`` runs a whole step from the same ops, for CPU
+checks; an engine's real step function replaces it on a GPU.
 
 Timing is the median of ``reps`` runs after ``warmup`` (with a device synchronise on CUDA). On CPU the
 defaults are coarse (M up to 256, a few attention points), so a small model measures in seconds.
@@ -80,13 +81,6 @@ def reference_runner(lin: PlannedLinear, m: int, device, dtype) -> Callable[[], 
 DEFAULT_RUNNERS: Dict[str, Runner] = {"reference": reference_runner}
 
 
-def runner_for(lin: PlannedLinear, m: int, runners: Dict[str, Runner]) -> Runner:
-    """The compiled ops of ``lin`` when the plan has them (``op_runner``), else the runner of its route."""
-    if lin.ops:
-        return op_runner
-    return runners[lin.route_at(m)]
-
-
 def default_buckets(max_m: int) -> Tuple[int, ...]:
     """Powers of two from 1 up to ``max_m``, and ``max_m`` itself."""
     out, m = [], 1
@@ -142,8 +136,7 @@ def measure_latency_model(plan: Plan, device="cpu", dtype=None, max_m: Optional[
     buckets = tuple(buckets) if buckets is not None else default_buckets(max_m)
     grid = tuple(attention_grid) if attention_grid is not None else default_attention_grid(buckets[-1], max_context)
     runners = {**DEFAULT_RUNNERS, **(runners or {})}
-    missing = sorted({r for lin in plan.linears if not lin.ops for r in (lin.routes and [x for _, x in lin.routes]
-                                                                         or ["reference"])} - set(runners))
+    missing = sorted({r for lin in plan.linears if not lin.ops for r in lin.route_names} - set(runners))
     if missing:
         raise ValueError(f"measure_latency_model: no runner for route(s) {missing} of {plan.model_id!r} "
                          f"(known: {sorted(runners)})")
@@ -156,9 +149,10 @@ def measure_latency_model(plan: Plan, device="cpu", dtype=None, max_m: Optional[
     try:
         with torch.inference_mode():
             for lin in plan.linears + (head_lin,):
-                ms = []
+                ms, weights = [], {}  # a recorded linear's ops keep their weights across the buckets
                 for m in buckets:
-                    fn = runner_for(lin, m, runners)(lin, m, device, dtype)
+                    fn = (op_runner(lin, m, device, dtype, weights) if lin.ops else
+                          runners[lin.route_at(m)](lin, m, device, dtype))
                     ms.append(time_ms(fn, device, warmup, reps))
                     if bar is not None:
                         bar.update(1)
@@ -195,6 +189,7 @@ class SyntheticStep:
                   for lin in plan.linears if not lin.ops]
         self.compiled = [lin for lin in plan.linears if lin.ops]  # run through their ops, per M made once
         self._calls: dict = {}
+        self._weights: dict = {}  # their random weights, shared by every M
         # contiguous inputs per width and per (q, p) shape, made once (a strided view would send CPU
         # matmuls and attention down slower paths than the ones the tables timed)
         self.X = {k: torch.randn(max_m, k, device=d, dtype=t)
@@ -229,7 +224,7 @@ class SyntheticStep:
             for lin in self.compiled:
                 call = self._calls.get((lin.name, m))
                 if call is None:
-                    call = self._calls[(lin.name, m)] = op_runner(lin, m, self.device, self.dtype)
+                    call = self._calls[(lin.name, m)] = op_runner(lin, m, self.device, self.dtype, self._weights)
                 for _ in range(lin.count):
                     call()
             inputs = [self._attention_inputs(q, p) for q, p in seqs]

@@ -10,7 +10,7 @@ quantized model gives them).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from .plan import PlannedLinear, PlannedOp, ops_at
 
@@ -40,8 +40,9 @@ def _weights(op: PlannedOp, device, dtype):
     return out
 
 
-def op_call(op: PlannedOp, m: int, device, dtype) -> Callable[[], object]:
-    """A zero-argument callable running ``op`` once on ``m`` rows."""
+def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None) -> Callable[[], object]:
+    """A zero-argument callable running ``op`` once on ``m`` rows. ``weights``: a dict that keeps each op's
+    random weights across calls (every M then runs on the same weights, as the compiled model does)."""
     import torch
 
     if op.layout != "spear":
@@ -49,7 +50,11 @@ def op_call(op: PlannedOp, m: int, device, dtype) -> Callable[[], object]:
                          f"(write the plan's linear by hand to time it as dense F.linear)")
     ops = torch.ops.spear
     x = torch.randn(m, op.K, device=device, dtype=dtype)
-    w = _weights(op, device, dtype)
+    w = weights.get(op) if weights is not None else None
+    if w is None:
+        w = _weights(op, device, dtype)
+        if weights is not None:
+            weights[op] = w
     qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [p[3] for p in w]
     G = op.G
     nw = torch.ones(op.K, device=device, dtype=dtype) if op.norm else None
@@ -69,12 +74,13 @@ def op_call(op: PlannedOp, m: int, device, dtype) -> Callable[[], object]:
     return lambda: ops.ec_linear_glu(x, qs, ss, zs, G, *ecs, op.act, op.layout, nw)
 
 
-def op_runner(lin: PlannedLinear, m: int, device, dtype) -> Callable[[], object]:
-    """Run every op of ``lin`` that runs ``m`` rows (a measurement runner, ``measure.Runner``)."""
+def op_runner(lin: PlannedLinear, m: int, device, dtype, weights: Optional[dict] = None) -> Callable[[], object]:
+    """Run every op of ``lin`` that runs ``m`` rows (a measurement runner, ``measure.Runner``; ``weights``
+    as in ``op_call``)."""
     if not lin.ops:
         raise ValueError(f"op_runner: {lin.name!r} has no compiled ops (a hand-written plan linear); "
                          f"time it with the reference runner")
-    calls = [op_call(o, m, device, dtype) for o in ops_at(lin.ops, m)]
+    calls = [op_call(o, m, device, dtype, weights) for o in ops_at(lin.ops, m)]
     if len(calls) == 1:
         return calls[0]
 

@@ -25,6 +25,15 @@ def _pos(owner: str, name: str, v, lo: int = 1) -> None:
 OPS = ("w4a16", "ec", "w4a16_cat", "w4a16_glu", "ec_cat", "ec_glu")
 
 
+def route_at(routes: Tuple[Tuple[int, str], ...], m: int) -> str:
+    """The route of ``(up_to_m, route)`` pairs (increasing ``up_to_m``) for ``m`` rows: the first pair with
+    ``m <= up_to_m``, else the last; ``"reference"`` when there are none."""
+    for up_to, route in routes:
+        if m <= up_to:
+            return route
+    return routes[-1][1] if routes else "reference"
+
+
 @dataclass(frozen=True)
 class PlannedOp:
     """One compiled spear op: ``op`` (a ``dispatch.route.OPS`` name) over ``parts`` (per part: output rows,
@@ -83,10 +92,7 @@ class PlannedOp:
 
     def route_at(self, m: int) -> str:
         """The recorded route at the smallest recorded bucket >= ``m`` (else the last)."""
-        for b, r in self.routes:
-            if m <= b:
-                return r
-        return self.routes[-1][1] if self.routes else "reference"
+        return route_at(self.routes, m)
 
 
 def ops_at(ops, m: int) -> tuple:
@@ -143,10 +149,12 @@ class PlannedLinear:
 
     def route_at(self, m: int) -> str:
         """The route this linear takes for ``m`` rows."""
-        for up_to, route in self.routes:
-            if m <= up_to:
-                return route
-        return self.routes[-1][1] if self.routes else "reference"
+        return route_at(self.routes, m)
+
+    @property
+    def route_names(self) -> Tuple[str, ...]:
+        """The routes this linear takes at some M (``("reference",)`` without ``routes``)."""
+        return tuple(r for _, r in self.routes) or ("reference",)
 
 
 @dataclass(frozen=True)
@@ -191,9 +199,4 @@ class Plan:
     @property
     def routes(self) -> Tuple[str, ...]:
         """Every route the plan uses, sorted (what must be measured)."""
-        out = set()
-        for lin in self.linears:
-            out.update(r for _, r in lin.routes)
-            if not lin.routes:
-                out.add("reference")
-        return tuple(sorted(out))
+        return tuple(sorted({r for lin in self.linears for r in lin.route_names}))
