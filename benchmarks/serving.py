@@ -14,7 +14,10 @@ Per (policy, chunk or "dynamic", ec_density, slo_ms, rate) a row holds p50 / p99
 (generated tokens / makespan), the policy's planning cost per step (p99 microseconds, and its share
 of the mean step), and the latency model's error on that run's steps: each engine step's wall time (the
 gap between two successive calls of the policy) against ``predict_step_ms`` for what it ran (median
-and p90 of the absolute relative error). Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
+and p90 of the absolute relative error). The dynamic policy's latency model is the op tables with the
+step overhead calibrated on the engine's own steps (``runtime.calibrate``, as ``Engine(slo_itl_ms=...)``
+does when it starts); rows also give the error of the op tables alone (``prediction_op_tables_only``),
+and the record the calibration's held-out error per density. Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
 the top, and ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density).
 
 Models: ``--model smollm2`` (the real SmolLM2-135M, fp32 on CPU, SLO scaled to its measured decode
@@ -314,27 +317,41 @@ def main(argv=None) -> None:
                       | ({round(1.5 * step, 1), round(2.5 * step, 1)} if "auto" in asked else set()))
         print(f"   batch-1 decode step {step:.2f} ms; SLOs {slos}", flush=True)
         plan = runtime.plan_of(model, eager=not args.compile)
+        tables = runtime.scheduler_for(model, slos[0], max_chunk=max(args.chunks), plan=plan, progress=False).model
+        cal_eng = Engine(policy=StaticChunkPolicy(max(args.chunks)), **engine_kw).start()
+        try:  # the step overhead on the engine's own steps (what Engine(slo_itl_ms=...) does when it starts)
+            calibrated, held_out, cal_steps = runtime.calibrate(cal_eng, tables, log=print)
+        finally:
+            cal_eng.stop(wait=False)
+        print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "
+              f"{runtime.check(tables, cal_steps)}", flush=True)
         for rate in args.rates:
             reqs = workload(args.requests, rate, args.prompt, args.output, vocab, args.seed)
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             for slo in slos:
-                pol = runtime.scheduler_for(model, slo, max_chunk=max(args.chunks), plan=plan, progress=False)
-                runs.append(("dynamic", "dynamic", pol, slo))
+                runs.append(("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
+                                                                          min_chunk=32), slo))
             for kind, chunk, pol, own_slo in runs:
                 print(f"   rate {rate}/s {kind} {chunk} (slo {own_slo})", flush=True)
                 res = run(engine_kw, pol, reqs, args.timeout)
                 for slo in ([own_slo] if own_slo is not None else slos):
                     row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
                            "slo_ms": slo, "rate": rate, "decode_step_ms": step,
-                           **score(res, reqs, slo, runs[-1][2].model)}
+                           **score(res, reqs, slo, calibrated),
+                           "prediction_op_tables_only": prediction_error(res["steps"], tables)}
                     record["rows"].append(row)
                     print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                     if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
                                              "throughput_tok_s", "sched_us_p99", "completed")}, flush=True)
                 with open(path, "w") as f:
                     json.dump(record, f, indent=1)
-        record["latency_model"][str(density)] = {"linears": [lin.name for lin in plan.linears],
-                                                 "routes": list(plan.routes)}
+        record["latency_model"][str(density)] = {
+            "linears": [lin.name for lin in plan.linears], "routes": list(plan.routes),
+            "calibration": {"steps": len(cal_steps), "held_out": str(held_out),
+                            "held_out_median_abs_err": held_out.median_abs_rel_err,
+                            "held_out_p90_abs_err": held_out.p90_abs_rel_err,
+                            "op_tables_only": str(runtime.check(tables, cal_steps)),
+                            "overhead": calibrated.overhead.to_dict()}}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     svg(record["rows"], os.path.join(args.out, f"serving_{tag}.svg"))

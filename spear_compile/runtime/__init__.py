@@ -11,6 +11,9 @@
   ``measure``: timing those parts on this device (imports torch only when called).
 * ``policy``: ``SloChunkPolicy`` (dynamic chunks under an ITL SLO) and ``StaticChunkPolicy``;
   ``sched_cost``: the per-step planning cost.
+* ``calibrate``: the step overhead refitted on the serving engine's own steps (what the op tables
+  cannot see: batch preparation, sampling, the engine's attention), cached per plan and engine
+  configuration; the engine runs it when it starts with ``slo_itl_ms``.
 * ``engine``: ``Engine``, serving on transformers' continuous batching with a policy plugged into its
   scheduler (``hf_scheduler``) and the spear backend in its compile config. Imported on first use of
   ``Engine`` (it imports transformers).
@@ -22,6 +25,7 @@ parent package already imported. Kernel-level measurements that drive compilatio
 from .latency import AttentionCost, FitReport, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, check, fit_overhead
 from .latency_cache import CacheKey, load, load_or_measure, save
 from .compiled import PlanError, plan_of, scheduler_for
+from .calibrate import calibrate
 from .plan import Plan, PlannedLinear, PlannedOp
 from .policy import SchedulingError, SloChunkPolicy, StaticChunkPolicy
 from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest
@@ -29,7 +33,7 @@ from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequ
 __all__ = [
     "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
     "Plan", "PlanError", "PlannedLinear", "PlannedOp", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
-    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "check", "fit_overhead", "load",
+    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "calibrate", "check", "fit_overhead", "load",
     "load_or_measure", "plan_of", "save", "scheduler_for", "Engine",
 ]
 

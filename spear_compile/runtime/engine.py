@@ -51,7 +51,10 @@ import threading
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import AdmissionError, EngineError
-from .compiled import PlanError, plan_of, scheduler_for
+from . import latency_cache
+from .calibrate import calibrate, engine_key
+from .compiled import PlanError, _device_of, plan_of, scheduler_for
+from .latency_cache import CacheKey
 from .policy import SloChunkPolicy, StaticChunkPolicy
 from .state import blocks_for
 
@@ -64,19 +67,23 @@ Prompt = Union[str, Sequence[int]]
 # ------------------------------------------------------------------ the default policy
 
 
+def _plan(model, compiled: bool, log: Callable[[str], None]):
+    try:
+        return plan_of(model, eager=not compiled)
+    except PlanError as e:
+        log(f"spear_compile: {e}; planning the model as it runs eagerly")
+        return plan_of(model, eager=True)
+
+
 def default_policy(model, slo_itl_ms: float, compiled: bool, max_chunk: int = 2048, device=None,
                    log: Callable[[str], None] = print) -> SloChunkPolicy:
     """``SloChunkPolicy`` for ``model`` under ``slo_itl_ms`` (``compiled.scheduler_for``): the latency model
     of the model's plan on this device, from the cache or measured once. ``compiled``: the plan is what
     the spear backend recorded for the graphs the engine's warm-up compiled (``plan_of``); else, or when
-    nothing was recorded, the eager plan of the model's ``QuantLinear``s (``plan_of(eager=True)``)."""
-    try:
-        plan = plan_of(model, eager=not compiled)
-    except PlanError as e:
-        log(f"spear_compile: {e}; planning the model as it runs eagerly")
-        plan = plan_of(model, eager=True)
+    nothing was recorded, the eager plan of the model's ``QuantLinear``s (``plan_of(eager=True)``).
+    The engine then refits its overhead on the engine's own steps (``calibrate``)."""
     return scheduler_for(model, slo_itl_ms, max_chunk=max_chunk, min_chunk=min(32, max_chunk), device=device,
-                         log=log, plan=plan)
+                         log=log, plan=_plan(model, compiled, log))
 
 
 # ------------------------------------------------------------------ requests
@@ -122,14 +129,17 @@ class Engine:
     ``compile``: False, True (``backend="spear"``) or a backend name; ``compile_options``: the spear
     backend's options (``CompileConfig`` fields); ``generation_config``: a transformers
     ``GenerationConfig`` (default: the model's, greedy); ``cb_config``: further
-    ``ContinuousBatchingConfig`` fields."""
+    ``ContinuousBatchingConfig`` fields; ``calibrate``: with ``slo_itl_ms`` and no policy, refit the
+    latency model's step overhead on the engine's own steps when it starts (``runtime.calibrate``; a
+    few dozen steps, cached per plan and engine configuration)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
                  block_size: Optional[int] = None, num_blocks: Optional[int] = None,
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, log: Callable[[str], None] = logger.info) -> None:
+                 recompile_limit: Optional[int] = None, calibrate: bool = True,
+                 log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
         if slo_itl_ms is not None and (isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float))
@@ -161,6 +171,9 @@ class Engine:
         self._dispatcher: Optional[threading.Thread] = None
         self._stop_dispatch = threading.Event()
         self.kv_block_size = self.kv_total_blocks = None
+        self._calibrate_on = calibrate
+        self.calibration = None  # the calibrated LatencyModel, once made or loaded
+        self._plan_key = None
 
     # -- configuration
 
@@ -203,9 +216,31 @@ class Engine:
         return StaticChunkPolicy(self.max_batch_tokens or 1 << 30)
 
     def _slo_policy(self) -> None:
+        """With ``slo_itl_ms`` and no policy of the user's: the SLO policy on the plan's latency model (op
+        tables measured or cached); ``_calibrate`` then refits its overhead on this engine's steps."""
         if self.slo_itl_ms is not None and isinstance(self.policy, StaticChunkPolicy) and not self._user_policy:
-            self.set_policy(default_policy(self.model, self.slo_itl_ms, compiled=self.backend == "spear",
-                                           max_chunk=self.max_batch_tokens or 2048, log=self.log))
+            plan = _plan(self.model, self.backend == "spear", self.log)
+            self._plan_key = CacheKey.for_plan(plan, _device_of(self.model))
+            self.set_policy(scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
+                                          min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan))
+
+    def _calibrate(self) -> None:
+        """Refit the SLO policy's step overhead on the engine's own steps (``calibrate.calibrate``), or load
+        that calibration from the cache (keyed by the plan and the engine's configuration)."""
+        if self._plan_key is None or not self._calibrate_on:
+            return
+        key = engine_key(self._plan_key, self)
+        model, reason = latency_cache.load(key)
+        if model is None:
+            self.log(f"spear_compile: {reason}; calibrating the step overhead on this engine's own steps "
+                     f"(first use, cached afterwards)")
+            model, report, samples = calibrate(self, self.policy.model, log=self.log)
+            where = latency_cache.save(model, key, meta={"held_out": str(report), "steps": len(samples),
+                                                         "overhead": model.overhead.to_dict()})
+            self.log(f"spear_compile: step overhead calibrated (held out: {report}); saved to {where}")
+        self.calibration = model
+        p = self.policy
+        self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
 
     def _raise_recompile_limit(self) -> None:
         import torch._dynamo
@@ -258,7 +293,6 @@ class Engine:
             self.max_batch_tokens = manager.batch_processor.cache.max_batch_tokens
             self._manager = manager
             self._slo_policy()  # the warm-up compiled the model: its plan is known now
-            policy = self.policy
             manager.start()
         except BaseException:
             self._unregister()
@@ -266,7 +300,12 @@ class Engine:
         self._stop_dispatch.clear()
         self._dispatcher = threading.Thread(target=self._dispatch, name="spear-engine-dispatch", daemon=True)
         self._dispatcher.start()
-        self.log(f"spear_compile: engine started ({policy!r}; KV {total} blocks of {bs} tokens; "
+        try:
+            self._calibrate()
+        except BaseException:
+            self.stop(wait=False)
+            raise
+        self.log(f"spear_compile: engine started ({self.policy!r}; KV {total} blocks of {bs} tokens; "
                  f"{self.max_batch_tokens} tokens per step; compile={self.backend or 'off'})")
         return self
 

@@ -23,7 +23,8 @@ time grows linearly in M there). Tables are made non-decreasing when built from 
 running maximum), since a faster bigger M is timing noise and would break the monotone search.
 
 ``check`` compares predictions with measured whole steps and reports the median and p90 absolute
-relative error; ``fit_overhead`` fits the overhead terms on such measurements.
+relative error; ``fit_overhead`` fits the overhead terms on such measurements, ``fit_scaled`` a factor on
+the measured parts together with them (for steps of the serving engine, ``calibrate``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,25 @@ def _nonneg(owner: str, name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{owner}: {name}={v!r} must be a finite number >= 0")
     return float(v)
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few unknowns: every support of the columns is tried (columns
+    scaled to unit range), the best feasible fit kept; exact for so few unknowns."""
+    n = X.shape[1]
+    scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
+    Xs = X / scale
+    best, best_err = np.zeros(n), float(np.sum(y * y))
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        err = float(np.sum((Xs[:, cols] @ coef - y) ** 2))
+        if err < best_err:
+            best_err, best = err, np.zeros(n)
+            best[cols] = coef
+    return best / scale
 
 
 @dataclass(frozen=True)
@@ -161,21 +181,7 @@ class AttentionCost:
         rows = [(cls.features(q, p), ms) for q, p, ms in samples]
         if not rows:
             raise ValueError("AttentionCost.fit: no samples")
-        X = np.array([r[0] for r in rows], dtype=np.float64)
-        y = np.array([r[1] for r in rows], dtype=np.float64)
-        scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
-        Xs = X / scale
-        best, best_err = np.zeros(4), float(np.sum(y * y))
-        for mask in range(1, 16):
-            cols = [j for j in range(4) if mask >> j & 1]
-            coef, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            err = float(np.sum((Xs[:, cols] @ coef - y) ** 2))
-            if err < best_err:
-                best_err, best = err, np.zeros(4)
-                best[cols] = coef
-        c = best / scale
+        c = _nnls(np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows], dtype=np.float64))
         return cls(*(float(v) for v in c))
 
     def to_dict(self) -> dict:
@@ -308,6 +314,14 @@ class LatencyModel:
         m = len(decode_contexts) + sum(t for t, _ in prefill_chunks)
         return self.step_ms(m, len(decode_contexts) + len(prefill_chunks), attn)
 
+    def scaled_parts(self, k: float) -> "LatencyModel":
+        """The model with every measured part (linear tables, head, attention) times ``k``."""
+        a = self.attention
+        return replace(self, linears=tuple(replace(lt, table=lt.table.scaled(k)) for lt in self.linears),
+                       head=self.head.scaled(k) if self.head is not None else None,
+                       attention=AttentionCost(a.per_seq_ms * k, a.per_query_ms * k, a.per_key_ms * k,
+                                               a.per_pair_ms * k))
+
     def with_overhead(self, overhead: Overhead) -> "LatencyModel":
         return replace(self, overhead=overhead)
 
@@ -386,23 +400,34 @@ def fit_overhead(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyM
     measured - predicted-without-overhead on 1, tokens, sequences) on measured whole steps."""
     if not samples:
         raise ValueError("fit_overhead: no samples")
+    X, y = _overhead_features(model, samples)
+    c = _nnls(X, y)
+    return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))
+
+
+def _overhead_features(model: LatencyModel, samples: Sequence[StepSample]):
+    """Per sample: (1, tokens, sequences) and measured minus the prediction without overhead."""
     bare = model.with_overhead(Overhead())
     X, y = [], []
     for s in samples:
         X.append((1.0, len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks),
                   len(s.decode_contexts) + len(s.prefill_chunks)))
         y.append(s.measured_ms - bare.predict_step_ms(s.decode_contexts, s.prefill_chunks))
-    X, y = np.array(X, dtype=np.float64), np.array(y, dtype=np.float64)
-    scale = np.maximum(X.max(axis=0), 1e-30)
-    best, best_err = np.zeros(3), float(np.sum(y * y))
-    for mask in range(1, 8):
-        cols = [j for j in range(3) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(X[:, cols] / scale[cols], y, rcond=None)
-        if np.any(coef < 0):
-            continue
-        err = float(np.sum((X[:, cols] / scale[cols] @ coef - y) ** 2))
-        if err < best_err:
-            best_err, best = err, np.zeros(3)
-            best[cols] = coef
-    c = best / scale
-    return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))
+    return np.array(X, dtype=np.float64), np.array(y, dtype=np.float64)
+
+
+def fit_scaled(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
+    """The model with its measured parts (linear and head tables, attention) scaled by one factor ``k``
+    and its ``Overhead`` refitted, jointly by non-negative least squares of measured on (parts, 1, tokens,
+    sequences). For steps run somewhere the parts were not timed (the serving engine: other threads,
+    other caches, its own attention kernel), where the parts' times can be off by a factor that no
+    additive overhead corrects. A model whose fit leaves the parts out (``k = 0``) keeps ``k = 1`` and
+    only the overhead is refitted (``fit_overhead``): the parts' shape in M stays what was measured."""
+    if not samples:
+        raise ValueError("fit_scaled: no samples")
+    X0, resid = _overhead_features(model, samples)
+    parts = np.array([s.measured_ms for s in samples]) - resid
+    c = _nnls(np.column_stack([parts, X0]), parts + resid)
+    if c[0] <= 0:
+        return fit_overhead(model, samples)
+    return model.scaled_parts(float(c[0])).with_overhead(Overhead(float(c[1]), float(c[2]), float(c[3])))

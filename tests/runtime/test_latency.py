@@ -151,3 +151,21 @@ def test_step_sample_and_overhead_validate():
     with pytest.raises(ValueError, match="n_layers"):
         LatencyModel((), None, AttentionCost(), 0)
     assert math.isfinite(hand_model().max_bucket)
+
+
+def test_fit_scaled_recovers_a_factor_on_the_parts_and_the_overhead():
+    """Steps that cost 3x the measured parts plus 2 ms + 0.01 ms per token: the fit finds both, which no
+    additive overhead alone can (fit_overhead leaves the 3x as an error growing with the step)."""
+    from spear_compile.runtime import StepSample, check, fit_overhead
+    from spear_compile.runtime.latency import fit_scaled
+
+    t = LatencyTable((1, 64, 256), (0.1, 0.5, 2.0))
+    lm = LatencyModel((LinearTable("all", 4, t),), t, AttentionCost(0.001, 0.0001), 2)
+    shapes = [((), ((c, 0),)) for c in (8, 32, 64, 128, 256)] + [((64,) * b, ()) for b in (1, 4, 16)]
+    truth = lm.scaled_parts(3.0).with_overhead(Overhead(2.0, 0.01, 0.0))
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p)) for d, p in shapes]
+    got = fit_scaled(lm, samples)
+    assert check(got, samples).max_abs_rel_err < 1e-6
+    assert got.overhead.fixed_ms == pytest.approx(2.0, rel=1e-6)
+    assert got.linears[0].table.ms == pytest.approx(tuple(3 * v for v in t.ms), rel=1e-6)
+    assert check(fit_overhead(lm, samples), samples).max_abs_rel_err > 0.05

@@ -1,0 +1,172 @@
+"""The step overhead, fitted on the engine's own steps.
+
+The op tables (``measure``) time the compiled ops one by one; the overhead terms of the step-time
+prediction (fixed, per token, per sequence: ``latency.Overhead``) were fitted on a synthetic step that
+runs those ops back to back. A step of the serving engine also pays for what the synthetic step does not
+do: transformers' batch preparation (paged-cache bookkeeping, varlen metadata), the sampler, host-device
+copies, its paged attention instead of the timed SDPA, the Python between graph pieces. On the CPU
+engine (SmolLM2-135M, 2026-12-03) the synthetic fit underpredicted the engine's steps 6-10x, so a
+dynamic policy on it broke the SLO it planned for (``benchmarks/results/serving/2026-12-03_cpu_smollm2_eager``).
+
+``calibrate(engine, latency_model)`` therefore runs a short workload through the engine's own generation
+loop and refits the model on those steps (``latency.fit_scaled``: one factor on the measured parts,
+whose shape in M and context is kept, and the overhead terms):
+
+* after one unrecorded pass (first-use costs), phases of decode batch ``b`` in ``decode_batches``: ``b`` requests with short prompts that keep
+  decoding while longer prompts are prefilled beside them, with the step's prefill budget cycling over
+  ``chunks`` (a static policy per step), then a few decode-only steps;
+* every step's wall time is the gap between two successive calls of the policy inside a phase (the
+  engine calls it once per step while it has work; the last step of a phase is dropped, since the gap
+  after it includes the idle wait for the next phase);
+* the fit is made on every other step and checked on the rest (the held-out ``FitReport``), then
+  made on all of them for the returned model.
+
+``engine_key`` names the cache entry: the plan's key plus a fingerprint of the engine's configuration
+(transformers version, block size, step token budget, request cap, compile backend), so a latency model
+calibrated on one engine configuration is not used for another.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from .latency import FitReport, LatencyModel, StepSample, check, fit_scaled
+from .latency_cache import CacheKey
+from .policy import StaticChunkPolicy
+
+
+class CyclingChunkPolicy:
+    """A static chunk policy whose prefill budget cycles over ``chunks``, one per step, that records each
+    call: ``(perf_counter seconds, decode contexts, prefill (tokens, prefilled) pieces)``."""
+
+    def __init__(self, chunks: Sequence[int]) -> None:
+        if not chunks:
+            raise ValueError("CyclingChunkPolicy: chunks must not be empty")
+        self.policies = [StaticChunkPolicy(int(c)) for c in chunks]
+        self.calls = 0
+        self.records: List[Tuple[float, Tuple[int, ...], Tuple[Tuple[int, int], ...]]] = []
+
+    def __repr__(self) -> str:
+        return f"CyclingChunkPolicy(chunks={[p.chunk for p in self.policies]})"
+
+    def plan(self, state):
+        plan = self.policies[self.calls % len(self.policies)].plan(state)
+        self.calls += 1
+        ctx = {d.request_id: d.context_len for d in state.decodes}
+        done = {w.request_id: w.prefilled for w in state.waiting}
+        self.records.append((time.perf_counter(), tuple(ctx[r] for r in plan.decode_ids),
+                             tuple((c, done.get(r, 0)) for r, c in plan.prefill)))
+        return plan
+
+
+def step_samples(records: Sequence[tuple]) -> List[StepSample]:
+    """Whole steps from consecutive policy calls of one busy phase: each call's work, timed by the gap to
+    the next call. Calls that planned nothing are skipped; the last call has no gap and is dropped."""
+    out = []
+    for (t, dec, pre), (t2, _, _) in zip(records, records[1:]):
+        if (dec or pre) and t2 > t:
+            out.append(StepSample(dec, pre, (t2 - t) * 1e3))
+    return out
+
+
+def default_chunks(max_tokens: int) -> Tuple[int, ...]:
+    """Prefill budgets for the calibration: 16, 64, 256, ... below ``max_tokens``, and ``max_tokens``."""
+    out, c = [], 16
+    while c < max_tokens:
+        out.append(c)
+        c *= 4
+    return tuple(out) + (max_tokens,)
+
+
+def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int]] = None,
+              decode_batches: Sequence[int] = (1, 4, 16), reps: int = 2, decode_prompt: int = 64,
+              decode_tail: int = 6, warmup: bool = True, vocab: Optional[int] = None, timeout_s: float = 600.0,
+              log: Callable[[str], None] = print) -> Tuple[LatencyModel, FitReport, List[StepSample]]:
+    """``latency_model`` refitted (parts factor and overhead) on the steps of ``engine`` (started, idle), the
+    held-out report, and the samples. ``warmup``: run the workload once unrecorded first, so that no
+    first-use cost (allocations, new shapes, graph captures) is timed. The engine's policy is restored
+    afterwards."""
+    if not engine.running:
+        raise RuntimeError("calibrate: the engine must be started (Engine.start())")
+    budget = int(engine.max_batch_tokens)
+    cap = engine.max_requests_per_batch or 1 << 30
+    queue = int(getattr(engine, "max_queue", 1 << 30))
+    batches = sorted({min(int(b), cap - 1, budget // 2, queue - 1) for b in decode_batches if b >= 1} - {0})
+    if not batches:
+        raise ValueError(f"calibrate: no decode batch fits (decode_batches={list(decode_batches)}, "
+                         f"max_batch_tokens={budget}, max_requests_per_batch={cap})")
+    chunks = tuple(chunks) if chunks else default_chunks(budget - max(batches))
+    bad = [c for c in chunks if not 1 <= c <= budget - max(batches)]
+    if bad:
+        raise ValueError(f"calibrate: chunks {bad} must be in [1, max_batch_tokens - decode batch = "
+                         f"{budget - max(batches)}]")
+    vocab = int(vocab or getattr(engine.model.config, "vocab_size", 1000))
+    kv_tokens = engine.kv_block_size * engine.kv_total_blocks
+
+    def ids(n: int, seed: int) -> list:
+        return [10 + (seed * 7919 + 31 * i) % max(1, vocab - 20) for i in range(n)]
+
+    def phase(b: int) -> List[StepSample]:
+        policy.records.clear()
+        steps = len(chunks) * reps + decode_tail
+        short = [ids(decode_prompt, s) for s in range(b)]
+        long = [ids(c, 1000 + i) for i, c in enumerate(list(chunks) * reps)]
+        # the decodes outlive the prefills beside them: their own prompts take steps too
+        new = steps + -(-b * decode_prompt // min(chunks))
+        need = sum(len(p) + new + 2 for p in short) + sum(len(p) + 2 for p in long)
+        if need > kv_tokens:  # keep the phase inside the cache: shorter prefills
+            long = [p[: max(1, len(p) * kv_tokens // (2 * need))] for p in long]
+        k = queue - b  # and inside the admission queue: fewer, longer prompts
+        if len(long) > k:
+            flat = [t for p in long for t in p]
+            long = [flat[i * len(flat) // k:(i + 1) * len(flat) // k] for i in range(k)]
+        rids = [engine.add_request(p, max_new_tokens=new, eos_token_id=-1) for p in short]
+        rids += [engine.add_request(p, max_new_tokens=1, eos_token_id=-1) for p in long]
+        for rid in rids:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"calibrate: the calibration workload took more than {timeout_s} s")
+            engine.result(rid)
+        return step_samples(policy.records)
+
+    saved, policy = engine.policy, CyclingChunkPolicy(chunks)
+    engine.set_policy(policy)
+    samples: List[StepSample] = []
+    deadline = time.perf_counter() + timeout_s
+    try:
+        for b in batches if warmup else ():  # first runs of each shape (allocations, graph captures)
+            phase(b)
+        for b in batches:
+            got = phase(b)
+            samples += got
+            log(f"spear_compile: calibration, decode batch {b}: {len(got)} steps")
+    finally:
+        engine.set_policy(saved)
+    if len(samples) < 4:
+        raise RuntimeError(f"calibrate: only {len(samples)} steps were measured; need at least 4")
+    report = check(fit_scaled(latency_model, samples[0::2]), samples[1::2])
+    return fit_scaled(latency_model, samples), report, samples
+
+
+def engine_fingerprint(engine) -> str:
+    """A short hash of what shapes the engine's step cost beyond the compiled ops."""
+    try:
+        import transformers
+
+        tv = transformers.__version__
+    except ImportError:  # pragma: no cover - the engine needs transformers
+        tv = "none"
+    cfg = {"transformers": tv, "block_size": engine.kv_block_size, "max_batch_tokens": engine.max_batch_tokens,
+           "max_requests_per_batch": engine.max_requests_per_batch, "backend": engine.backend,
+           "compile_options": engine.compile_options}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def engine_key(plan_key: CacheKey, engine) -> CacheKey:
+    """The cache key of a latency model calibrated on ``engine`` for the plan of ``plan_key``."""
+    return CacheKey(plan_key.gpu, plan_key.model_id, f"{plan_key.config_hash}+engine-{engine_fingerprint(engine)}",
+                    plan_key.version)
+
+
+__all__ = ["CyclingChunkPolicy", "calibrate", "default_chunks", "engine_fingerprint", "engine_key", "step_samples"]

@@ -1,0 +1,95 @@
+"""The step overhead fitted on the engine's own steps (``runtime.calibrate``).
+
+The unit tests take hand-made policy records; the engine tests run a real (tiny random Llama, eager,
+quantized) transformers continuous-batching engine on CPU: a latency model that knows nothing of the
+engine's overhead must be corrected by the calibration, and the calibrated model is cached per plan and
+engine configuration.
+"""
+import pytest
+
+import spear_compile as spear
+from spear_compile.runtime import (AttentionCost, Engine, LatencyModel, LatencyTable, LinearTable, Overhead,
+                                   SloChunkPolicy, StaticChunkPolicy, check)
+from spear_compile.runtime import latency_cache as lc
+from spear_compile.runtime.calibrate import (CyclingChunkPolicy, calibrate, default_chunks, engine_key,
+                                             step_samples)
+
+
+def test_step_samples_time_each_call_by_the_gap_to_the_next_and_skip_idle_calls():
+    recs = [(1.000, (5,), ((16, 0),)), (1.010, (6,), ()), (1.013, (), ()), (1.020, (7,), ()), (1.050, (8,), ())]
+    got = step_samples(recs)
+    assert [(s.decode_contexts, s.prefill_chunks) for s in got] == [((5,), ((16, 0),)), ((6,), ()), ((7,), ())]
+    assert [round(s.measured_ms, 6) for s in got] == [10.0, 3.0, 30.0]  # the last call has no gap: dropped
+
+
+def test_default_chunks_grow_by_four_up_to_the_budget():
+    assert default_chunks(300) == (16, 64, 256, 300)
+    assert default_chunks(16) == (16,)
+
+
+def test_cycling_policy_cycles_the_budget_per_step():
+    pol = CyclingChunkPolicy((2, 5))
+    assert [p.chunk for p in pol.policies] == [2, 5] and "2, 5" in repr(pol)
+    with pytest.raises(ValueError, match="chunks"):
+        CyclingChunkPolicy(())
+
+
+def _bare(lm_ms: float = 1e-4) -> LatencyModel:
+    """A latency model whose parts are (nearly) free: all of an engine step is overhead to it."""
+    t = LatencyTable((1, 256), (lm_ms, 2 * lm_ms))
+    return LatencyModel((LinearTable("all", 1, t),), t, AttentionCost(0.0), 2, Overhead())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from spear_compile.models.tiny import tiny_llama
+
+    model = tiny_llama()
+    spear.quantize_(model, spear.QuantConfig(group_size=32), progress=False)
+    return model
+
+
+def test_calibration_corrects_a_model_blind_to_the_engine_overhead(tiny):
+    bare = _bare()
+    with Engine(tiny, policy=StaticChunkPolicy(64), block_size=16, num_blocks=64, max_batch_tokens=96,
+                max_queue=32, log=lambda m: None) as eng:
+        before = eng.policy
+        fitted, report, samples = calibrate(eng, bare, chunks=(16, 64), decode_batches=(1, 4), reps=1,
+                                            log=lambda m: None)
+        assert eng.policy is before  # restored
+        assert eng.stats()["live"] == 0
+    assert len(samples) >= 8
+    assert {len(s.decode_contexts) for s in samples} >= {1, 4}          # both decode batches ran
+    assert {t for s in samples for t, _ in s.prefill_chunks} & {16, 64}  # and the cycled budgets
+    assert [lt.name for lt in fitted.linears] == [lt.name for lt in bare.linears]
+    o = fitted.overhead
+    assert o.fixed_ms + o.per_token_ms + o.per_seq_ms > 0
+    assert check(bare, samples).median_abs_rel_err > 0.9                 # the bare model predicts ~0 ms
+    assert report.median_abs_rel_err < 0.35 and report.n == len(samples) // 2
+
+
+def test_engine_with_an_slo_calibrates_once_and_then_loads_it(tiny, tmp_path, monkeypatch):
+    from spear_compile.runtime import plan_of
+
+    monkeypatch.setenv("SPEAR_CACHE_DIR", str(tmp_path))
+    plan = plan_of(tiny, eager=True)
+    lc.save(_bare(), lc.CacheKey.for_plan(plan, "cpu"))  # the op tables, as if measured before
+    kw = dict(slo_itl_ms=50.0, block_size=16, num_blocks=64, max_batch_tokens=64, max_queue=32)
+    logs = []
+    with Engine(tiny, log=logs.append, **kw) as eng:
+        assert isinstance(eng.policy, SloChunkPolicy) and eng.policy.model == eng.calibration
+        assert eng.calibration.overhead != Overhead()
+        key = engine_key(lc.CacheKey.for_plan(plan, "cpu"), eng)
+        out = eng.generate([[5, 6, 7, 8]], max_new_tokens=3)
+    assert len(out[0]) == 3
+    assert any("calibrating the step overhead" in m for m in logs)
+    cached, why = lc.load(key)
+    assert cached == eng.calibration, why
+    logs.clear()
+    with Engine(tiny, log=logs.append, **kw) as eng2:
+        assert eng2.calibration == cached
+    assert not any("calibrating" in m for m in logs)
+    logs.clear()  # another engine configuration is another calibration
+    with Engine(tiny, log=logs.append, **{**kw, "max_batch_tokens": 48}) as eng3:
+        assert engine_key(lc.CacheKey.for_plan(plan, "cpu"), eng3) != key
+    assert any("calibrating the step overhead" in m for m in logs)
