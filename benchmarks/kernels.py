@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
-from spear_compile.lowering import w4a16_gemv_gluon as GG
 from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.dispatch import cuda as D
 from spear_compile.dispatch import route as RT
@@ -43,6 +42,9 @@ from spear_compile.ops.ec_ref import ec_linear_ref
 from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, refine, save_table, search
 from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 from spear_compile.quant import quantize_rtn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experimental"))
+import gemv_mma_sync as GG  # noqa: E402  (the register-fed mma.sync GEMV study, --gluon)
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -173,7 +175,7 @@ def lab_gemv(args) -> None:
                 check(name, lambda xx, o: T.w4a16_gemv1(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg,
                                                         nib=nib, out=o))
                 timeit(name, lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=cfg, nib=nib))
-        if args.gluon:  # the Gluon tensor-core GEMV (w4a16_gemv_gluon.py) in each config
+        if args.gluon:  # the register-fed mma.sync GEMV study (experimental/gemv_mma_sync.py) in each config
             for cfg in GG.GLUON_CONFIGS:
                 name = f"gluon_{'_'.join(map(str, cfg))}"
                 check(name, lambda xx, o: GG.w4a16_gemv_gluon(xx, qw.qweight, qw.scales, qw.zeros, G, None,
@@ -337,7 +339,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N x K shapes, e.g. 8192x8192")
     ap.add_argument("--ms", nargs="+", type=int, default=None, help="M values (default: all, or the quick set)")
     ap.add_argument("--lab", choices=["gemv"], default=None, help="variant study instead of the provider table")
-    ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the Gluon tensor-core GEMV")
+    ap.add_argument("--gluon", action="store_true", help="--lab gemv: also time the register-fed mma.sync GEMV study "
+                    "(experimental/gemv_mma_sync.py)")
     ap.add_argument("--tma", action="store_true", help="--lab gemv: also time the TMA-ring GEMV")
     ap.add_argument("--tma-configs", nargs="+", default=None, metavar="W,RB,CH,ST,OPS",
                     help="--lab gemv --tma: only these TMA configs (default: all of w4a16_gemv_tma.TMA_CONFIGS)")

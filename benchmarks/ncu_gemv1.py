@@ -20,9 +20,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experimental"))
 from kernels import DT, G, make_weights  # noqa: E402
+import gemv_mma_sync as GG  # noqa: E402  (the register-fed mma.sync GEMV study)
 
-from spear_compile.lowering import w4a16_gemv_gluon as GG  # noqa: E402
 from spear_compile.lowering import w4a16_gemv_tma as GT  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 
@@ -31,8 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
     ap.add_argument("--nibs", nargs="+", default=["biased", "bf16x2"])
-    ap.add_argument("--gluon", nargs="*", default=[], help="also the Gluon tensor-core GEMV in these configs "
-                    "(WARPS,RB,CH,PREFETCH, e.g. 8,2,1,1)")
+    ap.add_argument("--gluon", nargs="*", default=[], help="also the mma.sync GEMV study "
+                    "(experimental/gemv_mma_sync.py) in these configs (WARPS,RB,CH,PREFETCH, e.g. 8,2,1,1)")
     ap.add_argument("--tma", nargs="*", default=[], help="also the TMA-ring GEMV in these configs "
                     "(WARPS,RB,CH,STAGES,OPS, e.g. 8,2,1,2,2)")
     args = ap.parse_args()

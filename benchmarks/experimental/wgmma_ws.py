@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from spear_compile.lowering import w4a16_gemm_wgmma as wg
 from spear_compile.lowering.w4a16_gemm_wgmma import HAS_WGMMA
+from spear_compile.lowering.w4a16_words import compile_gluon_sm90
 
 WS_CONFIGS = [(256, 128, 4, 8, 4)]  # (BM, BN, STAGES, WARPS, EXPANDERS): 4 expander warps beside 8 MMA warps
 WS_MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64 K register file
@@ -150,8 +151,6 @@ def w4a16_gemm_wgmma_ws(x2, qweight, scales, zeros, G: int, bias, config: tuple 
 def compile_ws_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, zint: bool = False) -> dict:
     """Offline sm_90 compile of the warp-specialised kernel (as ``w4a16_gemm_wgmma.compile_sm90``)."""
-    from spear_compile.lowering.w4a16_gemv_gluon import compile_gluon_sm90
-
     bm, bn, stages, warps, exp = check_ws_config(tuple(config))
     descs = wg.desc_types(bm, bn)
     rest = dict(Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32")

@@ -49,9 +49,8 @@ from typing import Optional
 import torch
 
 from . import device as _device
-from .w4a16_gemv_gluon import HAS_GLUON
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
-from .w4a16_gemv_gluon import compile_gluon_sm90
+from .w4a16_words import HAS_GLUON, compile_gluon_sm90
 
 HAS_WGMMA = False
 if HAS_GLUON:
@@ -459,7 +458,7 @@ def launch_operands(name: str, x2: torch.Tensor, qweight: torch.Tensor, out: Opt
 
 def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                  has_bias: bool = True, zint: bool = False, r_p: int = 0) -> dict:
-    """Compile for sm_90 without a GPU (see ``w4a16_gemv_gluon.compile_gluon_sm90``): registers, spills,
+    """Compile for sm_90 without a GPU (see ``w4a16_words.compile_gluon_sm90``): registers, spills,
     shared memory and the MMA instructions are checked offline."""
 
     bm, bn, stages, warps = check_config(config)

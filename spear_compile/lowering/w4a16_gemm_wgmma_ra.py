@@ -52,7 +52,7 @@ from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspa
 from .w4a16_gemm_wgmma import _descriptor
 from . import ec_self
 from .w4a16_gemm_wgmma import _layout, desc_types
-from .w4a16_gemv_gluon import compile_gluon_sm90
+from .w4a16_words import compile_gluon_sm90
 
 if HAS_WGMMA:
     from triton.experimental import gluon
@@ -560,7 +560,7 @@ def role_depth(config: tuple, r_p: int, split: int) -> int:
 def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_z: bool = True,
                     has_bias: bool = True, r_p: int = 0, ec_wait: bool = True,
                     ec_self: bool = False, split: int = 1) -> dict:
-    """Offline sm_90 compile (``w4a16_gemv_gluon.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
+    """Offline sm_90 compile (``w4a16_words.compile_gluon_sm90``); ``ec_self``: the in-launch shrink roles
     (``ec_gemm_self.py``; needs ``r_p``), EC_WAIT off, ``split`` roles per x block, their ring as deep as the launch
     makes it (``role_depth``)."""
 

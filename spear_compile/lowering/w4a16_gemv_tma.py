@@ -1,7 +1,7 @@
 """M = 1 W4A16 GEMV fed by a TMA ring: weight tiles stream into shared memory while the warps compute.
 
-Reference: ``ops/w4a16_ref.py:w4a16_linear_ref``; the arithmetic is the Gluon mma.sync kernel's
-(``w4a16_gemv_gluon.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments,
+Reference: ``ops/w4a16_ref.py:w4a16_linear_ref``; the arithmetic is that of the int4 word layout
+(``w4a16_words.py``: nibbles OR-ed into bf16 ``128 + q`` that *are* the MMA's A fragments,
 ``s * (D - (128 + z) D_ones)`` per group), mirrored in PyTorch by ``tiles_emulated`` for the CPU tests
 (Gluon kernels do not run in Triton's interpreter). With x staged in shared memory (OPS_SMEM, every
 shipped config) x fills all 8 columns of the MMA's B operand (each column of D is then y) and D_ones is
@@ -52,13 +52,11 @@ import torch
 from ..dispatch import table as _table
 from . import device as _device
 from ._triton import next_pow2
-from .w4a16_gemv_gluon import HAS_GLUON, CHUNK, gluon_ok, word_layout_bases, repack_gluon
+from .w4a16_words import (CHUNK, HAS_GLUON, compile_gluon_sm90, gemv_gluon_emulated, gluon_ok, repack_gluon,
+                          word_layout, word_layout_bases)
 from .layout_cache import derived_cached, derived_peek  # noqa: F401
 from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
                                      norm_ok, tile_geometry, unpack_config)
-from .w4a16_gemv_gluon import gemv_gluon_emulated
-from .w4a16_gemv_gluon import word_layout
-from .w4a16_gemv_gluon import compile_gluon_sm90
 from .ec_self import SPIN
 
 HAS_TMA = False
@@ -66,7 +64,7 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from .w4a16_gemv_gluon import _mma_words, _rows_out, _scale_index, _x_index
+    from .w4a16_words import _mma_words, _rows_out, _scale_index, _x_index
     from .w4a16_gemv_tma_ec import (_ec_operands, _ec_rows, _self_collect, _self_gate_operands, _self_own,
                                     _self_publish, _self_rows, _self_slots, _self_ticket)
 

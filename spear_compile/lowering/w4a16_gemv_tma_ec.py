@@ -25,7 +25,7 @@ from ._triton import ACT_CODES
 from . import device as _device
 from . import ec_self as _es
 from .ec_self import check_self_operands, self_plan, self_workspace
-from .w4a16_gemv_gluon import HAS_GLUON
+from .w4a16_words import HAS_GLUON
 from .w4a16_gemv_tma_configs import ec_ok, norm_ok
 
 if HAS_GLUON:
