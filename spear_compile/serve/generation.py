@@ -183,7 +183,7 @@ class Generation:
             await self.close("rejected")
             if e.limit == "max_queue":
                 self.svc.metrics.reject("queue_full")
-                raise ProtocolError(f"the server is at capacity ({e}); retry later", status=429, code="queue_full",
+                raise ProtocolError(f"the server is at capacity: {e}", status=429, code="queue_full",
                                     kind="rate_limit_exceeded") from None
             self.svc.metrics.reject("too_long")
             raise ProtocolError(str(e), param="max_tokens", code="context_length_exceeded") from None
