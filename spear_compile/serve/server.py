@@ -10,7 +10,8 @@ SIGINT / SIGTERM and prints ``spear serve: listening on http://HOST:PORT`` (the 
 Graceful shutdown: on the first SIGINT / SIGTERM the service stops accepting (``/health`` and new
 requests answer 503), uvicorn closes the listening socket and lets in-flight requests, streams included,
 finish for up to ``shutdown_timeout_s``; what still runs then is cancelled (its engine requests
-cancelled, KV blocks freed); then the engine stops and the process exits 0.
+cancelled, KV blocks freed); then the engine stops. uvicorn then re-raises the signal, so the process
+ends as one stopped by SIGTERM / SIGINT (status -15 / -2; 0 when stopped otherwise).
 """
 from __future__ import annotations
 
