@@ -104,7 +104,7 @@ def create_app(svc: Service, stop_engine_on_shutdown: bool = True) -> FastAPI:
         ids = svc.encode_prompt(req.prompt)
         m = svc.limit(ids, req.max_tokens, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = svc.generation(ids, m, rid, "completions")
+        gen = svc.generation(ids, m, rid, "completions", req.stops)
 
         def chunk(text, finish=None):
             return P.completion_chunk(rid, svc.model_name, created, text, finish)
@@ -125,7 +125,7 @@ def create_app(svc: Service, stop_engine_on_shutdown: bool = True) -> FastAPI:
         ids = svc.encode_chat(req)
         m = svc.limit(ids, req.token_limit, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = svc.generation(ids, m, rid, "chat")
+        gen = svc.generation(ids, m, rid, "chat", req.stops)
 
         def chunk(text, finish=None, first=False):
             delta = {"role": "assistant", "content": text} if first else {"content": text}

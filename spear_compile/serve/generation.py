@@ -11,7 +11,8 @@ token (a full queue is ``ProtocolError`` 429 ``queue_full`` at once, never a wai
 503), then ``deltas()`` yields the rest as text deltas (incremental detokenization: the text of all
 tokens so far, decoded with ``skip_special_tokens``, less what was sent; a trailing incomplete UTF-8
 character is held back), so the deltas add up to ``tokenizer.decode(tokens, skip_special_tokens=True)``,
-what ``Engine.generate(..., output="text")`` returns. ``close()`` ends it: a request left before its
+what ``Engine.generate(..., output="text")`` returns; with stop strings, that text up to the first one
+(finish reason ``"stop"``; the request is cancelled on the engine there). ``close()`` ends it: a request left before its
 end (client disconnect, task cancelled) is cancelled on the engine, which frees its KV blocks before
 the next step. Timings go to the metrics: TTFT from ``Generation``'s creation (the request's arrival)
 to its first token, ITL between successive tokens.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, List, Optional, Sequence
 
 from ..errors import AdmissionError, EngineError
 from .metrics import Metrics
@@ -129,19 +130,22 @@ class Service:
                                 code="context_length_exceeded")
         return max_tokens
 
-    def generation(self, ids: List[int], max_tokens: int, request_id: str, endpoint: str) -> "Generation":
+    def generation(self, ids: List[int], max_tokens: int, request_id: str, endpoint: str,
+                   stops: Sequence[str] = ()) -> "Generation":
         if not self.accepting or not self.engine.running:
             self.metrics.reject("shutting_down")
             raise ProtocolError("the server is shutting down; retry on another replica", status=503,
                                 code="shutting_down", kind="server_error")
-        return Generation(self, ids, max_tokens, request_id, endpoint)
+        return Generation(self, ids, max_tokens, request_id, endpoint, stops)
 
 
 class Generation:
     """One request's tokens and text (module docstring)."""
 
-    def __init__(self, svc: Service, ids: List[int], max_tokens: int, request_id: str, endpoint: str) -> None:
+    def __init__(self, svc: Service, ids: List[int], max_tokens: int, request_id: str, endpoint: str,
+                 stops: Sequence[str] = ()) -> None:
         self.svc, self.ids, self.max_tokens, self.request_id, self.endpoint = svc, ids, max_tokens, request_id, endpoint
+        self.stops, self.stopped = list(stops), False
         self.tokens: List[int] = []
         self.t_arrival = time.perf_counter()
         self._t_last: Optional[float] = None
@@ -157,7 +161,7 @@ class Generation:
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.tokens and (self.tokens[-1] in self.svc.eos or len(self.tokens) < self.max_tokens) \
+        return "stop" if self.stopped or self.tokens and (self.tokens[-1] in self.svc.eos or len(self.tokens) < self.max_tokens) \
             else "length"
 
     async def _next(self):
@@ -196,9 +200,19 @@ class Generation:
         self.svc.metrics.prompt_tokens.inc(len(self.ids))
 
     def _delta(self, final: bool = False) -> str:
+        """The text not sent yet. With stop strings: the text ends before the first one found (``stopped``),
+        and a tail that could be the start of one is held back until the next token decides."""
         text = self.svc.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character: wait for the rest of it
+        end = len(text)
+        for s in self.stops:
+            i = text.find(s)
+            if 0 <= i < end:
+                end, self.stopped = i, True
+        if not self.stopped and not final:
+            end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        text = text[:end]
         delta = text[len(self._sent):] if text.startswith(self._sent) else ""
         self._sent += delta
         return delta
@@ -213,10 +227,13 @@ class Generation:
                 d = self._delta()
                 if d:
                     yield d
+                if self.stopped:
+                    break  # a stop string: close() cancels the rest on the engine
                 t = await self._next()
-            d = self._delta(final=True)
-            if d:
-                yield d
+            else:
+                d = self._delta(final=True)
+                if d:
+                    yield d
             outcome = "finished"
         except (EngineError, AdmissionError):
             outcome = "failed"

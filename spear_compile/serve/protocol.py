@@ -7,8 +7,9 @@ Contract:
   the field at fault: malformed JSON, a body that is not an object, a field of the wrong type (types
   are strict: ``"max_tokens": "5"`` or ``true`` is refused, not coerced), a value out of range, an
   unknown field, or a known OpenAI field this server does not implement with a value other than its
-  neutral one (``n`` != 1, ``temperature`` > 0, ``logprobs``, ``stop``, penalties, ``logit_bias``,
-  tools, ...). Nothing is silently ignored, except ``user`` and ``seed``: neither changes a greedy output.
+  neutral one (``n`` != 1, ``temperature`` > 0, ``logprobs``, penalties, ``logit_bias``, tools, ...).
+  Nothing is silently ignored, except ``user`` and ``seed``: neither changes a greedy output.
+* ``stop``: up to 4 non-empty strings; the text ends before the first one that appears (OpenAI's rule).
 * The server decodes greedily (the engine's generation config), so ``temperature`` is accepted only as
   0 or left out, and ``top_p`` only as 1.
 * Response and stream-chunk bodies are built by the functions at the end, in the OpenAI shapes
@@ -48,7 +49,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
 _NEUTRAL = {
     "n": (1,), "best_of": (1,), "temperature": (0,), "top_p": (1,), "presence_penalty": (0,),
     "frequency_penalty": (0,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "suffix": (),
-    "logit_bias": ({},), "stop": ([],), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "response_format": ({"type": "text"},), "functions": ([],), "function_call": ("none",),
 }
 _WHY = {
@@ -58,7 +59,6 @@ _WHY = {
     "top_p": "the server decodes greedily; send 1 or leave it out",
     "logprobs": "log-probabilities are not returned",
     "top_logprobs": "log-probabilities are not returned",
-    "stop": "stop sequences are not supported; the model stops at its end-of-sequence token or max_tokens",
 }
 
 
@@ -96,6 +96,18 @@ class _Request(BaseModel):
                 continue
             why = _WHY.get(name, "not supported by this server")
             raise ProtocolError(f"{name}={v!r} is not supported: {why}", param=name, code="unsupported_parameter")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
+            raise ValueError("expected up to 4 non-empty strings")
+        return v
+
+    @property
+    def stops(self) -> List[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def model_post_init(self, _ctx) -> None:
         self._check_neutral()

@@ -166,7 +166,7 @@ BAD = [  # (body, status, param, message part)
     (json.dumps({"model": MODEL, "prompt": "word " * 300}).encode(), 400, "prompt", "max_model_len of 256"),
     (b'{"model": "smollm2-135m", "prompt": "x", "n": 2}', 400, "n", "one choice per request"),
     (b'{"model": "smollm2-135m", "prompt": "x", "temperature": 0.8}', 400, "temperature", "decodes greedily"),
-    (b'{"model": "smollm2-135m", "prompt": "x", "stop": ["\\n"]}', 400, "stop", "stop sequences"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "stop": ["a", ""]}', 400, "stop", "up to 4 non-empty strings"),
     (b'{"model": "smollm2-135m", "prompt": "x", "frobnicate": 1}', 400, "frobnicate", "unsupported parameter"),
 ]
 BAD_CHAT = [
@@ -274,3 +274,20 @@ def test_a_client_gone_mid_stream_or_while_queued_cancels_its_request_and_frees_
         eng.set_policy(StaticChunkPolicy(64))
     text = httpx.get(url + "/metrics").text
     assert 'spear_requests_total{endpoint="completions",outcome="cancelled"} 2.0' in text, text
+
+
+@pytest.mark.slow
+def test_a_stop_string_ends_the_text_before_it_and_frees_the_request(server, client):
+    svc, _ = server
+    ref = svc.engine.generate([PROMPTS[1]], max_new_tokens=NEW, output="text")[0]
+    stop = ref.strip()[2:4] if len(ref.strip()) >= 4 else ref.strip()[-1:]
+    want = ref[:ref.find(stop)]
+    with cf.ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(client.completions.create, model=MODEL, prompt=PROMPTS[1], max_tokens=NEW,
+                            stop=[stop, "never seen"])
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=NEW, stop=stop,
+                                                stream=True))
+        r = whole.result(timeout=120)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop"), (ref, stop)
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    _idle(svc)
