@@ -281,6 +281,18 @@ def _positive_float(flag: str):
     return parse
 
 
+def _seconds(flag: str):
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            x = -1.0
+        if not 0 <= x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a number of seconds >= 0")
+        return x
+    return parse
+
+
 def _port(v: str) -> int:
     try:
         n = int(v)
@@ -357,7 +369,7 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-batch-tokens", type=_positive("--max-batch-tokens"), default=None, help="tokens per step")
     s.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compile with backend='spear': auto = on CUDA only (slower than eager on CPU)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=_seconds("--shutdown-timeout"), default=30.0,
                    help="seconds in-flight requests may run after SIGTERM / Ctrl-C")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.set_defaults(fn=cmd_serve)

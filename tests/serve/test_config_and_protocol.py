@@ -31,6 +31,7 @@ def test_serve_config_names_the_bad_field(kw, part):
     (["--slo-itl-ms", "0"], "--slo-itl-ms '0': expected a positive number"),
     (["--max-queue", "0"], "--max-queue '0': expected a positive integer"),
     (["--ec", "lora"], "invalid choice: 'lora'"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout '-1': expected a number of seconds >= 0"),
 ])
 def test_spear_serve_checks_its_flags_before_loading(argv, part, capsys):
     from spear_compile.cli import main
