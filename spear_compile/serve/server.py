@@ -11,7 +11,7 @@ Graceful shutdown: on the first SIGINT / SIGTERM the service stops accepting (``
 requests answer 503), uvicorn closes the listening socket and lets in-flight requests, streams included,
 finish for up to ``shutdown_timeout_s``; what still runs then is cancelled (its engine requests
 cancelled, KV blocks freed); then the engine stops. uvicorn then re-raises the signal, so the process
-ends as one stopped by SIGTERM / SIGINT (status -15 / -2; 0 when stopped otherwise).
+ends as one stopped by SIGTERM (status -15); after Ctrl-C / SIGINT ``spear serve`` exits with 130.
 """
 from __future__ import annotations
 
@@ -155,6 +155,9 @@ def serve(cfg: ServeConfig, log: Callable[[str], None] = print) -> int:
     server = make_server(cfg, svc, announce=lambda url: print(f"spear serve: listening on {url}", flush=True))
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        log("spear serve: stopped")
+        return 130
     finally:
         if svc.engine.running:
             svc.engine.stop(wait=False)
