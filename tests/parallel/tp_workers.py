@@ -1,0 +1,139 @@
+"""What the spawned ranks of the tensor-parallel tests run (gloo on loopback through a FileStore).
+
+Every rank builds the same tiny quantized Llama with ECs on every linear (same seeds), keeps a copy as
+the single-process model, shards the other for its rank and writes what it measured to
+``<out>/rank<i>.pt`` for the parent process to check.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+
+import torch
+
+SHAPES = dict(hidden=192, layers=1, heads=6, kv_heads=6, intermediate=384, vocab=128)  # divisible by 2 and 3
+
+
+def tiny_tp_model(group_size=32, rank=8, seed=0):
+    """The tiny Llama of the TP tests, quantized (group ``group_size``; None: per channel), with a random
+    non-trivial EC of rank ``rank`` on every linear."""
+    import spear_compile as spear
+    from spear_compile.models.tiny import tiny_llama
+
+    m = tiny_llama(**SHAPES, seed=seed)
+    spear.quantize_(m, spear.QuantConfig(group_size=group_size), progress=False)
+    ecs = {}
+    gen = torch.Generator().manual_seed(seed + 1)
+    for i, (fqn, mod) in enumerate((n, x) for n, x in m.named_modules() if type(x).__name__ == "QuantLinear"):
+        if fqn.endswith("lm_head"):
+            continue
+        ec = spear.ErrorCompensator(mod.in_features, mod.out_features, spear.ECConfig(rank=rank, gate_hidden=4))
+        with torch.no_grad():
+            for p in ec.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+            ec.B.mul_(3.0)  # a correction large enough that a wrong gate shows
+        ecs[fqn] = ec
+    spear.attach_(m, ecs)
+    return m
+
+
+def init(rank: int, world: int, store_path: str, timeout_s: float = 60.0) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _save(out_dir: str, rank: int, result: dict) -> None:
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, compile_: bool) -> None:
+    """Logits of the sharded model (eager, and compiled by the spear backend with ``compile_``) against the
+    single-process model's; the eager logits of the wrong variant that gates each rank's partial."""
+    import copy
+
+    import torch.distributed as dist
+
+    import spear_compile as spear  # noqa: F401  (registers the ops and the backend)
+    from spear_compile.parallel import shard_llama_
+
+    result: dict = {}
+    try:
+        init(rank, world, store_path)
+        ref_model = tiny_tp_model(group_size)
+        ids = torch.tensor([[3, 17, 42, 99]])
+        with torch.no_grad():
+            ref = ref_model(ids, use_cache=False).logits
+            tp = shard_llama_(copy.deepcopy(ref_model))
+            result["eager"] = (tp(ids, use_cache=False).logits - ref).abs().max().item()
+            result["wrong_gate"] = (_gating_the_partial(tp, ids) - ref).abs().max().item()
+            result["ref_scale"] = ref.abs().max().item()
+            if compile_:
+                from spear_compile.inspect import capture
+
+                rep = capture(tp, (ids,), kwargs={"use_cache": False})
+                result["matched"] = sum(s.matched_count for g in rep.graphs for s in g.snapshots
+                                        if s.pass_name == "fuse_peer_reduce" and s.phase == "after")
+                torch._dynamo.reset()
+                out = torch.compile(tp, backend="spear")(ids, use_cache=False).logits
+                result["compiled"] = (out - ref).abs().max().item()
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    _save(out_dir, rank, result)
+
+
+def _gating_the_partial(tp_model, ids) -> torch.Tensor:
+    """The model's logits when every row-parallel EC gates this rank's partial ``A_i x_i`` and the gated
+    outputs are summed (``ec_linear`` on the shard, then an all-reduce): the function this package avoids."""
+    import torch.distributed as dist
+
+    from spear_compile.parallel import RowParallelLinear
+
+    def wrong(self, x):
+        loc, ec = self.local, self.ec
+        y = torch.ops.spear.ec_linear(x, loc.qweight, loc.scales, loc.zeros, loc.group_size, None, ec.A, ec.B, ec.W1,
+                                      ec.b1, ec.W2, ec.b2, ec.alpha, ec.act)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    saved = RowParallelLinear.forward
+    RowParallelLinear.forward = wrong
+    try:
+        return tp_model(ids, use_cache=False).logits
+    finally:
+        RowParallelLinear.forward = saved
+
+
+def dead_peer(rank: int, world: int, store_path: str, out_dir: str, timeout_s: float) -> None:
+    """The last rank exits before the reduction; the others must raise PeerTimeoutError naming it."""
+    import torch.distributed as dist
+
+    from spear_compile.errors import PeerTimeoutError
+    from spear_compile.parallel import shard_llama_
+
+    result: dict = {}
+    try:
+        init(rank, world, store_path, timeout_s=timeout_s)
+        model = shard_llama_(tiny_tp_model(None))
+        dist.barrier()
+        if rank == world - 1:
+            os._exit(0)  # dies: never reaches the reduction
+        layer = model.model.layers[0].self_attn.o_proj
+        loc, ec = layer.local, layer.ec
+        x = torch.randn(1, loc.in_features)
+        try:
+            torch.ops.spear.ec_linear_peer_reduce(x, loc.qweight, loc.scales, loc.zeros, loc.group_size, None, ec.A,
+                                                  ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, "spear",
+                                                  layer.group_name, timeout_s)
+            result["error"] = "no error raised"
+        except PeerTimeoutError as e:
+            result.update(message=str(e), missing=e.missing, rank=e.rank)
+    except Exception:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    _save(out_dir, rank, result)
+    os._exit(0)  # the group is broken: do not wait in destroy_process_group
