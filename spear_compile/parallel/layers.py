@@ -45,7 +45,8 @@ class RowShardEC(nn.Module):
 class RowParallelLinear(nn.Module):
     """A row-parallel quantized linear: ``local`` is this rank's K slice, ``bias`` (whole, or None) is
     added once after the reduction, ``ec`` this rank's ``RowShardEC`` or None; ``group_name`` the
-    tensor-parallel process group's name, ``world`` its size (1: no collective)."""
+    tensor-parallel process group's name (``""``: no process group, no collective), ``world`` its size (a
+    group of one still reduces, so that one GPU runs the multi-GPU code path)."""
 
     def __init__(self, local: QuantLinear, bias: Optional[torch.Tensor], ec: Optional[RowShardEC],
                  group_name: str, world: int, rank: int, name: str = "RowParallelLinear") -> None:
@@ -58,7 +59,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = local.in_features * world, local.out_features
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
+        if not self.group_name:  # no process group: the single-process model
             return t
         import torch.distributed._functional_collectives as funcol
 

@@ -57,7 +57,6 @@ def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, c
 
     import torch.distributed as dist
 
-    import spear_compile as spear  # noqa: F401  (registers the ops and the backend)
     from spear_compile.parallel import shard_llama_
 
     result: dict = {}
@@ -72,19 +71,36 @@ def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, c
             result["wrong_gate"] = (_gating_the_partial(tp, ids) - ref).abs().max().item()
             result["ref_scale"] = ref.abs().max().item()
             if compile_:
-                from spear_compile.inspect import capture
-
-                rep = capture(tp, (ids,), kwargs={"use_cache": False})
-                result["matched"] = sum(s.matched_count for g in rep.graphs for s in g.snapshots
-                                        if s.pass_name == "fuse_peer_reduce" and s.phase == "after")
-                torch._dynamo.reset()
-                out = torch.compile(tp, backend="spear")(ids, use_cache=False).logits
-                result["compiled"] = (out - ref).abs().max().item()
+                result.update(compiled_counts(tp, ids, ref))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
     _save(out_dir, rank, result)
+
+
+def compiled_counts(model, ids, ref) -> dict:
+    """Compile ``model`` with the spear backend once (passes observed), run it on ``ids``: the error against
+    ``ref``, the ``fuse_peer_reduce`` matches and the op counts of the graph the passes leave."""
+    import collections
+
+    from spear_compile.passes import backend
+
+    seen = {"matched": 0, "ops": collections.Counter()}
+
+    def observe(phase, pass_name, graph, pass_obj):
+        if phase == "after" and pass_name == "fuse_peer_reduce":
+            seen["matched"] += pass_obj.matched_count
+        if phase == "after" and pass_name == "record_plan":
+            seen["ops"].update(str(n.target) for n in graph.nodes if n.op == "call_function")
+
+    torch._dynamo.reset()
+    backend._OBSERVERS.append(observe)
+    try:
+        out = torch.compile(model, backend="spear")(ids, use_cache=False).logits
+    finally:
+        backend._OBSERVERS.remove(observe)
+    return {"compiled": (out - ref).abs().max().item(), "matched": seen["matched"], "ops": dict(seen["ops"])}
 
 
 def _gating_the_partial(tp_model, ids) -> torch.Tensor:
