@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
 
 import torch
 
+POST_MORTEM_S = 3.0  # spear_compile.ops.collective.POST_MORTEM_S
 SHAPES = dict(hidden=192, layers=1, heads=6, kv_heads=6, intermediate=384, vocab=128)  # divisible by 2 and 3
 
 
@@ -50,25 +52,30 @@ def _save(out_dir: str, rank: int, result: dict) -> None:
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, compile_: bool) -> None:
-    """Logits of the sharded model (eager, and compiled by the spear backend with ``compile_``) against the
-    single-process model's; the eager logits of the wrong variant that gates each rank's partial."""
+def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, compile_: bool,
+             artifact: str = "") -> None:
+    """Logits of the sharded model (eager, as the fused op, and compiled by the spear backend with
+    ``compile_``) against the single-process model's; the eager logits of the wrong variant that gates each
+    rank's partial. With ``artifact`` both models come from that single-process artifact (``load`` and
+    ``load_sharded``); else from ``tiny_tp_model(group_size)``."""
     import copy
 
     import torch.distributed as dist
 
-    from spear_compile.parallel import shard_llama_
+    import spear_compile as spear
+    from spear_compile.parallel import load_sharded, shard_llama_
 
     result: dict = {}
     try:
         init(rank, world, store_path)
-        ref_model = tiny_tp_model(group_size)
+        ref_model = spear.load(artifact) if artifact else tiny_tp_model(group_size)
         ids = torch.tensor([[3, 17, 42, 99]])
         with torch.no_grad():
             ref = ref_model(ids, use_cache=False).logits
-            tp = shard_llama_(copy.deepcopy(ref_model))
+            tp = load_sharded(artifact) if artifact else shard_llama_(copy.deepcopy(ref_model))
             result["eager"] = (tp(ids, use_cache=False).logits - ref).abs().max().item()
             result["wrong_gate"] = (_gating_the_partial(tp, ids) - ref).abs().max().item()
+            result["fused_eager"] = (_fused(tp, ids) - ref).abs().max().item()
             result["ref_scale"] = ref.abs().max().item()
             if compile_:
                 result.update(compiled_counts(tp, ids, ref))
@@ -103,12 +110,33 @@ def compiled_counts(model, ids, ref) -> dict:
     return {"compiled": (out - ref).abs().max().item(), "matched": seen["matched"], "ops": dict(seen["ops"])}
 
 
+def _with_forward(tp_model, ids, forward) -> torch.Tensor:
+    from spear_compile.parallel import RowParallelLinear
+
+    saved = RowParallelLinear.forward
+    RowParallelLinear.forward = forward
+    try:
+        return tp_model(ids, use_cache=False).logits
+    finally:
+        RowParallelLinear.forward = saved
+
+
+def _fused(tp_model, ids) -> torch.Tensor:
+    """The logits with every row-parallel EC layer run as the fused op, eagerly (its CPU path: the gloo
+    all-reduce of the stacked partial)."""
+    def fused(self, x):
+        loc, ec = self.local, self.ec
+        return torch.ops.spear.ec_linear_peer_reduce(x, loc.qweight, loc.scales, loc.zeros, loc.group_size, self.bias,
+                                                     ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, "spear",
+                                                     self.group_name)
+
+    return _with_forward(tp_model, ids, fused)
+
+
 def _gating_the_partial(tp_model, ids) -> torch.Tensor:
     """The model's logits when every row-parallel EC gates this rank's partial ``A_i x_i`` and the gated
     outputs are summed (``ec_linear`` on the shard, then an all-reduce): the function this package avoids."""
     import torch.distributed as dist
-
-    from spear_compile.parallel import RowParallelLinear
 
     def wrong(self, x):
         loc, ec = self.local, self.ec
@@ -117,29 +145,29 @@ def _gating_the_partial(tp_model, ids) -> torch.Tensor:
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
-    saved = RowParallelLinear.forward
-    RowParallelLinear.forward = wrong
-    try:
-        return tp_model(ids, use_cache=False).logits
-    finally:
-        RowParallelLinear.forward = saved
+    return _with_forward(tp_model, ids, wrong)
 
 
-def dead_peer(rank: int, world: int, store_path: str, out_dir: str, timeout_s: float) -> None:
-    """The last rank exits before the reduction; the others must raise PeerTimeoutError naming it."""
+def dead_peer(rank: int, world: int, store_path: str, out_dir: str, timeout_s: float, mode: str = "dies") -> None:
+    """The last rank exits before the reduction (``mode="dies"``) or stays alive elsewhere past the timeout
+    (``"hangs"``); the others must raise PeerTimeoutError naming it."""
     import torch.distributed as dist
 
+    import spear_compile as spear
     from spear_compile.errors import PeerTimeoutError
-    from spear_compile.parallel import shard_llama_
+    from spear_compile.parallel import shard_row
 
     result: dict = {}
     try:
         init(rank, world, store_path, timeout_s=timeout_s)
-        model = shard_llama_(tiny_tp_model(None))
+        whole = spear.QuantLinear.from_linear(torch.nn.Linear(192, 96, bias=False), spear.QuantConfig())
+        whole.ec = spear.ErrorCompensator(192, 96, spear.ECConfig(rank=4, gate_hidden=4))
+        layer = shard_row(whole, rank, world, dist.group.WORLD.group_name, "o_proj")  # one row-parallel layer
         dist.barrier()
         if rank == world - 1:
-            os._exit(0)  # dies: never reaches the reduction
-        layer = model.model.layers[0].self_attn.o_proj
+            if mode == "hangs":
+                time.sleep(timeout_s + 2 * POST_MORTEM_S)  # alive, but busy elsewhere past the others' timeout
+            os._exit(0)  # never reaches the reduction
         loc, ec = layer.local, layer.ec
         x = torch.randn(1, loc.in_features)
         try:
