@@ -47,8 +47,19 @@ from ._triton import can_implement as _triton_can_implement
 M_CAP = 16  # rows a staging slot holds: decode batches; larger M takes the host all-reduce path
 MAX_RANK = 128
 MAX_GATE = 64
-BLOCK_N = 32 if INTERPRET else 64
-BLOCK_K = 32 if INTERPRET else 128
+# NOTE: ptxas for sm_90 (offline, bf16, M <= 2): BLOCK_N 16 x BLOCK_K 128 uses 80 registers, no spills; 32 x 64
+# 166, and 64 x 64 255 with spills. Narrow tiles also give a 4096-row GEMV 256 programs, not 64, on 132 SMs.
+BLOCK_N = 32 if INTERPRET else 16
+BLOCK_K = 32 if INTERPRET else 128  # the largest K step; the launch takes the largest power of 2 <= it dividing G
+
+
+def block_k_for(G: int, most: int = 0) -> int:
+    """The K step of the GEMV tile for group size G: a power of 2 dividing G (so that a tile reads one scale
+    per row), at most ``BLOCK_K``; 0 if G has no such divisor of at least 16."""
+    b = most or BLOCK_K
+    while b >= 16 and G % b:
+        b //= 2
+    return b if b >= 16 else 0
 MAX_SPIN = 1 << 10 if INTERPRET else 1 << 26  # spins before a wait gives up and records the missing rank
 
 if HAS_TRITON:
@@ -98,25 +109,28 @@ if HAS_TRITON:
             kk = k0 + offs_k
             kmask = kk < K
             wmask = rmask[:, None] & kmask[None, :]
-            if is_y:
-                byte = tl.load(QW + rows[:, None] * (K // 2) + kk[None, :] // 2, mask=wmask, other=0).to(tl.int32)
-                q = tl.where((kk % 2 == 0)[None, :], byte & 0xF, byte >> 4).to(tl.float32)
-                gi = rows[:, None] * NG + kk[None, :] // G
-                s = tl.load(S + gi, mask=wmask, other=0.0).to(tl.float32)
+            if is_y:  # BLOCK_K divides G: the tile lies in one quantization group per row
+                kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                byte = tl.load(QW + rows[:, None] * (K // 2) + kb[None, :],
+                               mask=rmask[:, None] & (kb < K // 2)[None, :], other=0)
+                q = tl.join(byte & 0xF, byte >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)  # k = 2j + nibble
+                gi = rows * NG + k0 // G
+                s = tl.load(S + gi, mask=rmask, other=0.0).to(tl.float32)
                 if HAS_Z:
-                    q = q - tl.load(Z + gi, mask=wmask, other=0.0).to(tl.float32)
-                w = q * s
+                    q = q - tl.load(Z + gi, mask=rmask, other=0.0).to(tl.float32)[:, None]
+                w = q * s[:, None]
             else:
                 w = tl.load(A + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
-            xv = tl.load(X + offs_m[:, None] * stride_x + kk[None, :], mask=(offs_m < M)[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+            for m in tl.static_range(M_P):  # row by row: one [BLOCK_N, BLOCK_K] product live, not M_P of them
+                xm = tl.load(X + m * stride_x + kk, mask=kmask & (m < M), other=0.0).to(tl.float32)
+                acc = tl.where((offs_m == m)[:, None], acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
         cols = tl.where(is_y, rows, N + rows)
         smask = (offs_m < M)[:, None] & rmask[None, :]
         own = tl.load(FLAG_PTRS + RANK).to(tl.pointer_type(tl.int32))
         err = own + 2 * WORLD * T + 1
         for q in tl.static_range(WORLD):
             _take(own + WORLD * T + q * T + pid, err, q, MAX_SPIN)  # q has read our slot's tile of the last call
+            tl.debug_barrier()  # every thread's stores come after the token (the scalar atomic ran on one)
             buf = tl.load(BUF_PTRS + q).to(tl.pointer_type(tl.float32))
             tl.store(buf + (RANK * M_CAP + offs_m[:, None]) * C + cols[None, :], acc, mask=smask)
             tl.debug_barrier()
@@ -138,6 +152,7 @@ if HAS_TRITON:
             _take(own + src * T + pid, err, src, MAX_SPIN)
             for j in range(n_h):
                 _see(own + src * T + n_y + j, err, src, MAX_SPIN)
+        tl.debug_barrier()  # every thread's loads come after the acquires
         offs_m = tl.arange(0, M_P)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, R_P)
@@ -286,12 +301,15 @@ def ec_partial_store(x2, qweight, scales, zeros, G: int, A, st: PeerStaging, max
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("A", A)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"ec_partial_store: {name} must be contiguous")
+    bk = block_k_for(G)
+    if not bk:
+        raise ValueError(f"ec_partial_store: group size G={G} has no power-of-2 divisor >= 16 (the GEMV tile's K step)")
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     _ec_partial_store_kernel[(st.T,)](
         x2, qweight, scales, zeros if zeros is not None else scales, A, st.buf_ptrs, st.flag_ptrs,
         x2.shape[0], N, K, R, G, K // G, x2.stride(0), st.rank, st.T, N + R,
         WORLD=st.world, M_CAP=M_CAP, HAS_Z=zeros is not None, M_P=max(2, next_pow2(x2.shape[0])),
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAX_SPIN=max_spin or MAX_SPIN, num_warps=4)
+        BLOCK_N=BLOCK_N, BLOCK_K=bk, MAX_SPIN=max_spin or MAX_SPIN, num_warps=4)
 
 
 def ec_peer_post(M: int, st: PeerStaging, bias, B, W1, b1, W2, b2, alpha, act: str, dtype: torch.dtype,
@@ -325,6 +343,8 @@ def can_implement(p) -> tuple:
         return False, f"M={p.M} rows above a staging slot's {M_CAP} (prefill takes the host all-reduce)"
     if p.rank > MAX_RANK or (p.gate_width or 0) > MAX_GATE:
         return False, f"EC rank {p.rank} / gate width {p.gate_width} above {MAX_RANK} / {MAX_GATE}"
+    if not block_k_for(p.G):
+        return False, f"group size {p.G} has no power-of-2 divisor >= 16 (the GEMV tile's K step)"
     if not (p.weight_contiguous and p.params_contiguous and p.a_contiguous):
         return False, "non-contiguous weight, scales, zero points or A"
     return True, f"M={p.M} <= {M_CAP}, EC rank {p.rank}: peer-write epilogue + post kernel"
@@ -355,3 +375,31 @@ def ec_linear_peer_reduce_gpu(x, qweight, scales, zeros, group_size, bias, A, B,
     ec_partial_store(x2, qweight, scales, zeros, group_size, A, st)
     out = ec_peer_post(x2.shape[0], st, bias, B, W1, b1, W2, b2, alpha, act, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def compile_sm90(world: int = 2, dtype: str = "bf16") -> dict:
+    """Offline sm_90 compiles of both kernels as the wrappers launch them at decode (no GPU needed):
+    ``{"store": compiled, "post": compiled}``; the tests read their PTX (system-scope atomics, no spills)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def build(k, ptrs: dict, ints: tuple, consts: dict):
+        types = dict({n: "*" + t for n, t in ptrs.items()}, **{n: "i32" for n in ints})
+        sig = dict(types, **{c: "constexpr" for c in consts})
+        attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptrs}
+        src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()},
+                        attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+    store = build(_ec_partial_store_kernel,
+                  dict(X=dtype, QW="u8", S=dtype, Z=dtype, A=dtype, BUF_PTRS="i64", FLAG_PTRS="i64"),
+                  ("M", "N", "K", "R", "G", "NG", "stride_x", "RANK", "T", "C"),
+                  dict(WORLD=world, M_CAP=M_CAP, HAS_Z=True, M_P=2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                       MAX_SPIN=MAX_SPIN))
+    post = build(_ec_peer_post_kernel,
+                 dict(BUF="fp32", FLAG_PTRS="i64", BIAS=dtype, B=dtype, W1=dtype, B1=dtype, W2=dtype, B2=dtype,
+                      ALPHA="fp32", OUT=dtype),
+                 ("M", "N", "R", "D", "stride_o", "RANK", "T", "C"),
+                 dict(WORLD=world, M_CAP=M_CAP, HAS_BIAS=True, ACT=0, M_P=2, R_P=64, D_P=16, BLOCK_N=BLOCK_N,
+                      MAX_SPIN=MAX_SPIN))
+    return {"store": store, "post": post}

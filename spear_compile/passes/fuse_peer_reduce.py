@@ -33,8 +33,11 @@ from .common import bind, copy_meta, call_op, record
 PARTIAL = torch.ops.spear.ec_linear_partial.default
 APPLY = torch.ops.spear.ec_reduced_apply.default
 PEER_REDUCE = torch.ops.spear.ec_linear_peer_reduce.default
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+try:  # a torch built without torch.distributed has no functional collectives: only the world-size-1 form
+    ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+    WAIT = torch.ops._c10d_functional.wait_tensor.default
+except (AttributeError, RuntimeError):  # pragma: no cover
+    ALL_REDUCE = WAIT = None
 
 
 def _only_user_is(node, user: fx.Node) -> bool:
@@ -48,7 +51,7 @@ def _chain(apply: fx.Node):
         return None
     if yh.op == "call_function" and yh.target is PARTIAL:
         return yh, "", [yh]
-    if not (yh.op == "call_function" and yh.target is WAIT):
+    if WAIT is None or not (yh.op == "call_function" and yh.target is WAIT):
         return None
     ar = yh.args[0]
     if not (isinstance(ar, fx.Node) and ar.op == "call_function" and ar.target is ALL_REDUCE and _only_user_is(ar, yh)):

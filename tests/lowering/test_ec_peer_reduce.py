@@ -121,3 +121,20 @@ def test_world_size_one_runs_the_peer_write_path_on_one_gpu():
     st = PR.staging_for("", 4096, 64, x.device)
     assert st.initial_state()
     st.check()
+
+
+def test_both_kernels_compile_for_sm90_with_system_scope_signals():
+    """Offline sm_90 compile (no GPU needed): the signals are system-scope acquire / release atomics (peers
+    read them over NVLink), and neither kernel spills."""
+    from tests.helpers import run_compiled
+
+    code = ("import re\n"
+            "from spear_compile.lowering.ec_peer_reduce import compile_sm90\n"
+            "from tests.lowering.sass_wgmma import compile_sass\n"
+            "for name, k in compile_sm90(world=2).items():\n"
+            "    ptx = k.asm['ptx']\n"
+            "    assert 'atom.global.acquire.sys.cas.b32' in ptx and 'atom.global.sys.release.exch.b32' in ptx, name\n"
+            "    log, _ = compile_sass(ptx)\n"
+            "    assert re.search(r'\\b0 bytes spill stores', log), (name, log[-300:])\n"
+            "print('ok')\n")
+    run_compiled(code)
