@@ -76,3 +76,21 @@ def test_without_torch_distributed_a_sharded_artifact_is_the_single_process_mode
     with torch.no_grad():
         torch.testing.assert_close(tp(ids, use_cache=False).logits, m(ids, use_cache=False).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels():
+    """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
+    layers as spear::ec_linear_peer_reduce, whose CUDA implementation is the peer-write pair with one slot;
+    it equals the single-process model within bf16 tolerance."""
+    from tests.parallel.tp_workers import compiled_counts, tiny_tp_model
+
+    m = tiny_tp_model(32).to("cuda", torch.bfloat16)
+    tp = shard_llama_(tiny_tp_model(32).to("cuda", torch.bfloat16))
+    ids = torch.tensor([[3, 17, 42, 99]], device="cuda")
+    with torch.no_grad():
+        ref = m(ids, use_cache=False).logits
+        got = compiled_counts(tp, ids, ref)
+    torch._dynamo.reset()
+    assert got["matched"] == 2 and got["ops"].get("spear.ec_linear_peer_reduce.default") == 2, got
+    assert got["compiled"] < 3e-2 * ref.abs().max().item(), got
