@@ -53,10 +53,10 @@ def _save(out_dir: str, rank: int, result: dict) -> None:
 
 
 def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, compile_: bool,
-             artifact: str = "") -> None:
+             artifact: str = "", dtype: torch.dtype = torch.float32) -> None:
     """Logits of the sharded model (eager, as the fused op, and compiled by the spear backend with
     ``compile_``) against the single-process model's; the eager logits of the wrong variant that gates each
-    rank's partial. With ``artifact`` both models come from that single-process artifact (``load`` and
+    rank's partial. ``dtype``: the models' dtype. With ``artifact`` both models come from that single-process artifact (``load`` and
     ``load_sharded``); else from ``tiny_tp_model(group_size)``."""
     import copy
 
@@ -68,12 +68,17 @@ def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, c
     result: dict = {}
     try:
         init(rank, world, store_path)
-        ref_model = spear.load(artifact) if artifact else tiny_tp_model(group_size)
+        ref_model = (spear.load(artifact) if artifact else tiny_tp_model(group_size)).to(dtype)
         ids = torch.tensor([[3, 17, 42, 99]])
         with torch.no_grad():
             ref = ref_model(ids, use_cache=False).logits
-            tp = load_sharded(artifact) if artifact else shard_llama_(copy.deepcopy(ref_model))
-            result["eager"] = (tp(ids, use_cache=False).logits - ref).abs().max().item()
+            tp = load_sharded(artifact).to(dtype) if artifact else shard_llama_(copy.deepcopy(ref_model))
+            out = tp(ids, use_cache=False).logits
+            result["eager"] = (out - ref).abs().max().item()
+            if dtype != torch.float32:  # how far each is from the fp32 model: the dtype's own error
+                ref32 = copy.deepcopy(ref_model).float()(ids, use_cache=False).logits
+                result["single_vs_fp32"] = (ref.float() - ref32).abs().max().item()
+                result["tp_vs_fp32"] = (out.float() - ref32).abs().max().item()
             result["wrong_gate"] = (_gating_the_partial(tp, ids) - ref).abs().max().item()
             result["fused_eager"] = (_fused(tp, ids) - ref).abs().max().item()
             result["ref_scale"] = ref.abs().max().item()
