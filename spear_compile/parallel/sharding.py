@@ -125,7 +125,8 @@ def shard_llama_(model: nn.Module, group=None, column=COLUMN, row=ROW) -> nn.Mod
         plan.append((fqn, kind, mod))
     if not plan:
         raise ValueError(f"shard_llama_: no QuantLinear named {column + row} in {type(model).__name__}")
-    new = {fqn: shard_column(mod, rank, world, fqn) if kind == "column" else shard_row(mod, rank, world, group_name, fqn)
+    new = {fqn: shard_column(mod, rank, world, fqn) if kind == "column"
+           else shard_row(mod, rank, world, group_name, fqn)
            for fqn, kind, mod in plan}  # every shape rule checked before the model changes
     for fqn, mod in new.items():
         parent_name, _, leaf = fqn.rpartition(".")

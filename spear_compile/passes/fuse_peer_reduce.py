@@ -95,6 +95,8 @@ class FusePeerReduce(SpearPass):
             record(new, source_form="row_parallel", weight=self.ctx.name_of(p["qweight"]),
                    ec_rank=int(p["A"].meta["val"].shape[0]), N=int(new.meta["val"].shape[-1]),
                    K=int(x_val.shape[-1]), group_size=p["group_size"], layout=p["layout"],
-                   tp_group=group_name, lowering="peer_reduce")
+                   tp_group=group_name, lowering="peer_reduce",
+                   reason=f"row-parallel EC over group {group_name!r}: partial [y | A x], reduced, gate on the sum",
+                   kernel="peer-write GEMV epilogue + post kernel (CUDA, M <= 16), else partial + all-reduce + gate")
             count += 1
         return count

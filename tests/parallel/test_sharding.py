@@ -39,16 +39,20 @@ def test_every_rank_s_shards_rebuild_the_layer(world, G):
 
 
 def test_rules_name_the_module_and_the_number():
-    with pytest.raises(ValueError, match="up_proj: out_features N = 96 is not divisible by the tensor-parallel world size 5"):
+    with pytest.raises(ValueError, match="up_proj: out_features N = 96 is not divisible by the tensor-parallel "
+                                         "world size 5"):
         shard_column(_layer(96, 192, None), 0, 5, "up_proj")
-    with pytest.raises(ValueError, match="down_proj: each rank's K slice \\(48 = 192 / 4\\) must hold whole quantization groups of 32"):
+    with pytest.raises(ValueError, match="down_proj: each rank's K slice \\(48 = 192 / 4\\) must hold whole "
+                                         "quantization groups of 32"):
         shard_row(_layer(96, 192, 32), 0, 4, "", "down_proj")
     model = tiny_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
     spear.quantize_(model, spear.QuantConfig(), progress=False)
-    with pytest.raises(ValueError, match="num_key_value_heads = 2 is not divisible by the tensor-parallel world size 4"):
+    with pytest.raises(ValueError, match="num_key_value_heads = 2 is not divisible by the tensor-parallel world "
+                                         "size 4"):
         model.config.num_attention_heads = 4
         _shard_as(model, 4)
-    with pytest.raises(TypeError, match="model.layers.0.self_attn.q_proj is a Linear, expected a QuantLinear \\(quantize_ first\\)"):
+    with pytest.raises(TypeError, match="model.layers.0.self_attn.q_proj is a Linear, expected a QuantLinear "
+                                        "\\(quantize_ first\\)"):
         fp = tiny_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
         shard_llama_(fp)
 

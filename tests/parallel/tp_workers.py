@@ -56,8 +56,8 @@ def numerics(rank: int, world: int, store_path: str, out_dir: str, group_size, c
              artifact: str = "", dtype: torch.dtype = torch.float32) -> None:
     """Logits of the sharded model (eager, as the fused op, and compiled by the spear backend with
     ``compile_``) against the single-process model's; the eager logits of the wrong variant that gates each
-    rank's partial. ``dtype``: the models' dtype. With ``artifact`` both models come from that single-process artifact (``load`` and
-    ``load_sharded``); else from ``tiny_tp_model(group_size)``."""
+    rank's partial. ``dtype``: the models' dtype. With ``artifact`` both models come from that single-process
+    artifact (``load`` and ``load_sharded``); else from ``tiny_tp_model(group_size)``."""
     import copy
 
     import torch.distributed as dist

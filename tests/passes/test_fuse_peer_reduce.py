@@ -47,6 +47,8 @@ def test_row_parallel_ec_chain_becomes_one_op(group):
         assert snap.ops_before.get(op) == 1 and op not in snap.ops_after, op
     assert snap.ops_after.get("spear.ec_linear_peer_reduce.default") == 1
     assert f"silu, spear, {group}, 300.0)" in snap.after  # the fused op reads the all-reduce's group
+    (rec,) = rep.linears  # the inspection report lists it
+    assert rec["source_form"] == "row_parallel" and rec["ec_rank"] == 8 and rec["tp_group"] == group, rec
     assert_compiled_matches_eager(layer, x)
     with torch.no_grad():  # and the whole single-process layer (one rank holds all of K)
         torch.testing.assert_close(torch.compile(layer, backend="spear")(x), whole(x), rtol=1e-5, atol=1e-5)
