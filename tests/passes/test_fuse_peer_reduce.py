@@ -112,3 +112,18 @@ def test_the_ops_name_what_is_wrong():
     with pytest.raises(RuntimeError, match="group 'nope' named, but torch.distributed is not initialised"):
         torch.ops.spear.ec_linear_peer_reduce(x, loc.qweight, loc.scales, loc.zeros, loc.group_size, None, ec.A,
                                               ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha, ec.act, "spear", "nope")
+
+
+def test_the_tensor_parallel_ops_fake_and_real_agree():
+    """torch.library.opcheck: schema, fake implementation and eager implementation consistent (no group)."""
+    layer, _ = _row_layer("", bias=True)
+    loc, ec = layer.local, layer.ec
+    x = torch.randn(2, 3, 128)
+    gate = (ec.B, ec.W1, ec.b1, ec.W2, ec.b2, ec.alpha)
+    yh = torch.ops.spear.ec_linear_partial(x, loc.qweight, loc.scales, loc.zeros, loc.group_size, ec.A)
+    cases = [(torch.ops.spear.ec_linear_partial, (x, loc.qweight, loc.scales, loc.zeros, loc.group_size, ec.A)),
+             (torch.ops.spear.ec_reduced_apply, (yh, layer.bias, *gate, ec.act, torch.float32)),
+             (torch.ops.spear.ec_linear_peer_reduce, (x, loc.qweight, loc.scales, loc.zeros, loc.group_size,
+                                                      layer.bias, ec.A, *gate, ec.act, "spear", ""))]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
