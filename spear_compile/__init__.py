@@ -20,7 +20,7 @@ from ._version import __version__
 
 _register_backend()
 
-from . import errors, inspect  # noqa: E402,F401  (spear.inspect.capture, spear.errors.*, as the README uses them)
+from . import errors, inspect, parallel  # noqa: E402,F401  (spear.inspect.capture, spear.errors.*, spear.parallel.*)
 
 __all__ = [
     "ArtifactError", "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",

@@ -17,6 +17,8 @@ shape, dtype, file or field. ``README.md`` ("What is checked, and where") lists 
   value that broke it.
 * :class:`EngineError` (a ``RuntimeError``): an accepted request failed (the generation loop stopped or
   died, or the model raised).
+* :class:`PeerTimeoutError` (a ``TimeoutError``): a tensor-parallel reduction timed out because a peer
+  died or never reached it; ``rank`` is this rank, ``missing`` the ranks that did not arrive.
 """
 from __future__ import annotations
 
@@ -46,4 +48,14 @@ class EngineError(RuntimeError):
     """An accepted request could not complete."""
 
 
-__all__ = ["AdmissionError", "ArtifactError", "EngineError", "QuantFormatError", "UnmatchedECError"]
+__all__ = ["AdmissionError", "ArtifactError", "EngineError", "PeerTimeoutError", "QuantFormatError", "UnmatchedECError"]
+
+
+class PeerTimeoutError(TimeoutError):
+    """A tensor-parallel peer did not take part in a reduction in time (it died, or never reached the
+    same op): ``rank`` is this process's rank, ``missing`` the ranks that did not arrive (empty when they
+    could not be told apart). Raised instead of hanging."""
+
+    def __init__(self, message: str, rank: int = -1, missing: tuple = ()) -> None:
+        super().__init__(message)
+        self.rank, self.missing = rank, tuple(missing)

@@ -19,6 +19,7 @@ import torch.fx as fx
 from ..config import CompileConfig
 from ..passes import backend as _backend
 from ..passes.common import META_KEY, SPEAR_OPS
+from ..passes.fuse_peer_reduce import PEER_REDUCE
 from ..passes.manager import PASSES
 
 _LAST_PASS = PASSES[-1].name  # the linears are read from the graph this pass leaves
@@ -84,7 +85,7 @@ class _Observer:
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor):
                 attrs.update(shape=[str(s) for s in v.shape], dtype=str(v.dtype))
-            if n.op == "call_function" and n.target in SPEAR_OPS and info:
+            if n.op == "call_function" and (n.target in SPEAR_OPS or n.target is PEER_REDUCE) and info:
                 rec = {"node": n.name, "op": str(n.target), "graph": cap.index, **_jsonable(info)}
                 cap.linears.append(rec)
                 attrs["spear"] = _jsonable(info)

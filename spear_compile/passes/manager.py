@@ -1,8 +1,8 @@
 """The pass manager Inductor runs as its post-grad custom pass.
 
-Order is fixed: adopt our own ops first (so foreign matchers never see them), then the
-foreign source forms, then phase dispatch over everything that became a spear linear, then
-the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, the RMSNorm
+Order is fixed: adopt our own ops first (so foreign matchers never see them), fuse a row-parallel EC
+linear with its all-reduce and gate (``fuse_peer_reduce``), then the foreign source forms, then phase
+dispatch over everything that became a spear linear, then the decode fusions: linears that share an input, silu(gate) * up into the gate / up GEMV, the RMSNorm
 in front of those GEMVs into their x staging, residual adds into the GEMV epilogue; last, the record of
 what was compiled for the runtime (``record_plan``, which changes nothing).
 Dead nodes (the dequantize chains a matcher replaced) are removed after each pass.
@@ -28,6 +28,7 @@ from .base import SpearPass
 from .context import PassContext
 from .fold_residual_add import FoldResidualAdd
 from .fuse_glu import FuseGLU
+from .fuse_peer_reduce import FusePeerReduce
 from .fuse_rmsnorm import FuseRMSNorm
 from .fuse_shared_input import FuseSharedInput
 from .match_dequant_linear import MatchDequantLinear
@@ -36,8 +37,8 @@ from .match_spear_op import MatchSpearOp
 from .phase_dispatch import PhaseDispatch
 from .record_plan import RecordPlan
 
-PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, MatchDequantLinear, MatchInt4PackMM, PhaseDispatch,
-                                       FuseSharedInput, FuseGLU, FuseRMSNorm, FoldResidualAdd, RecordPlan)
+PASSES: tuple[type[SpearPass], ...] = (MatchSpearOp, FusePeerReduce, MatchDequantLinear, MatchInt4PackMM,
+                                       PhaseDispatch, FuseSharedInput, FuseGLU, FuseRMSNorm, FoldResidualAdd, RecordPlan)
 
 
 class SpearPassManager(CustomGraphPass):
