@@ -1,5 +1,5 @@
-"""The CUDA implementation of ``spear::ec_linear_peer_reduce``: the peer-write pair where it can run,
-else the host path (the reference partial, an all-reduce over the group - NCCL on CUDA - and the gated
+"""The CUDA implementation of ``spear::ec_linear_peer_reduce``: the peer-write pair where it can run and
+``SPEAR_PEER_WRITE=1`` opts in (``envs.peer_write``: not yet verified on a GPU), else the host path (the reference partial, an all-reduce over the group - NCCL on CUDA - and the gated
 apply).
 
 The pair (``lowering/ec_peer_reduce.py``) runs at decode (M <= its staging rows) on a group of any size,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import envs
 from ..lowering.problem import Problem
 from ..ops.collective import all_reduce_sum
 from ..ops.peer_reduce_ref import ec_partial_ref, ec_reduced_apply_ref
@@ -33,7 +34,8 @@ def ec_linear_peer_reduce_cuda(x, qweight, scales, zeros, group_size, bias, A, B
 
     check_peer_reduce_args(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout,
                            group_name, timeout_s)
-    ok, _ = PR.can_implement(peer_reduce_problem(x, qweight, scales, zeros, group_size, A, W1, layout))
+    ok = envs.peer_write() and PR.can_implement(peer_reduce_problem(x, qweight, scales, zeros, group_size, A, W1,
+                                                                      layout))[0]
     if ok:
         st = PR.staging_for(group_name, qweight.shape[0], A.shape[0], x.device)
         return PR.ec_linear_peer_reduce_gpu(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha,

@@ -242,6 +242,15 @@ class Engine:
         p = self.policy
         self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
 
+    def _cuda_graph_default(self, cc) -> dict:
+        """Compiled on CUDA: transformers' CUDA graphs on unless ``cb_config`` says otherwise. Its default
+        infers them off for a compile config without its fast decode path (flash-attn's KV-cache kernel);
+        on one H200 (2026-12-03, Llama-2-7B-shaped W4, transformers 5.17) the compiled engine's batch-1
+        decode step was 87.0 ms without them and 26.6 ms with them (host work of 32 layers replayed)."""
+        if cc is None or "use_cuda_graph" in self.extra_cb or str(_device_of(self.model)).split(":")[0] != "cuda":
+            return {}
+        return {"use_cuda_graph": True}
+
     def _raise_recompile_limit(self) -> None:
         import torch._dynamo
 
@@ -278,7 +287,7 @@ class Engine:
         kw = dict(num_blocks=self.num_blocks, max_batch_tokens=self.max_batch_tokens,
                   max_requests_per_batch=self.max_requests_per_batch, scheduler_type=self._scheduler_name,
                   allow_block_sharing=False, cpu_offload_space=0.0, varlen_compile_config=cc,
-                  decode_compile_config=cc, **self.extra_cb)
+                  decode_compile_config=cc, **self._cuda_graph_default(cc), **self.extra_cb)
         if self.block_size is not None:
             kw = config_kwargs(self.block_size, **kw)
         cb = ContinuousBatchingConfig(**kw)

@@ -82,11 +82,7 @@ def test_without_torch_distributed_a_sharded_artifact_is_the_single_process_mode
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels():
-    """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
-    layers as spear::ec_linear_peer_reduce, whose CUDA implementation is the peer-write pair with one slot;
-    it equals the single-process model within bf16 tolerance."""
+def _one_gpu_sharded_model():
     from tests.parallel.tp_workers import compiled_counts, tiny_tp_model
 
     m = tiny_tp_model(32).to("cuda", torch.bfloat16)
@@ -97,6 +93,26 @@ def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels():
         got = compiled_counts(tp, ids, ref)
     torch._dynamo.reset()
     assert got["matched"] == 2 and got["ops"].get("spear.ec_linear_peer_reduce.default") == 2, got
+    return got, ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_by_default():
+    """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
+    layers as spear::ec_linear_peer_reduce on its default CUDA path (partial, all-reduce, gated apply);
+    it equals the single-process model within bf16 tolerance."""
+    got, ref = _one_gpu_sharded_model()
+    assert got["compiled"] < 3e-2 * ref.abs().max().item(), got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.xfail(strict=True, reason="known bug: on one H200 (2026-12-03) the peer-write pair gave logits off by "
+                   "0.21 (max |logit| 0.81) on this model, while the op alone at M = 1, 4096x4096 matched its "
+                   "reference; SPEAR_PEER_WRITE stays opt-in until this passes")
+def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels(monkeypatch):
+    """The same with ``SPEAR_PEER_WRITE=1``: the peer-write pair with one slot."""
+    monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
+    got, ref = _one_gpu_sharded_model()
     assert got["compiled"] < 3e-2 * ref.abs().max().item(), got
 
 
