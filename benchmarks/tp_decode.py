@@ -44,6 +44,7 @@ import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("SPEAR_PEER_WRITE", "1")  # spear_peer measures the opt-in peer-write pair (envs.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -172,7 +173,8 @@ def meta(args, W: int) -> dict:
             "commit": git("rev-parse", "HEAD"), "world_size": W,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "spear_compile": args.version,
-            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                         "SPEAR_PEER_WRITE")},
             "args": vars(args)}
 
 
