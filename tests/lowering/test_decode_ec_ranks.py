@@ -5,9 +5,13 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the script imports kernels.py beside it
-spec = importlib.util.spec_from_file_location("decode_ec_ranks", os.path.join(ROOT, "benchmarks", "decode_ec_ranks.py"))
-ranks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ranks)
+try:
+    spec = importlib.util.spec_from_file_location("decode_ec_ranks", os.path.join(ROOT, "benchmarks", "decode_ec_ranks.py"))
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+finally:  # benchmarks/kernels.py must not shadow the `kernels` package transformers probes for
+    sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    sys.modules.pop("kernels", None)
 
 GENERIC = ["tma", 4, 2, 2, 2, 2]
 
