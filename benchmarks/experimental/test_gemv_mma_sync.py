@@ -12,25 +12,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gemv_mma_sync as gm  # noqa: E402
 
 from spear_compile.ops.w4a16_ref import w4a16_linear_ref  # noqa: E402
-from spear_compile.quant import pack_int4  # noqa: E402
+
+from tests.helpers import exact_gemv, gemv_case  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gm.HAS_GLUON, reason="needs Triton with Gluon (>= 3.5)")
 
 
-def _case(N, K, G, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (N, K), generator=gen)
-    s = (torch.rand(N, K // G, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
-    z = (torch.rand(N, K // G, generator=gen) * 15).to(torch.bfloat16)
-    b = torch.randn(N, generator=gen).to(torch.bfloat16)
-    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-    return x, q, pack_int4(q), s, z, b
-
-
-def _exact(x, q, s, z, G, b):
-    zz = z.double().repeat_interleave(G, 1) if z is not None else 0.0
-    W = (q.double() - zz) * s.double().repeat_interleave(G, 1)
-    return x.double() @ W.T + (b.double() if b is not None else 0.0)
+_case, _exact = gemv_case, exact_gemv  # the shared GEMV case and its float64 reference
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="a real sm_90 compile")
