@@ -14,7 +14,8 @@
 #   ec-ranks       benchmarks/decode_ec_ranks.py: the decode EC per rank, every route
 #                  (add --write-table to write the per-rank choice into the tuned table; copied to OUT_DIR/table)
 #   gpu-tests      pytest of the kernels, the dispatch, the backend and the GPU calibration / sampling
-#                  paths (extra args replace the default paths)
+#                  paths (extra args replace the default paths; SHARDS=N deals them to N parallel pytest
+#                  processes, each with its log and junit XML)
 #   lab-gemm       benchmarks/lab_gemm.py: large-M GEMM configs against dequantize + cuBLAS
 #   ec-prefill     benchmarks/ec_prefill_profile.py: the prefill EC structures part by part
 #   ec-tma-parts   benchmarks/ec_tma_parts.py: the decode EC on the TMA GEMV part by part
@@ -90,8 +91,25 @@ case "$topic" in
                     [ -e "$t" ] && paths+=("$t")
                   done
                 fi
-                timeout "$limit" python -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$log" 2>&1; rc=$?
-                echo "rc $rc"; grep -v Warning "$log" | tail -n 20 ;;
+                if [ "${SHARDS:-1}" -gt 1 ]; then  # the collected tests dealt round-robin to SHARDS pytest processes
+                  python -m pytest -q -p no:cacheprovider --co "${paths[@]}" 2>/dev/null | grep '::' > "$out/ids.txt"
+                  pids=()
+                  for ((i = 0; i < SHARDS; i++)); do
+                    awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$out/ids.txt" > "$out/ids_$i.txt"
+                    timeout "$limit" python -m pytest -q -p no:cacheprovider -rf --junitxml="$out/junit_$i.xml" \
+                      $(cat "$out/ids_$i.txt") > "$out/${topic}_$i.log" 2>&1 &
+                    pids+=($!)
+                  done
+                  rc=0
+                  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+                  for ((i = 0; i < SHARDS; i++)); do
+                    grep -hE '^(FAILED|ERROR)' "$out/${topic}_$i.log"; tail -n 1 "$out/${topic}_$i.log"
+                  done
+                  echo "rc $rc ($(wc -l < "$out/ids.txt") tests in $SHARDS shards)"
+                else
+                  timeout "$limit" python -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$log" 2>&1; rc=$?
+                  echo "rc $rc"; grep -v Warning "$log" | tail -n 20
+                fi ;;
   lab-gemm)     bench benchmarks/lab_gemm.py --out "$out" "$@"; rc=$? ;;
   ec-prefill)   bench benchmarks/ec_prefill_profile.py --out "$out" "$@"; rc=$? ;;
   ec-tma-parts) bench benchmarks/ec_tma_parts.py --out "$out" "$@"; rc=$? ;;

@@ -9,7 +9,6 @@ the straight-line code around it (an odd tail step; a ``0x0`` barrier retires ev
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import tempfile
@@ -114,14 +113,24 @@ def inflight_writes(sass: str) -> list[tuple[str, str]]:
     return bad
 
 
-def compile_sass(ptx: str) -> tuple[str, str]:
-    """(ptxas -v log, cuobjdump -sass text) of a PTX module for sm_90a, with the tools in Triton's wheel."""
-    import triton
+def nvidia_tool(name: str) -> str:
+    """The path of the CUDA tool Triton itself uses (``ptxas``, ``cuobjdump``): the one its
+    ``TRITON_<NAME>_PATH`` variable names, else the copy in Triton's wheel. Triton picks the PTX version
+    it emits from that ptxas, so a test that runs a different one can see PTX newer than it reads (on a
+    CUDA 13 machine: "Unsupported .version 9.0; current version is '8.7'")."""
+    from triton import knobs
 
-    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
+    tool = getattr(knobs.nvidia, name)  # the knob resolves to an NvidiaTool (path, version) or None
+    assert tool is not None, f"Triton finds no {name} (set TRITON_{name.upper()}_PATH)"
+    return tool.path
+
+
+def compile_sass(ptx: str) -> tuple[str, str]:
+    """(ptxas -v log, cuobjdump -sass text) of a PTX module for sm_90a, with the tools Triton uses."""
     with tempfile.TemporaryDirectory() as d:
         open(f"{d}/k.ptx", "w").write(ptx)
-        log = subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+        log = subprocess.run([nvidia_tool("ptxas"), "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                              capture_output=True, text=True).stderr
-        sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+        sass = subprocess.run([nvidia_tool("cuobjdump"), "-sass", f"{d}/k.cubin"], capture_output=True,
+                              text=True).stdout
     return log, sass
