@@ -99,15 +99,18 @@ def test_launch_checks_name_the_argument():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_world_size_one_runs_the_peer_write_path_on_one_gpu(monkeypatch):
+@pytest.mark.parametrize("M,N,K,R,D,G", [(1, 4096, 4096, 64, 16, 128), (4, 192, 192, 8, 4, 32),
+                                         (4, 192, 384, 8, 4, 32), (16, 4096, 11008, 64, 16, 128)])
+def test_world_size_one_runs_the_peer_write_path_on_one_gpu(monkeypatch, M, N, K, R, D, G):
     """The op on one GPU, no process group: the same two kernels with one slot, against the reference;
-    twice (the signals reset) and under a CUDA graph. (Passed on one H200, 2026-12-03.)"""
+    twice (the signals reset) and under a CUDA graph. Shapes: a 7B-shaped layer at M = 1 and at the
+    staging's largest M, and the tiny TP model's o_proj and down_proj (K = 192 and 384 at G = 32)."""
     monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
 
     dtype = torch.bfloat16
-    shards, (bias, B, W1, b1, W2, b2, alpha) = _layer(4096, 4096, 1, 64, 16, 128, dtype)
+    shards, (bias, B, W1, b1, W2, b2, alpha) = _layer(N, K, 1, R, D, G, dtype)
     qw, s, z, G, A = shards[0]
-    x = torch.randn(1, 4096, device="cuda", dtype=dtype)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
     op = torch.ops.spear.ec_linear_peer_reduce
     args = (qw, s, z, G, bias, A, B, W1, b1, W2, b2, alpha, "silu", "spear", "")
     ref = ec_linear_tp_ref([x], shards, bias, B, W1, b1, W2, b2, alpha)
@@ -120,9 +123,26 @@ def test_world_size_one_runs_the_peer_write_path_on_one_gpu(monkeypatch):
         g.replay()
     torch.cuda.synchronize()
     close_to(out, ref, dtype)
-    st = PR.staging_for("", 4096, 64, x.device)
+    st = PR.staging_for("", N, R, x.device)
     assert st.initial_state()
     st.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_layers_of_one_shape_share_the_staging_in_turn(monkeypatch):
+    """Two layers of the same N and rank (the tiny TP model's o_proj and down_proj) use one staging, one
+    after the other, the second reading the first's output, as in a model step: each equals its reference."""
+    monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
+    dtype = torch.bfloat16
+    op = torch.ops.spear.ec_linear_peer_reduce
+    layers = [_layer(192, 192, 1, 8, 4, 32, dtype, seed=1), _layer(192, 192, 1, 8, 4, 32, dtype, seed=2)]
+    x = torch.randn(4, 192, device="cuda", dtype=dtype)
+    h, ref = x, x
+    for shards, (bias, B, W1, b1, W2, b2, alpha) in layers:
+        qw, s, z, G, A = shards[0]
+        h = op(h, qw, s, z, G, bias, A, B, W1, b1, W2, b2, alpha, "silu", "spear", "")
+        ref = ec_linear_tp_ref([ref], shards, bias, B, W1, b1, W2, b2, alpha)
+    close_to(h, ref, dtype)
 
 
 def test_both_kernels_compile_for_sm90_with_system_scope_signals():

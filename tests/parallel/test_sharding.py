@@ -83,37 +83,45 @@ def test_without_torch_distributed_a_sharded_artifact_is_the_single_process_mode
 
 
 def _one_gpu_sharded_model():
+    """The compiled sharded bf16 model and the compiled single-process bf16 model, each against the fp32
+    model on the same GPU (eager fp32 on the H200 matches fp32 on CPU to 2.5e-6, 2026-12-03).
+
+    The fp32 reference, not the eager bf16 model: this model's random ECs (B scaled by 3) give activations
+    of several thousand, so bf16 alone moves its logits a lot (eager bf16 0.31, compiled bf16 0.10 of a
+    largest logit of 0.81, H200, 2026-12-03), and the eager bf16 model is no closer to the truth than the
+    compiled one. The bound is the single-process compiled model's own error, so what is measured is what
+    sharding adds; a gate applied to the local partial moves the logits by more than 1."""
     from tests.parallel.tp_workers import compiled_counts, tiny_tp_model
 
-    m = tiny_tp_model(32).to("cuda", torch.bfloat16)
-    tp = shard_llama_(tiny_tp_model(32).to("cuda", torch.bfloat16))
     ids = torch.tensor([[3, 17, 42, 99]], device="cuda")
     with torch.no_grad():
-        ref = m(ids, use_cache=False).logits
-        got = compiled_counts(tp, ids, ref)
+        ref = tiny_tp_model(32).to("cuda")(ids, use_cache=False).logits
+        single = compiled_counts(tiny_tp_model(32).to("cuda", torch.bfloat16), ids, ref)
+        got = compiled_counts(shard_llama_(tiny_tp_model(32).to("cuda", torch.bfloat16)), ids, ref)
     torch._dynamo.reset()
     assert got["matched"] == 2 and got["ops"].get("spear.ec_linear_peer_reduce.default") == 2, got
-    return got, ref
+    got["single"] = single["compiled"]
+    return got
+
+
+def _assert_sharding_adds_no_error(got):
+    assert got["compiled"] <= 1.5 * got["single"] + 1e-3, got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_by_default():
+def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_by_default(monkeypatch):
     """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
-    layers as spear::ec_linear_peer_reduce on its default CUDA path (partial, all-reduce, gated apply);
-    it equals the single-process model within bf16 tolerance."""
-    got, ref = _one_gpu_sharded_model()
-    assert got["compiled"] < 3e-2 * ref.abs().max().item(), got
+    layers as spear::ec_linear_peer_reduce on its host path (partial, all-reduce, gated apply); its error
+    against fp32 is within 1.5x of the single-process compiled model's."""
+    monkeypatch.setenv("SPEAR_PEER_WRITE", "0")
+    _assert_sharding_adds_no_error(_one_gpu_sharded_model())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason="known bug: on one H200 (2026-12-03) the peer-write pair gave logits off by "
-                   "0.21 (max |logit| 0.81) on this model, while the op alone at M = 1, 4096x4096 matched its "
-                   "reference; SPEAR_PEER_WRITE stays opt-in until this passes")
 def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels(monkeypatch):
-    """The same with ``SPEAR_PEER_WRITE=1``: the peer-write pair with one slot."""
+    """The same through the peer-write pair with one slot (``SPEAR_PEER_WRITE=1``)."""
     monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
-    got, ref = _one_gpu_sharded_model()
-    assert got["compiled"] < 3e-2 * ref.abs().max().item(), got
+    _assert_sharding_adds_no_error(_one_gpu_sharded_model())
 
 
 @pytest.mark.parametrize("world,G", [(2, 32), (3, None)])
