@@ -1,0 +1,183 @@
+"""Where an engine step's time goes: transformers' continuous-batching step, part by part, on the real engine.
+
+``spear_compile.runtime.Engine`` (compiled with ``backend="spear"``, transformers' CUDA graphs on where it
+compiles on CUDA) serves one request alone (batch-1 decode) and then ``--batch`` requests at once. Every
+part of transformers' generation-loop step is timed on the generation thread (wall, ``perf_counter``):
+
+* ``prepare_next_batch``: our scheduler's plan plus transformers' host-side batch building;
+* ``get_model_kwargs``: the padded device inputs; ``compute_batch``: the forward (a CUDA-graph replay,
+  or a capture: counted apart), logits processing and sampling, as launched; ``retrieve_device_outputs``:
+  the copy of the sampled tokens to the host (it waits for the GPU: the step's device time shows here);
+* ``update_batch``: the host-side bookkeeping of the new tokens and the output delivery.
+
+The GPU's own kernel time per step comes from ``torch.profiler`` (CUPTI) over a window of decode steps:
+``gpu_busy_ms_per_step`` against the step's wall time says whether the step is host or device bound.
+``cprofile_top``: the generation thread's functions by own time over the same window (cProfile).
+
+    python benchmarks/engine_profile.py --device cuda --model llama2-7b --out OUT
+    python benchmarks/engine_profile.py --device cpu --model smollm2 --out OUT --no-compile
+
+Writes ``OUT/engine_profile_<device>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# benchmarks/kernels.py must not shadow the ``kernels`` package that transformers probes for
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from benchmarks.serving import build_model, meta, set_ec_density  # noqa: E402
+
+from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
+
+
+class PartTimer:
+    """Wall time of named methods of transformers' batch processor, per call, on whichever thread calls."""
+
+    def __init__(self):
+        self.t = collections.defaultdict(list)
+        self.captures = 0
+        self.on = False
+        self.prof = None
+
+    def wrap(self, obj, name, label=None):
+        fn = getattr(obj, name)
+        label = label or name
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.on:
+                    self.t[label].append((time.perf_counter() - t0) * 1e3)
+        setattr(obj, name, timed)
+
+    def summary(self) -> dict:
+        return {k: {"calls": len(v), "median_ms": round(statistics.median(v), 4), "mean_ms": round(sum(v) / len(v), 4),
+                    "max_ms": round(max(v), 3)} for k, v in self.t.items() if v}
+
+
+def instrument(engine, timer: PartTimer) -> None:
+    bp = engine._manager.batch_processor
+    for name in ("prepare_next_batch", "update_batch"):
+        timer.wrap(bp, name)
+    io = bp.inputs_and_outputs
+    for name in ("get_model_kwargs", "retrieve_device_outputs"):
+        timer.wrap(io, name)
+    mr = bp.model_runner
+    timer.wrap(mr, "compute_batch")
+    cap = mr._capture_graph
+
+    def counted(*a, **k):
+        timer.captures += 1
+        return cap(*a, **k)
+    mr._capture_graph = counted
+    # the generation thread's own functions: cProfile is per thread, so it is switched on inside the step
+    step = engine._manager._generation_step
+
+    def profiled():
+        if timer.prof is not None:
+            timer.prof.enable()
+            try:
+                return step()
+            finally:
+                timer.prof.disable()
+        return step()
+    engine._manager._generation_step = profiled
+
+
+def serve(engine, reqs, timer: PartTimer, window: tuple, gpu: bool) -> dict:
+    """Serve ``reqs`` (prompt ids, max new tokens) at once; time the parts and profile over the steps
+    ``window`` = (first, last) token index of the first request."""
+    timer.t.clear()
+    ids = [engine.add_request(p, max_new_tokens=m, eos_token_id=-1) for p, m in reqs]
+    times, out = [], {}
+    prof_ctx = None
+    timer.on = True
+    for i, _ in enumerate(engine.stream(ids[0])):
+        times.append(time.perf_counter())
+        if i == window[0]:
+            timer.prof = cProfile.Profile()
+            if gpu:
+                prof_ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof_ctx.__enter__()
+            w0 = time.perf_counter()
+        if i == window[1]:
+            w1 = time.perf_counter()
+            prof, timer.prof = timer.prof, None
+            if prof_ctx is not None:
+                torch.cuda.synchronize()
+                prof_ctx.__exit__(None, None, None)
+                busy = sum(e.device_time_total for e in prof_ctx.key_averages()) / 1e3  # us -> ms
+                out["gpu_busy_ms_per_step"] = round(busy / (window[1] - window[0]), 4)
+            out["window_wall_ms_per_step"] = round((w1 - w0) * 1e3 / (window[1] - window[0]), 4)
+            st = pstats.Stats(prof)
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]
+            out["cprofile_top"] = [{"fn": f"{os.path.basename(f)}:{ln}:{fn}", "calls": nc, "tottime_ms": round(tt * 1e3, 3),
+                                    "cumtime_ms": round(ct * 1e3, 3)} for (f, ln, fn), (cc, nc, tt, ct, _) in rows]
+    for rid in ids[1:]:
+        engine.result(rid)
+    timer.on = False
+    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    out["itl_ms_median"] = round(statistics.median(gaps[window[0]:]), 4)
+    out["parts"] = timer.summary()
+    out["graph_captures"] = timer.captures
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default=None, help="smollm2 (CPU default) or llama2-7b (CUDA default)")
+    ap.add_argument("--density", type=int, default=25, help="EC density, percent of the linears")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per request")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="transformers' CUDA graphs (default: the engine's, on when compiled on CUDA)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    args.model = args.model or ("llama2-7b" if args.device == "cuda" else "smollm2")
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    model = build_model(args.model, args.device)
+    ecs = set_ec_density(model, args.density, args.rank)
+    extra = {} if args.cuda_graph is None else {"cb_config": {"use_cuda_graph": args.cuda_graph}}
+    eng = Engine(model, None, policy=StaticChunkPolicy(512), compile=args.compile, max_batch_tokens=2048,
+                 block_size=256, log=print, **extra)
+    eng.start()
+    print(f"engine up in {time.perf_counter() - t0:.1f} s")
+    timer = PartTimer()
+    instrument(eng, timer)
+    rows = {}
+    gpu = args.device == "cuda"
+    for b in args.batch:
+        reqs = [(list(range(10 + i, 42 + i)), args.tokens) for i in range(b)]
+        serve(eng, reqs, timer, (8, 16), gpu)  # once to capture every graph this workload needs
+        timer.captures = 0
+        rows[f"batch{b}"] = serve(eng, reqs, timer, (16, args.tokens - 8), gpu)
+        print(f"batch {b}: {json.dumps({k: v for k, v in rows[f'batch{b}'].items() if k != 'cprofile_top'})}")
+    eng.stop()
+    rec = {"meta": meta(args), "model": args.model, "ec_density": args.density, "ecs": len(ecs),
+           "compile": args.compile, "cuda_graph": args.cuda_graph, "rows": rows}
+    path = os.path.join(args.out, f"engine_profile_{args.device}.json")
+    json.dump(rec, open(path, "w"), indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
