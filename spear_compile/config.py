@@ -201,6 +201,9 @@ class CompileConfig(_Serialisable):
         that GEMV as it stages x (``passes/fuse_rmsnorm.py``; on a GPU only where that kernel runs).
     fold_residual_add: at decode, fold ``x + linear(h)`` into the linear as its bias, so the GEMV's
         epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
+    fold_gqa_attention: grouped-query attention whose K and V are repeated per query head (HF's
+        ``repeat_kv``, taken whenever a mask is given) reads each KV head once instead: the query heads of
+        a group become rows of one head (``passes/fold_gqa_attention.py``, on Dynamo's graph).
     on_unmatched_ec: what to do when an EC registered for a foreign module's weight (``attach_`` /
         ``register_ec``) reaches the compiler but no pass rewrites that weight's linear, so the
         compiled model would silently differ from eager + EC: ``"error"`` (default) raises
@@ -217,6 +220,7 @@ class CompileConfig(_Serialisable):
     fuse_glu: bool = True
     fuse_rmsnorm: bool = True
     fold_residual_add: bool = True
+    fold_gqa_attention: bool = True
     on_unmatched_ec: str = "error"
 
     def __post_init__(self) -> None:

@@ -3,9 +3,10 @@
 ``torch.compile(model, backend="spear", options={...})`` calls :func:`spear_backend`
 with Dynamo's FX graph and the real example inputs. We record which input tensor is
 which (for ECs registered against foreign weights) and hand the graph to Inductor's
-``compile_fx`` with our pass manager as ``post_grad_custom_post_pass``; everything else
-is Inductor's, so a graph with no quantized linear compiles exactly as
-``backend="inductor"`` would.
+``compile_fx`` with our pass manager as ``post_grad_custom_post_pass``. One pass runs before that, on
+Dynamo's own graph: ``fold_gqa_attention`` (grouped-query attention without the repeated KV cache).
+Everything else is Inductor's, so a graph with no quantized linear and no repeated-KV attention
+compiles exactly as ``backend="inductor"`` would.
 
 ``options`` are :class:`~spear_compile.config.CompileConfig` fields
 (e.g. ``{"crossover_m": 32}``); a :func:`compile_config` context manager sets them too.
@@ -38,6 +39,7 @@ from ..errors import UnmatchedECError
 from . import compiled_plans
 from .common import EC_PARAMS
 from .context import InputInfo, PassContext, fqn_from_source
+from .fold_gqa_attention import FoldGQAAttention
 from .manager import SpearPassManager
 
 _CONFIG: contextvars.ContextVar[Optional[CompileConfig]] = contextvars.ContextVar("spear_config", default=None)
@@ -139,6 +141,7 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
         warnings.warn(f"backend='spear' ignores torch.compile mode={kw['mode']!r}: Inductor runs with its defaults "
                       f"plus the spear passes", stacklevel=2)
 
+    gm = _fold_gqa(gm, _resolve_config(options))
     infos = _input_infos(gm, example_inputs)
     gm, extra, ec_inputs = _add_ec_inputs(gm, infos)
     ctx = PassContext(config=_resolve_config(options), inputs=infos, ec_inputs=ec_inputs,
@@ -162,6 +165,21 @@ def spear_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[di
         compiled_plans.save(key, records, fingerprint)
     compiled_plans.register(key, records, fingerprint, [(i.name, i.tensor) for i in ctx.inputs], source)
     return compiled if not extra else _with_extra_inputs(compiled, extra)
+
+
+def _fold_gqa(gm: torch.fx.GraphModule, cfg: CompileConfig) -> torch.fx.GraphModule:
+    """``passes/fold_gqa_attention.py`` on (a copy of) Dynamo's graph, before AOTAutograd."""
+    p = FoldGQAAttention(cfg.fold_gqa_attention)
+    if not p.matches(gm):
+        return gm
+    gm = _copy_dynamo_graph(gm)
+    obs = _OBSERVERS[-1] if _OBSERVERS else None
+    if obs is not None:
+        obs("before", p.name, gm.graph, p)
+    p(gm)
+    if obs is not None:
+        obs("after", p.name, gm.graph, p)
+    return gm
 
 
 def _compile_uncached(compile_fx, gm, inputs, patches):
