@@ -24,6 +24,9 @@ one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.be
                     2026-11-30; the 2026-11-29 and earlier JSONs' plain rows are unfused)
 
     python benchmarks/e2e_decode.py --out $OUT [--batch 1 16] [--variants ...]
+
+HF-model mode (``--hf llama2-7b qwen2.5-7b``): HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` from a config
+through the public path, each row with its byte floor (``benchmarks/e2e_hf.py``).
 """
 from __future__ import annotations
 
@@ -220,14 +223,26 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--variants", nargs="+", default=["bf16", "int4_tinygemm", "ours_w4", "spear_ec10", "spear_ec25",
-                                                      "spear_ec100", "unfused_ec25", "ours_w4_nocat",
-                                                      "spear_ec25_nocat"])
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="default: bf16 int4_tinygemm ours_w4 spear_ec10 spear_ec25 spear_ec100 unfused_ec25 "
+                         "ours_w4_nocat spear_ec25_nocat; with --hf: those of benchmarks/e2e_hf.py")
+    ap.add_argument("--hf", nargs="+", default=None, metavar="MODEL",
+                    help="HF-model mode (benchmarks/e2e_hf.py): llama2-7b and / or qwen2.5-7b through the public path")
+    ap.add_argument("--ctx", type=int, default=1024, help="--hf: StaticCache length")
+    ap.add_argument("--pos", type=int, default=512, help="--hf: the decode position (context attended)")
+    ap.add_argument("--tbps", type=float, default=4.17, help="--hf: the byte floor's bandwidth, TB/s")
     ap.add_argument("--reruns", type=int, default=0,
                     help="also count the distinct logits of this many eager reruns of each compiled step")
     args = ap.parse_args()
     if args.reruns < 0:
         ap.error(f"--reruns {args.reruns}: must be >= 0")
+    if args.hf:
+        from e2e_hf import main_hf
+
+        args.variants = args.variants or []
+        return main_hf(args)
+    args.variants = args.variants or ["bf16", "int4_tinygemm", "ours_w4", "spear_ec10", "spear_ec25", "spear_ec100",
+                                      "unfused_ec25", "ours_w4_nocat", "spear_ec25_nocat"]
     torch.manual_seed(0)
     with torch.device("cuda"):
         ref = Model(1)

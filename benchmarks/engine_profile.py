@@ -28,15 +28,13 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# benchmarks/kernels.py must not shadow the ``kernels`` package that transformers probes for
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+from _syspath import unshadow  # noqa: E402
+
+unshadow()
 
 from benchmarks.serving import build_model, meta, set_ec_density  # noqa: E402
 
