@@ -92,7 +92,11 @@ case "$topic" in
                   done
                 fi
                 if [ "${SHARDS:-1}" -gt 1 ]; then  # the collected tests dealt round-robin to SHARDS pytest processes
-                  python -m pytest -q -p no:cacheprovider --co "${paths[@]}" 2>/dev/null | grep '::' > "$out/ids.txt"
+                  python -m pytest -q -p no:cacheprovider --co "${paths[@]}" > "$out/collect.log" 2>&1
+                  grep '::' "$out/collect.log" > "$out/ids.txt"
+                  if [ ! -s "$out/ids.txt" ]; then  # never fall through to a shard-less run of the whole suite
+                    echo "no tests collected from: ${paths[*]}"; tail -n 20 "$out/collect.log"; exit 2
+                  fi
                   pids=()
                   for ((i = 0; i < SHARDS; i++)); do
                     awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$out/ids.txt" > "$out/ids_$i.txt"
