@@ -127,10 +127,20 @@ def time_row(name: str, variant: str, batch: int, ctx: int, pos: int, tbps: floa
             "x_floor": ms / floor_ms, "bytes": nbytes, "build_compile_s": compile_s, "finite": ok}
 
 
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main_hf(args) -> None:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "transformers": __import__("transformers").__version__,
-           "date": datetime.date.today().isoformat(), "ctx": args.ctx, "pos": args.pos, "tbps": args.tbps,
+           "date": datetime.date.today().isoformat(), "commit": _commit(), "ctx": args.ctx, "pos": args.pos, "tbps": args.tbps,
            "path": "HF model from config, quantize_ g128, torch.compile(step, backend) with StaticCache, "
                    "one CUDA graph per step", "rows": []}
     path = os.path.join(args.out, "e2e_hf.json")
