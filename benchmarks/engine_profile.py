@@ -121,6 +121,10 @@ def serve(engine, reqs, timer: PartTimer, window: tuple, gpu: bool) -> dict:
                 prof_ctx.__exit__(None, None, None)
                 busy = sum(e.device_time_total for e in prof_ctx.key_averages()) / 1e3  # us -> ms
                 out["gpu_busy_ms_per_step"] = round(busy / (window[1] - window[0]), 4)
+                top = sorted(prof_ctx.key_averages(), key=lambda e: -e.device_time_total)[:25]
+                out["gpu_kernels_top"] = [{"name": e.key[:160], "calls_per_step": round(e.count / (window[1] - window[0]), 2),
+                                           "ms_per_step": round(e.device_time_total / 1e3 / (window[1] - window[0]), 4)}
+                                          for e in top]
             out["window_wall_ms_per_step"] = round((w1 - w0) * 1e3 / (window[1] - window[0]), 4)
             st = pstats.Stats(prof)
             rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]
@@ -147,6 +151,10 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                     help="transformers' CUDA graphs (default: the engine's, on when compiled on CUDA)")
+    ap.add_argument("--padding", choices=("engine", "transformers", "exact"), default="engine",
+                    help="step shapes: the engine's (tokens to a multiple of 64, KV reads to a block), transformers' "
+                         "fallback (tokens to a multiple of 64, KV reads to 16384) or exact (tokens as planned, KV "
+                         "reads to a block)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.model = args.model or ("llama2-7b" if args.device == "cuda" else "smollm2")
@@ -154,7 +162,12 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     model = build_model(args.model, args.device)
     ecs = set_ec_density(model, args.density, args.rank)
-    extra = {} if args.cuda_graph is None else {"cb_config": {"use_cuda_graph": args.cuda_graph}}
+    cb = {} if args.cuda_graph is None else {"use_cuda_graph": args.cuda_graph}
+    if args.padding == "transformers":  # transformers' fallback padding when it compiles (the engine's before)
+        cb.update(q_padding_interval_size=64, kv_padding_interval_size=64 * 256)
+    elif args.padding == "exact":
+        cb.update(q_padding_interval_size=1)
+    extra = {"cb_config": cb} if cb else {}
     eng = Engine(model, None, policy=StaticChunkPolicy(512), compile=args.compile, max_batch_tokens=2048,
                  block_size=256, log=print, **extra)
     eng.start()
@@ -170,7 +183,7 @@ def main(argv=None) -> None:
         rows[f"batch{b}"] = serve(eng, reqs, timer, (16, args.tokens - 8), gpu)
         print(f"batch {b}: {json.dumps({k: v for k, v in rows[f'batch{b}'].items() if k != 'cprofile_top'})}")
     eng.stop()
-    rec = {"meta": meta(args), "model": args.model, "ec_density": args.density, "ecs": len(ecs),
+    rec = {"meta": meta(args), "model": args.model, "ec_density": args.density, "ecs": len(ecs), "padding": args.padding,
            "compile": args.compile, "cuda_graph": args.cuda_graph, "rows": rows}
     path = os.path.join(args.out, f"engine_profile_{args.device}.json")
     json.dump(rec, open(path, "w"), indent=1)

@@ -243,13 +243,30 @@ class Engine:
         self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
 
     def _cuda_graph_default(self, cc) -> dict:
-        """Compiled on CUDA: transformers' CUDA graphs on unless ``cb_config`` says otherwise. Its default
-        infers them off for a compile config without its fast decode path (flash-attn's KV-cache kernel);
-        on one H200 (2026-12-03, Llama-2-7B-shaped W4, transformers 5.17) the compiled engine's batch-1
-        decode step was 87.0 ms without them and 26.6 ms with them (host work of 32 layers replayed)."""
-        if cc is None or "use_cuda_graph" in self.extra_cb or str(_device_of(self.model)).split(":")[0] != "cuda":
+        """Compiled: the step shapes transformers pads to, and on CUDA its CUDA graphs on, unless ``cb_config``
+        says otherwise (each key apart). Measured on one H200 (Llama-2-7B-shaped W4 g128, ECs r64 on 25 % of
+        the linears, transformers 5.17, ``benchmarks/engine_profile.py``; records in
+        ``benchmarks/results/engine_profile/2026-12-04_h200/``):
+
+        * ``use_cuda_graph=True`` on CUDA. transformers infers them off for a compile config without its fast
+          decode path (flash-attn's KV-cache kernel); the batch-1 decode step was 87.0 ms without them and
+          26.6 ms with them (2026-12-03: host work of 32 layers replayed).
+        * ``kv_padding_interval_size`` = one KV block. When it compiles, transformers pads a step's KV reads
+          to a multiple of 16384 tokens: with CUDA graphs the batch-1 decode step (at most 72 tokens of context) then
+          spent 26.0 of its 28.3 ms on the GPU, 12.4 ms of it attention over the padded positions and 2.1 ms
+          gathering them. Reads padded to whole pages (what the paged cache holds anyway) cost one CUDA graph
+          per distinct number of pages read instead.
+        * The step's tokens keep transformers' padding (a multiple of 64, so at most 2048 / 64 graphs per KV
+          size). Exact token counts (``cb_config={"q_padding_interval_size": 1}``) would give batch-1 decode
+          the M = 1 GEMV instead of the W4 GEMM at M = 64 (10.0 ms per step), but in that measurement the TMA
+          GEMV took 0.49 ms per launch inside the engine's graphs (39.4 ms per step, a 44.7 ms step), far
+          from its standalone time: not the default until that is understood."""
+        if cc is None:
             return {}
-        return {"use_cuda_graph": True}
+        out = {"kv_padding_interval_size": self.block_size or 256}
+        if str(_device_of(self.model)).split(":")[0] == "cuda":
+            out["use_cuda_graph"] = True
+        return {k: v for k, v in out.items() if k not in self.extra_cb}
 
     def _raise_recompile_limit(self) -> None:
         import torch._dynamo
