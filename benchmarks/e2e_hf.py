@@ -4,7 +4,7 @@ What a user runs: an HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` built from a
 weights: the latency does not depend on their values), ``spear.quantize_`` (RTN, group 128), ECs on a
 share of the linears for the SPEAR rows, then ``torch.compile(step, backend=...)`` of one decode step
 with HF's ``StaticCache`` (``max_cache_len`` ``--ctx``, decoding at position ``--pos``), the whole step
-captured in one CUDA graph and timed by graph replays (median ms per step, ``lowering.tuning.bench_graph``).
+captured in one CUDA graph and timed by graph replays (median ms per step, ``dispatch.tuning.bench_graph``).
 
 Models (``--hf``): ``llama2-7b`` (32 layers, hidden 4096, MLP 11008, 32 heads, 32 KV heads, vocab 32000)
 and ``qwen2.5-7b`` (28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads: grouped-query attention,
@@ -31,13 +31,14 @@ import time
 import torch
 from torch import nn
 
+from _meta import git
 from _syspath import unshadow
 
 unshadow()  # before transformers is imported
 
 import spear_compile as spear
 from spear_compile import ECConfig, QuantConfig
-from spear_compile.lowering.tuning import bench_graph
+from spear_compile.dispatch.tuning import bench_graph
 
 MODELS = {
     "llama2-7b": ("LlamaConfig", "LlamaForCausalLM",
@@ -127,20 +128,10 @@ def time_row(name: str, variant: str, batch: int, ctx: int, pos: int, tbps: floa
             "x_floor": ms / floor_ms, "bytes": nbytes, "build_compile_s": compile_s, "finite": ok}
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main_hf(args) -> None:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "transformers": __import__("transformers").__version__,
-           "date": datetime.date.today().isoformat(), "commit": _commit(), "ctx": args.ctx, "pos": args.pos, "tbps": args.tbps,
+           "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "HEAD") or "unknown", "ctx": args.ctx, "pos": args.pos, "tbps": args.tbps,
            "path": "HF model from config, quantize_ g128, torch.compile(step, backend) with StaticCache, "
                    "one CUDA graph per step", "rows": []}
     path = os.path.join(args.out, "e2e_hf.json")

@@ -42,14 +42,11 @@ TTFT and ITL, ``/health`` during the load. Written to ``OUT/serving_http_<device
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -59,15 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spear_compile as spear  # noqa: E402
 from spear_compile import QuantConfig, runtime  # noqa: E402
 from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
+from spear_compile.serve.loadgen import pct, send_at_arrivals  # noqa: E402
 
-
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+from benchmarks._meta import run_meta  # noqa: E402
 
 
 # ---------------------------------------------------------------- model and ECs
@@ -183,19 +174,11 @@ def run(engine_kw: dict, policy, reqs: list, timeout_s: float) -> dict:
         except Exception as e:  # noqa: BLE001  (recorded and reported in the row)
             errors.append(f"{rid}: {e}")
 
-    threads = []
-    for i, (arr, ids, m) in enumerate(reqs):
-        wait = arr - (time.perf_counter() - t0)
-        if wait > 0:
-            time.sleep(wait)
-        rid = eng.add_request(ids, max_new_tokens=m, eos_token_id=-1)
-        th = threading.Thread(target=consume, args=(i, rid), daemon=True)
-        th.start()
-        threads.append(th)
-    deadline = time.perf_counter() + timeout_s
-    for th in threads:
-        th.join(max(0.0, deadline - time.perf_counter()))
-    makespan = time.perf_counter() - t0
+    def start(i, req):  # at the request's arrival: add it, and stream it on a thread of its own
+        rid = eng.add_request(req[1], max_new_tokens=req[2], eos_token_id=-1)
+        return lambda: consume(i, rid)
+
+    makespan = send_at_arrivals(reqs, t0, start, timeout_s)
     eng.stop(wait=False)
     return {"times": times, "makespan": makespan, "sched_us": timed.us, "steps": timed.steps, "errors": errors}
 
@@ -267,19 +250,11 @@ def svg(rows: list, path: str) -> None:
 
 
 def meta(args) -> dict:
+    """The record's meta block (``benchmarks/_meta.py``), with the device, transformers' version and the model."""
     import transformers
 
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
-            return "unknown"
-
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": git("rev-parse", "HEAD"), "device": args.device,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "spear_compile": spear.__version__,
-            "model": args.model, "args": vars(args)}
+    return run_meta(args, {"transformers": transformers.__version__, "spear_compile": spear.__version__},
+                    head={"device": args.device}, tail={"model": args.model}, cpu=platform.processor() or "cpu")
 
 
 def main_http(args) -> None:

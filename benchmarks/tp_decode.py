@@ -39,7 +39,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -49,6 +48,7 @@ os.environ.setdefault("SPEAR_PEER_WRITE", "1")  # spear_peer measures the opt-in
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _meta import run_meta  # noqa: E402
 
 MODELS = {"7b": dict(hidden=4096, inter=11008, layers=32), "13b": dict(hidden=5120, inter=13824, layers=40),
           "tiny": dict(hidden=256, inter=512, layers=2)}
@@ -161,21 +161,13 @@ def bench(fn, reps: int, device: str, group) -> float:
 
 
 def meta(args, W: int) -> dict:
+    """The record's meta block (``benchmarks/_meta.py``), with the world size, Triton's version and the
+    NVLink multicast / peer-write environment."""
     import triton
 
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
-            return "unknown"
-
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": git("rev-parse", "HEAD"), "world_size": W,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "spear_compile": args.version,
-            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                         "SPEAR_PEER_WRITE")},
-            "args": vars(args)}
+    env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "SPEAR_PEER_WRITE")}
+    return run_meta(args, {"triton": triton.__version__, "spear_compile": args.version}, head={"world_size": W},
+                    tail={"env": env})
 
 
 def main(argv=None) -> None:

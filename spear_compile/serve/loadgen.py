@@ -11,6 +11,8 @@
   (admitted, rejected, lost, errors), TTFT / ITL percentiles in ms and the health checks.
 * ``open_loop(base_url, model, requests, timeout_s)``: requests sent at their arrival times (the serving
   benchmark's Poisson workload); per request the chunk arrival times, as ``benchmarks/serving.py`` scores them.
+* ``send_at_arrivals(requests, t0, start, timeout_s)``: the pacing of ``open_loop`` (and of the serving
+  benchmark's in-process runs): each request started at its arrival time, each on its own thread.
 
 Times are ``time.perf_counter()`` seconds. Needs ``openai`` and ``httpx`` (the ``test`` extra).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 Prompt = Union[str, List[int]]
 
@@ -176,6 +178,26 @@ def closed_loop(base_url: str, model: str, prompts: Sequence[Prompt], clients: i
     return res
 
 
+def send_at_arrivals(requests: Sequence[tuple], t0: float, start: Callable[[int, tuple], Callable[[], None]],
+                     timeout_s: float) -> float:
+    """For each request in turn, at its arrival time (its first field, seconds after ``t0``, a
+    ``time.perf_counter()`` time): ``start(i, request)`` on this thread, and what it returns on a daemon thread
+    of its own. Then waits for those threads, at most ``timeout_s`` after the last one started; returns the
+    makespan (seconds from ``t0`` to then)."""
+    threads = []
+    for i, req in enumerate(requests):
+        wait = req[0] - (time.perf_counter() - t0)
+        if wait > 0:
+            time.sleep(wait)
+        th = threading.Thread(target=start(i, req), daemon=True)
+        th.start()
+        threads.append(th)
+    deadline = time.perf_counter() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.perf_counter()))
+    return time.perf_counter() - t0
+
+
 def open_loop(base_url: str, model: str, requests: Sequence[tuple], timeout_s: float = 600.0) -> Dict:
     """``requests``: (arrival s, prompt, max_tokens), sent at their arrival times from the start; returns
     ``times`` (per request, chunk arrival times from the start), ``makespan``, ``outcomes``."""
@@ -183,23 +205,16 @@ def open_loop(base_url: str, model: str, requests: Sequence[tuple], timeout_s: f
     t0 = time.perf_counter()
     outcomes: List[Optional[Outcome]] = [None] * len(requests)
 
-    def one(i: int, prompt, m: int) -> None:
-        outcomes[i] = stream_completion(client, model, prompt, m)
+    def start(i: int, req: tuple) -> Callable[[], None]:
+        def one() -> None:
+            outcomes[i] = stream_completion(client, model, req[1], req[2])
 
-    threads = []
-    for i, (arrival, prompt, m) in enumerate(requests):
-        wait = arrival - (time.perf_counter() - t0)
-        if wait > 0:
-            time.sleep(wait)
-        th = threading.Thread(target=one, args=(i, prompt, m), daemon=True)
-        th.start()
-        threads.append(th)
-    deadline = time.perf_counter() + timeout_s
-    for th in threads:
-        th.join(max(0.0, deadline - time.perf_counter()))
-    makespan = time.perf_counter() - t0
+        return one
+
+    makespan = send_at_arrivals(requests, t0, start, timeout_s)
     outs = [o or Outcome("lost", t0, error="no answer before the timeout") for o in outcomes]
     return {"times": [[t - t0 for t in o.chunk_times] for o in outs], "makespan": makespan, "outcomes": outs}
 
 
-__all__ = ["Outcome", "client_for", "closed_loop", "open_loop", "pct", "stream_completion", "summarize"]
+__all__ = ["Outcome", "client_for", "closed_loop", "open_loop", "pct", "send_at_arrivals", "stream_completion",
+           "summarize"]
