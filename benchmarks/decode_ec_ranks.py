@@ -27,11 +27,12 @@ import os
 import torch
 
 import spear_compile  # noqa: F401  (registers ops)
+from spear_compile.dispatch import keys as TK
 from spear_compile.dispatch import cuda as D
 from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.ops.ec_ref import ec_linear_ref
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, save_table
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key, save_table
 
 from kernels import DT, G, MAX_LAB_ERR, make_ec, make_weights, rel_err
 
@@ -59,7 +60,7 @@ def routes(N: int, K: int, ec: tuple, params: tuple):
 
     out = [("dispatch", lambda x, q, s, z: D.w4a16_gemv(x, q, s, z, G, None, ec=ec)),
            ("w4_plain", lambda x, q, s, z: D.w4a16_gemv(x, q, s, z, G, None))]
-    choice = T.tuned_table().get(T.gemv1self_key(N, K, G))
+    choice = TK.tuned_table().get(TK.gemv1self_key(N, K, G))
     if choice and choice[0] == "tma":
         cfg = tuple(int(v) for v in choice[1:])
         out.append(("one_launch_tma", lambda x, q, s, z: tma_self_gemv(x, q, s, z, G, None, ec, "silu", cfg)))
@@ -97,7 +98,7 @@ def main() -> None:
         xs = [torch.randn(1, K, device="cuda", dtype=DT) for _ in range(copies)]
         w = lambda i: (ws[i]["qw"].qweight, ws[i]["qw"].scales, ws[i]["qw"].zeros)  # noqa: E731
         if args.write_table:  # this run remakes the shape's per-rank choices
-            T.drop_gemv1self_ranks(N, K, G)
+            TK.drop_gemv1self_ranks(N, K, G)
         for r in args.ranks:
             ec = make_ec(N, K, r)
             ref = ec_linear_ref(xs[0], *w(0), G, None, *ec, "silu")
@@ -110,11 +111,11 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (reported, not fatal)
                     row["err"][name] = f"{type(e).__name__}: {str(e)[:200]}"
             res["rows"].append(row)
-            generic = T.tuned_table().get(T.gemv1self_key(N, K, G))
+            generic = TK.tuned_table().get(TK.gemv1self_key(N, K, G))
             if args.write_table and generic:
                 choice = rank_choice(row, generic, RT.tma_ec_measured_ok(N, K, G), args.margin)
                 if choice is not None:
-                    T.tuned_table()[T.gemv1self_rank_key(N, K, G, r)] = choice
+                    TK.tuned_table()[TK.gemv1self_rank_key(N, K, G, r)] = choice
                     row["table"] = choice
             print(f"{N}x{K} r={r}: " + "  ".join(f"{k} {v:.1f}" for k, v in row["us"].items())
                   + "  max err " + f"{max((v for v in row['err'].values() if isinstance(v, float)), default=0):.1e}",
@@ -127,7 +128,7 @@ def main() -> None:
     if args.write_table:
         import shutil
 
-        shutil.copy(save_table("configs", T.tuned_table()), args.out)
+        shutil.copy(save_table("configs", TK.tuned_table()), args.out)
 
 
 if __name__ == "__main__":

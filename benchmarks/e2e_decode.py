@@ -4,7 +4,7 @@
 (decoding at position 512; no rotary embedding: identical work in every variant).
 Each variant's decoder layer is compiled with torch.compile (layers share one compiled
 graph per structure), the whole decode step (embedding, 32 layers, head) is captured in
-one CUDA graph, and we time graph replays (median ms/token, ``lowering.tuning.bench_graph``):
+one CUDA graph, and we time graph replays (median ms/token, ``dispatch.tuning.bench_graph``):
 
   bf16              nn.Linear, Inductor
   int4_tinygemm     aten._weight_int4pack_mm (group 128), Inductor   (torchao / gpt-fast way)
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import spear_compile as spear
 from spear_compile import ECConfig, QuantConfig
 from spear_compile.compensators.init import random_ecs
-from spear_compile.lowering.tuning import bench_graph
+from spear_compile.dispatch.tuning import bench_graph
 from spear_compile.quant import QuantLinear, unpack_int4
 
 D, H, FF, L, V, CTX, POS, G = 4096, 32, 11008, 32, 32000, 1024, 512, 128

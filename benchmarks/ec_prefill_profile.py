@@ -53,7 +53,7 @@ from spear_compile.lowering.dequant_cublas import dequant_cublas  # noqa: E402
 from spear_compile.dispatch.cuda import ec_overlapped  # noqa: E402
 from spear_compile.lowering.ec_shrink_splitk import ec_shrink_gate_splitk  # noqa: E402
 from spear_compile.lowering.ec_triton import ec_shrink_gate  # noqa: E402
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
 
 
 def profile(N: int, K: int, M: int, r: int = 64) -> dict:

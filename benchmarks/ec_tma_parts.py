@@ -22,12 +22,13 @@ import sys
 
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.lowering.ec_decode_triton import ec_produce, w4a16_gemv1_ec_pdl
 from spear_compile.ops.ec_ref import ec_linear_ref
-from spear_compile.lowering.tuning import bench_graph, capture_graph, copies_for
+from spear_compile.dispatch.tuning import bench_graph, capture_graph, copies_for
 from spear_compile.lowering.w4a16_gemv_tma_ec import EcEpilogue
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +63,7 @@ def main() -> None:
         shape, r = spec.split(":")
         N, K = (int(v) for v in shape.split("x"))
         r = int(r)
-        cfg = tuple(T.tuned_table().get(GT.tma_key(N, K, G)) or (4, 2, 2, 2, 2))
+        cfg = tuple(TK.tuned_table().get(TK.tma_key(N, K, G)) or (4, 2, 2, 2, 2))
         copies = min(copies_for(N * K // 2), 8)
         ws = make_weights(N, K, copies)
         ec = make_ec(N, K, r)

@@ -33,13 +33,14 @@ import torch.nn.functional as F
 
 import spear_compile  # noqa: F401  (registers ops)
 from spear_compile import QuantConfig
+from spear_compile.dispatch import keys as TK
 from spear_compile.lowering import w4a16_gemv_tma as GT
 from spear_compile.dispatch import cuda as D
 from spear_compile.dispatch import route as RT
 from spear_compile.lowering import w4a16_triton as T
 from spear_compile.dispatch.cuda import OVERLAP_STRUCTURES, ec_overlapped
 from spear_compile.ops.ec_ref import ec_linear_ref
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key, refine, save_table, search
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key, refine, save_table, search
 from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 from spear_compile.quant import quantize_rtn
 
@@ -103,7 +104,7 @@ def _dump(res, out) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"kernels_{gpu_key()}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    save_table("configs", T.tuned_table())
+    save_table("configs", TK.tuned_table())
 
 
 def bandwidth() -> dict:
@@ -166,7 +167,7 @@ def lab_gemv(args) -> None:
                 print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
         timeit("tinygemm", lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]))
-        old = tuple(T.tuned_table().get(T.gemv_key(N, K, G, False), T.GEMV_CONFIGS[0]))
+        old = tuple(TK.tuned_table().get(TK.gemv_key(N, K, G, False), T.GEMV_CONFIGS[0]))
         check("old", lambda xx, o: D.w4a16_gemv(xx, qw.qweight, qw.scales, qw.zeros, G, None, config=old, out=o))
         timeit("old", lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, config=old))
         for nib in args.nibs:
@@ -212,7 +213,7 @@ def lab_gemv(args) -> None:
             timeit("ec_full", lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec, config=cfg, nib=nib))
             out = T.w4a16_gemv1(x, qw.qweight, qw.scales, qw.zeros, G, None, ec=ec, config=cfg, nib=nib)
             row["err"]["v4_ec_full_after"] = rel_err(out, ref_ec)
-            old_ec = tuple(T.tuned_table().get(T.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
+            old_ec = tuple(TK.tuned_table().get(TK.gemv_key(N, K, G, True), T.GEMV_CONFIGS[0]))
             timeit("old_ec_full", lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=old_ec))
         if args.ec_pdl:  # the decode EC's PDL pair (producer launch + GEMV) in each GEMV tile
             from spear_compile.lowering.ec_decode_triton import w4a16_gemv1_ec_pdl
@@ -230,7 +231,7 @@ def lab_gemv(args) -> None:
                 timeit(name, lambda i: w4a16_gemv1_ec_pdl(xs[i], *args_w(i), G, None, ec, config=cfg))
             bp = fastest("pdl_")
             if bp:
-                T.tuned_table()[T.gemv1pdl_key(N, K, G)] = [int(v) for v in bp.split("_")[1:]]
+                TK.tuned_table()[TK.gemv1pdl_key(N, K, G)] = [int(v) for v in bp.split("_")[1:]]
                 print(f"   pdl best {bp} {row['us'][bp]:.1f} us (r = {args.ec_pdl})", flush=True)
             bt = row.get("best_tma")
             cfg_t = tuple(int(v) for v in bt.split("_")[1:]) if bt else None
@@ -244,23 +245,23 @@ def lab_gemv(args) -> None:
                 timeit("tma_ec", lambda i: tma_ec(xs[i], i))
                 t_ec = row["us"].get("tma_ec")
                 if bp and t_ec and row["err"]["tma_ec"] < MAX_LAB_ERR:  # which pair a single EC takes here
-                    T.tuned_table()[T.gemv1tmaec_key(N, K, G)] = int(t_ec < row["us"][bp])
+                    TK.tuned_table()[TK.gemv1tmaec_key(N, K, G)] = int(t_ec < row["us"][bp])
                     print(f"   tma ec pair {t_ec:.1f} us vs pdl {row['us'][bp]:.1f} us", flush=True)
             lab_ec_self(row, N, K, G, ec, ref_pdl, configs, args.tma_configs or GT.TMA_CONFIGS, x, xs, args_w, timeit)
         # the fastest M = 1 config measured here goes into the tuned table (the fused EC uses the
         # same tile; kernels.py's full run searches the EC configs separately)
-        T.tuned_table()[T.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
+        TK.tuned_table()[TK.gemv1_key(N, K, G, False)] = [int(v) for v in best.split("_")[2:]]
         # the TMA kernel serves this shape (M = 1, no EC) only where it measured faster than the best v4
         bt = row.get("best_tma")
-        stored = T.tuned_table().get(GT.tma_key(N, K, G))
+        stored = TK.tuned_table().get(TK.tma_key(N, K, G))
         if args.tma_configs and stored is not None and tuple(stored) not in args.tma_configs:
             # a restricted run did not time the stored config: it cannot tell whether to replace it
             print(f"   table entry {stored} kept (not among --tma-configs)", flush=True)
         elif bt and row["us"][bt] < row["us"][best]:
-            T.tuned_table()[GT.tma_key(N, K, G)] = [int(v) for v in bt.split("_")[1:]]
+            TK.tuned_table()[TK.tma_key(N, K, G)] = [int(v) for v in bt.split("_")[1:]]
         elif args.tma:
-            T.tuned_table().pop(GT.tma_key(N, K, G), None)
-        T.tuned_table().setdefault(T.gemv1_key(N, K, G, True), [int(v) for v in best.split("_")[2:]])
+            TK.tuned_table().pop(TK.tma_key(N, K, G), None)
+        TK.tuned_table().setdefault(TK.gemv1_key(N, K, G, True), [int(v) for v in best.split("_")[2:]])
         res["rows"].append(row)
         tg = row["us"]["tinygemm"]
         print(f"{N}x{K}: tinygemm {tg:.1f} us  old {row['us']['old']:.1f}  best {best} {row['us'][best]:.1f} us "
@@ -269,7 +270,7 @@ def lab_gemv(args) -> None:
         print("   " + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items() if v), flush=True)
         with open(os.path.join(args.out, f"lab_gemv_{gpu_key()}.json"), "w") as f:
             json.dump(res, f, indent=1)
-        path = save_table("configs", T.tuned_table())
+        path = save_table("configs", TK.tuned_table())
         import shutil
 
         shutil.copy(path, args.out)
@@ -311,7 +312,7 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
     ok = {k: v for k, v in row["us"].items() if v and (k.startswith("self_") or k.startswith("tmaself_"))
           and row["err"].get(k) is not None and row["err"][k] < MAX_LAB_ERR}
     pairs = [v for k, v in row["us"].items() if v and (k.startswith("pdl_") or k == "tma_ec")]
-    key, table = T.gemv1self_key(N, K, G), T.tuned_table()
+    key, table = TK.gemv1self_key(N, K, G), TK.tuned_table()
     old = table.get(key)
     won = bool(ok and pairs and min(ok.values()) < min(pairs))
     if won:
@@ -321,9 +322,9 @@ def lab_ec_self(row, N, K, G, ec, ref, configs, tma_configs, x, xs, args_w, time
     else:
         table.pop(key, None)
     if table.get(key) != old:  # other ranks' choices were made against the previous entry
-        T.drop_gemv1self_ranks(N, K, G)
+        TK.drop_gemv1self_ranks(N, K, G)
     if ok and pairs:  # this rank's bucket: what was just measured at it
-        table[T.gemv1self_rank_key(N, K, G, R)] = table.get(key, ["pair"])
+        table[TK.gemv1self_rank_key(N, K, G, R)] = table.get(key, ["pair"])
     if won:
         print(f"   one-launch EC {best} {ok[best]:.1f} us vs the pairs' best {min(pairs):.1f} us", flush=True)
     else:
@@ -401,7 +402,7 @@ def main() -> None:
                     T.gemv_words(ws[i]["qw"].qweight)
                 cfg, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, config=c)),
                                 T.GEMV1_CONFIGS, copies)
-                T.tuned_table()[T.gemv1_key(N, K, G, False)] = list(cfg)
+                TK.tuned_table()[TK.gemv1_key(N, K, G, False)] = list(cfg)
                 # (the one-launch EC's tile off Hopper: configs whose programs cannot hold A's pieces are
                 # skipped; if none can, gemv1_ec runs the pair there and the key is not needed)
                 ok_ec = [c for c in T.GEMV1_CONFIGS
@@ -409,13 +410,13 @@ def main() -> None:
                 if ok_ec:
                     cfg_ec, _ = search(lambda c: (lambda i: T.w4a16_gemv1(xs[i], *args_w(i), G, None, ec=ec,
                                                                           config=c)), ok_ec, copies)
-                    T.tuned_table()[T.gemv1_key(N, K, G, True)] = list(cfg_ec)
+                    TK.tuned_table()[TK.gemv1_key(N, K, G, True)] = list(cfg_ec)
             elif fused_ok:
                 cfg, _ = search(lambda c: (lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, config=c)), T.GEMV_CONFIGS, copies)
-                T.tuned_table()[T.gemv_key(N, K, G, False)] = list(cfg)
+                TK.tuned_table()[TK.gemv_key(N, K, G, False)] = list(cfg)
                 cfg_ec, _ = search(lambda c: (lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None, ec=ec, config=c)),
                                    T.GEMV_CONFIGS, copies)
-                T.tuned_table()[T.gemv_key(N, K, G, True)] = list(cfg_ec)
+                TK.tuned_table()[TK.gemv_key(N, K, G, True)] = list(cfg_ec)
             gemm_run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=c))  # noqa: E731
             cfg, t_gemm = search(gemm_run, T.GEMM_CONFIGS + [T.DEQUANT_CUBLAS, T.DEQUANT_CUBLAS_PIPE], copies)
             finalists = [(tuple(cfg), t_gemm)]  # the best of each kernel family, re-timed together below
@@ -424,7 +425,7 @@ def main() -> None:
             if RT.wgmma_choices() and M >= 64:
                 cfg_wg, t_wg = search(gemm_run, RT.wgmma_choices(), copies)
                 if M >= 256:
-                    T.tuned_table()[T.wgmma_key(M, N, K, G)] = list(cfg_wg[1:])
+                    TK.tuned_table()[TK.wgmma_key(M, N, K, G)] = list(cfg_wg[1:])
                 finalists.append((tuple(cfg_wg), t_wg))
                 from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
 
@@ -432,7 +433,7 @@ def main() -> None:
                 assert RA.takes(x, N, G, qw.scales, qw.zeros, None), "register-operand GEMM cannot take these weights"
                 cfg_ra, t_ra = search(gemm_run, RT.wgmma_ra_choices(), copies)
                 if M >= 256:  # the "in_gemm_self" structure's GEMM whatever wins the W4 table
-                    T.tuned_table()[T.wgmma_ra_key(M, N, K, G)] = list(cfg_ra[1:])
+                    TK.tuned_table()[TK.wgmma_ra_key(M, N, K, G)] = list(cfg_ra[1:])
                 finalists.append((tuple(cfg_ra), t_ra))
             t_min = min(t for _, t in finalists)
             close = [c for c, t in finalists if t <= 1.08 * t_min]
@@ -442,14 +443,14 @@ def main() -> None:
                 chk["gemm_finalists"] = {",".join(map(str, c)): t for c, t in finalists}
             else:
                 cfg, t_gemm = min(finalists, key=lambda ft: ft[1])
-            T.tuned_table()[T.gemm_key(M, N, K, G)] = list(cfg)
+            TK.tuned_table()[TK.gemm_key(M, N, K, G)] = list(cfg)
             if M >= 256 and RT.wgmma_ra_choices():  # the in-launch EC's own launch config (``RT.ec_self_config``)
                 from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
 
                 e64 = ecs[64]
                 cfg_self, _ = search(lambda c: (lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
                     xs[i], *args_w(i), G, None, *e64, "silu", config=c[1:])), RT.wgmma_ra_choices(), copies)
-                T.tuned_table()[T.ec_self_key(M, N, K, G)] = list(cfg_self[1:])
+                TK.tuned_table()[TK.ec_self_key(M, N, K, G)] = list(cfg_self[1:])
             chk["w4_gemm_chosen_rel_err"] = rel_err(D.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
             if M >= 256:  # every prefill EC structure, checked on the GEMMs the table now gives this shape
                 for st in STRUCTURES:
@@ -472,7 +473,7 @@ def main() -> None:
                 # the C-operand structures are built on dequantize + cuBLAS; elsewhere "auto" ignores them
                 ok = [st for st in STRUCTURES if T.is_dequant_cublas(tuple(cfg)) or not st.startswith("c_operand")]
                 best = min(ok, key=lambda st: row[f"ours_w4_ec_r64_{st}"])
-                T.tuned_table()[T.ec_structure_key(M, N, K, G)] = best
+                TK.tuned_table()[TK.ec_structure_key(M, N, K, G)] = best
                 row["ec_structure"] = best
             for r in RANKS:
                 e = ecs[r]
@@ -498,9 +499,9 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0
-    save_table("configs", T.tuned_table())
+    save_table("configs", TK.tuned_table())
     if not args.quick and not args.ms:  # the crossover needs every M the fused path takes (quick mode skips 2 and 4)
-        from spear_compile.lowering.tuning import load_table
+        from spear_compile.dispatch.tuning import load_table
 
         save_table("crossover", {**(load_table("crossover") or {}), **res["crossover"]})
     os.makedirs(args.out, exist_ok=True)

@@ -25,10 +25,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.lowering import ec_decode_triton as ED
 from spear_compile.dispatch import cuda as D
 from spear_compile.lowering import w4a16_triton as T
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key
 from spear_compile.ops.ec_ref import ec_linear_ref
 from spear_compile.ops.w4a16_ref import w4a16_linear_ref
 
@@ -91,7 +92,7 @@ def run_shape(N: int, K: int, ms: list[int], res: dict, out_dir: str, what: str)
             if M != 1:
                 continue
             ec = make_ec(N, K, 64)
-            w4cfg = tuple(T.tuned_table().get(T.gemv1_key(N, K, G, False), T.GEMV1_CONFIGS[0]))
+            w4cfg = tuple(TK.tuned_table().get(TK.gemv1_key(N, K, G, False), T.GEMV1_CONFIGS[0]))
             variant("w4", lambda xx, i: D.w4a16_gemv(xx, *wargs(i), G, None))
             expect = ec_linear_ref(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec, "silu")
             variant("fused", lambda xx, i: D.w4a16_gemv(xx, *wargs(i), G, None, ec=ec))

@@ -29,7 +29,7 @@ from kernels import DT, G, SHAPES, make_weights, rel_err  # noqa: E402
 from spear_compile.lowering import w4a16_gemm_wgmma as WG  # noqa: E402
 from spear_compile.dispatch import cuda as D
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
 from spear_compile.ops.w4a16_ref import dequantize_ref  # noqa: E402
 
 MAX_ERR = 1e-2

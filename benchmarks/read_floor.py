@@ -25,7 +25,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import G, SHAPES  # noqa: E402
 
-from spear_compile.lowering.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key  # noqa: E402
 
 
 @triton.jit

@@ -4,7 +4,7 @@
     spear.quantize_(model, spear.QuantConfig(bits=4, group_size=None))
     cmodel = torch.compile(model, backend="spear")
 
-See README.md and DESIGN.md for the method and the compiler.
+See README.md and docs/design.md for the method and the compiler.
 """
 from . import quant  # noqa: F401  (registers the spear:: ops)
 from .api import attach_, detach_, quantize_, quantized_linears

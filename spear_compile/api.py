@@ -76,7 +76,7 @@ def quantize_(model: nn.Module, cfg: QuantConfig = QuantConfig(), filter_fn: Opt
         model._spear_awq = awq  # scales and clips, e.g. for quant.awq.fold_awq_ on the reference
         clips = awq.clips
     if cfg.method == "gptq":
-        from .compensators.stats import collect_input_stats
+        from .quant.stats import collect_input_stats
 
         stats = collect_input_stats(model, calib, names=[f for f, _ in targets], full=True, module_type=nn.Linear)
         hessians = {f: 2 * st.rxx for f, st in stats.items()}

@@ -45,7 +45,7 @@ from .compensators.selection import ec_bytes
 from .compensators.serq import apply_serq_, collect_serq_stats
 from .compensators.spear import SpearConfig, fit_spear_, preset
 from .compensators.static import lorc, lqer, qera_exact
-from .compensators.stats import collect_input_stats
+from .quant.stats import collect_input_stats
 from .config import default_device
 from .data import DEFAULT_EVAL_PLAYS, perplexity, read_text, windows
 from .quant.actquant import add_act_quant_

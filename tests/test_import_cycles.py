@@ -97,3 +97,28 @@ def test_the_walker_sees_function_level_and_relative_imports():
     assert cycles(g) == [["a", "b", "c"]]
     graph = import_graph()
     assert "spear_compile.dispatch.table" in graph["spear_compile.dispatch.route"]
+
+
+# The layers of docs/design.md, lowest first: a module may import its own layer and the ones below it.
+LAYERS = {"envs": 0, "config": 0, "errors": 0, "_version": 0, "ops": 1, "lowering": 2, "dispatch": 3, "quant": 4,
+          "compensators": 5, "passes": 6, "runtime": 7, "parallel": 7, "inspect": 8, "serve": 9}
+
+
+def upward_imports(graph: dict) -> list:
+    """``a -> b`` edges from a module of a lower layer to one of a higher layer."""
+    def layer(m):
+        parts = m.split(".")
+        return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
+                  if layer(a) is not None and layer(b) is not None and layer(b) > layer(a))
+
+
+def test_layers_depend_downward_only():
+    """ops (schemas, references, the weight format) <- kernels (lowering) <- dispatch (route, table, tuning)
+    <- quant <- compensators <- passes <- runtime / parallel <- inspect <- serve: the kernels never read the
+    tuned table (the route hands them their config), the ops never import a quantizer."""
+    found = upward_imports(import_graph())
+    assert not found, "imports from a lower layer to a higher one:\n  " + "\n  ".join(found)
+    assert upward_imports({"spear_compile.lowering.x": {"spear_compile.dispatch.table"}}) == [
+        "spear_compile.lowering.x -> spear_compile.dispatch.table"]

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from .stats import InputStats
+from ..quant.stats import InputStats
 
 
 def _act_magnitude(st) -> torch.Tensor:

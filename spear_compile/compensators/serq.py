@@ -96,7 +96,7 @@ from ..quant.rtn import quantize_rtn
 from .flatten import (  # noqa: F401  (re-exported: the flattening half of SERQ)
     SmoothGroup, SmoothPlan, _act_magnitude, fold_smoothing_, smooth_plan, smoothing_scales, transformed_weight,
 )
-from .stats import InputStats, collect_input_stats
+from ..quant.stats import InputStats, collect_input_stats
 
 SALIENCY = ("greedy", "error", "act")
 SOLVES = ("lsq", "columns", "paper")

@@ -32,7 +32,7 @@ from .ec import ErrorCompensator
 from .registry import attach_
 from .selection import Plan, module_damage, plan, shapes_of
 from .static import output_error_spectrum
-from .stats import collect_input_stats
+from ..quant.stats import collect_input_stats
 
 _ALLOCATIONS = ("greedy", "shared")
 _SELECTS = ("entropy", "all")

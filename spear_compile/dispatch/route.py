@@ -49,6 +49,7 @@ from ..lowering import ec_shrink_splitk as _sk
 from ..lowering.problem import OPS, Problem  # noqa: F401  (re-exported: the route's callers build problems here)
 from ..lowering import w4a16_triton as _t
 from .. import envs
+from . import keys as _keys
 from . import table as _table
 
 TRITON_DTYPES = _triton.TRITON_DTYPES
@@ -485,7 +486,7 @@ def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
     cfg = gemm_config(M, N, K, G)
     if cfg[0] == _t.WGMMA:
         return tuple(cfg[1:])
-    return tuple(_t.tuned_table().get(_t.wgmma_key(M, N, K, G), _wg.WGMMA_CONFIGS[0]))
+    return tuple(_keys.tuned_table().get(_keys.wgmma_key(M, N, K, G), _wg.WGMMA_CONFIGS[0]))
 
 
 
@@ -504,7 +505,7 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     cfg = gemm_config(M, N, K, G)
     if cfg[0] == _t.WGMMA_RA:
         return tuple(cfg[1:])
-    got = _t.tuned_table().get(_t.wgmma_ra_key(M, N, K, G))
+    got = _keys.tuned_table().get(_keys.wgmma_ra_key(M, N, K, G))
     return tuple(got) if got is not None else None
 
 
@@ -515,7 +516,7 @@ def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (H200):
     W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
     128 x 256 tile of the run before."""
-    got = _t.tuned_table().get(_t.ec_self_key(M, N, K, G))
+    got = _keys.tuned_table().get(_keys.ec_self_key(M, N, K, G))
     return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
 
 
@@ -529,7 +530,7 @@ def wgmma_ra_choices() -> list:
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
     """The GEMM config the tuned table (or the default for this M) gives this shape."""
-    return tuple(_t.tuned_table().get(_t.gemm_key(M, N, K, G), _t._default_gemm(M)))
+    return tuple(_keys.tuned_table().get(_keys.gemm_key(M, N, K, G), _t._default_gemm(M)))
 
 
 
@@ -538,7 +539,7 @@ def ec_structure(M: int, N: int, K: int, G: int) -> str:
     this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
     for this shape to be dequantize + cuBLAS; otherwise "side" is returned. ("in_gemm" carries its own
     GEMM, ``wgmma_config``.)"""
-    choice = _t.tuned_table().get(_t.ec_structure_key(M, N, K, G), "side")
+    choice = _keys.tuned_table().get(_keys.ec_structure_key(M, N, K, G), "side")
     if choice.startswith("c_operand") and not _t.is_dequant_cublas(gemm_config(M, N, K, G)):
         return "side"
     return choice

@@ -37,7 +37,7 @@ the MMA operand with no layout conversion (asserted at compile time).
 
 Dispatch: ``w4a16_triton.w4a16_gemv`` (and the concatenated q/k/v, gate/up GEMV of ``w4a16_cat``)
 takes this kernel at M = 1 for the shapes where ``benchmarks/kernels.py --lab gemv --tma`` measured it
-faster than the CUDA-core kernel on this GPU (``tma_key`` entries of the tuned table, ``tma_config``);
+faster than the CUDA-core kernel on this GPU (``dispatch.keys.tma_key`` entries of the tuned table, ``dispatch.route.tma_config``);
 elsewhere the CUDA-core kernel runs. With a decode EC the same shapes take it with the EC epilogue
 (the "ec_pair_tma", "ec_cat_tma" and "ec_glu_tma" routes of ``dispatch/route.py``). Constraints: CUDA sm_90+ (TMA), bf16 activations,
 bf16 scales and zero points (the shared-memory mode reads them as bf16 pairs), K % 128 == 0, G a
@@ -49,7 +49,6 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import table as _table
 from . import device as _device
 from ._triton import next_pow2
 from .w4a16_words import (CHUNK, HAS_GLUON, compile_gluon_sm90, gemv_gluon_emulated, gluon_ok, repack_gluon,
@@ -507,11 +506,6 @@ def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[t
         _SPLIT_WS[idx] = have
         _SPLIT_WS_ALL.append(have)
     return have
-
-
-def tma_key(N: int, K: int, G: int) -> _table.Gemv1TmaKey:
-    """Tuned-table key of the TMA config measured fastest (and faster than the CUDA-core kernel)."""
-    return _table.Gemv1TmaKey(N, K, G)
 
 
 def _tma_capable(device: torch.device) -> bool:

@@ -44,8 +44,6 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import table as _table
-from ..dispatch.table import TunedTable
 from ..ops.packing import unpack_int4
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from . import ec_self as _es
@@ -577,35 +575,6 @@ GEMM_CONFIGS = [(16, 32, 64, 4, 1)] if INTERPRET else [
     (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
 ]
 
-def tuned_table() -> TunedTable:
-    """This GPU's tuned configs (``dispatch.table.configs``)."""
-    return _table.configs()
-
-
-def gemv_key(N: int, K: int, G: int, has_ec: bool) -> _table.GemvKey:
-    return _table.GemvKey(N, K, G, int(has_ec))
-
-
-def gemv1_key(N: int, K: int, G: int, has_ec: bool) -> _table.Gemv1Key:
-    return _table.Gemv1Key(N, K, G, int(has_ec))
-
-
-def gemv1pdl_key(N: int, K: int, G: int) -> _table.Gemv1PdlKey:
-    """Tuned-table key of the GEMV tile of the decode EC's PDL pair (``kernels.py --lab gemv --ec-pdl R``)."""
-    return _table.Gemv1PdlKey(N, K, G)
-
-
-def gemv1tmaec_key(N: int, K: int, G: int) -> _table.Gemv1TmaEcKey:
-    """Tuned-table key: 1 if a single decode EC of this shape measured faster as the TMA GEMV's EC pair
-    than as the CUDA-core PDL pair, 0 if slower (``kernels.py --lab gemv --tma --ec-pdl R``); absent: the
-    TMA pair wherever the TMA kernel runs the shape (``dispatch/route.py``)."""
-    return _table.Gemv1TmaEcKey(N, K, G)
-
-
-def gemm_key(M: int, N: int, K: int, G: int) -> _table.GemmKey:
-    return _table.GemmKey(_m_bucket(M), N, K, G)
-
-
 def _default_gemm(M: int) -> tuple:
     if INTERPRET:
         return GEMM_CONFIGS[0]
@@ -695,7 +664,8 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
                 config: Optional[tuple] = None, out: Optional[torch.Tensor] = None, nib: Optional[str] = None,
                 publish: bool = True, pair: bool = False, launch_pdl: bool = False,
                 words: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1).
+    """Y[1, N] through the M = 1 kernel. config = (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1), else
+    ``GEMV1_CONFIGS[0]`` (``dispatch.route`` passes the tuned one).
     ``nib`` (a GEMV1_NIBS key) defaults to GEMV1_BF16_NIB for bf16 activations (its error is at
     most about bf16's own rounding) and "exact" otherwise; "bf16x2" needs bf16 activations.
     With ``ec``: the EC in the same launch (``ec_self.py``), or with ``pair`` the epilogue of the
@@ -719,7 +689,7 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
         raise ValueError(f"w4a16_gemv1: nib='bf16x2' needs bf16 activations, got {x2.dtype}")
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    bn, bw, warps, prefetch = config or tuple(tuned_table().get(gemv1_key(N, K, G, ec is not None), GEMV1_CONFIGS[0]))
+    bn, bw, warps, prefetch = config or GEMV1_CONFIGS[0]  # the route passes the tuned one
     grid = triton.cdiv(N, bn)
     dummy = scales
     plan = None
@@ -757,43 +727,18 @@ def w4a16_gemv1(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = 
     return y
 
 
-def gemv1self_key(N: int, K: int, G: int) -> _table.Gemv1SelfKey:
-    """Tuned-table key of the one-launch decode EC (``ec_self.py``) where the lab measured it fastest
-    (``kernels.py --lab gemv --ec-pdl R``): ``["cc", BLOCK_N, BLOCK_W, warps, prefetch]`` (the CUDA-core
-    kernel) or ``["tma", WARPS, RB, CH, STAGES, OPS]`` (the TMA kernel); absent: one of the two-launch
-    pairs."""
-    return _table.Gemv1SelfKey(N, K, G)
-
-
-def gemv1self_rank_key(N: int, K: int, G: int, R: int) -> _table.Gemv1SelfRankKey:
-    """Tuned-table key of the one-launch decode EC's choice for one rank bucket (``next_pow2(R)``): the
-    ``gemv1self`` value to use at that rank, or ``["pair"]`` where a two-launch pair measured faster there.
-    Why per rank: ``gemv1self`` is measured at r = 64; at 11008x4096 the one launch took 15.2 / 15.8 us at
-    r = 16 / 32 against 13.8 / 14.7 for the TMA pair, and 13.0 against 13.9 at r = 64 (H200,
-    ``benchmarks/decode_ec_ranks.py``). Absent: the rank-free ``gemv1self`` entry decides."""
-    return _table.Gemv1SelfRankKey(N, K, G, next_pow2(R))
-
-
-def drop_gemv1self_ranks(N: int, K: int, G: int) -> None:
-    """Remove every per-rank entry (``gemv1self_rank_key``) of this shape from the tuned table: what the labs
-    do before they remake them, or when the rank-free entry they were measured against changes."""
-    table = tuned_table()
-    for k in table.keys_of(_table.Gemv1SelfRankKey):
-        if (k.N, k.K, k.G) == (N, K, G):
-            table.pop(k)
-
-
 def w4a16_gemv_small(x2, qweight, scales, zeros, G: int, bias, ec: Optional[tuple] = None, act: str = "silu",
                      config: Optional[tuple] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for M <= GEMV_MAX_M through ``_w4a16_gemv_kernel``, optionally with the EC fused (ec = (A, B,
-    W1, b1, W2, b2, alpha)). config = (BLOCK_N, BLOCK_K, num_warps, num_stages), else the tuned one."""
+    W1, b1, W2, b2, alpha)). config = (BLOCK_N, BLOCK_K, num_warps, num_stages), else ``GEMV_CONFIGS[0]``
+    (``dispatch.route`` passes the tuned one)."""
     M, K = x2.shape
     N = qweight.shape[0]
     if M > GEMV_MAX_M:
         raise ValueError(f"w4a16_gemv: M={M} > {GEMV_MAX_M}; use the GEMM kernel")
     check_x("w4a16_gemv", x2, qweight)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    bn, bk, warps, stages = config or tuple(tuned_table().get(gemv_key(N, K, G, ec is not None), GEMV_CONFIGS[0]))
+    bn, bk, warps, stages = config or GEMV_CONFIGS[0]  # the route passes the tuned one
     bk, tg = _tiles(bk, G, K)
     BM = next_pow2(M)
     dummy = scales
@@ -842,22 +787,6 @@ WGMMA = "wgmma"  # table value ("wgmma", BM, BN, STAGES, WARPS): the Hopper in-l
 WGMMA_RA = "wgmma_ra"
 
 
-def wgmma_key(M: int, N: int, K: int, G: int) -> _table.GemmWgKey:
-    return _table.GemmWgKey(_m_bucket(M), N, K, G)
-
-
-def wgmma_ra_key(M: int, N: int, K: int, G: int) -> _table.GemmRaKey:
-    return _table.GemmRaKey(_m_bucket(M), N, K, G)
-
-
-def ec_self_key(M: int, N: int, K: int, G: int) -> _table.EcSelfKey:
-    return _table.EcSelfKey(_m_bucket(M), N, K, G)
-
-
-def ec_structure_key(M: int, N: int, K: int, G: int) -> _table.EcStructKey:
-    return _table.EcStructKey(_m_bucket(M), N, K, G)
-
-
 def is_dequant_cublas(config: tuple) -> bool:
     """Whether ``config`` is the dequantize + cuBLAS path (one pass or pipelined)."""
     return config[0] in (DEQUANT_CUBLAS[0], DEQUANT_CUBLAS_PIPE[0])
@@ -882,9 +811,6 @@ def w4a16_gemm_triton(x2, qweight, scales, zeros, G: int, bias, config: Optional
         UPCAST=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
     )
     return y
-
-
-_m_bucket = _table.m_bucket
 
 
 def compile_gemv1_self_sm90(warps: int, r_p: int, nc_p: int, block_n: int = 16, block_w: int = 64):

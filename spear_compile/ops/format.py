@@ -1,4 +1,5 @@
-"""The packed int4 weight format and its validation.
+"""The packed int4 weight format and its validation: the contract of the ops' weight operands (``schemas.py``
+checks every call against it; ``quant/`` produces it and re-exports these names as ``quant.format``).
 
 Layout ("spear"): ``qweight`` is ``uint8 [N, K // 2]``; byte ``j`` of row ``n`` holds
 column ``2j`` in its low nibble and column ``2j + 1`` in its high nibble. Values are
@@ -23,8 +24,8 @@ from typing import Optional
 import torch
 
 from ..errors import QuantFormatError  # noqa: F401  (defined with the library's other errors)
-from ..ops.packing import pack_int4, unpack_int4  # noqa: F401  (the packing lives with the references)
-from ..ops.w4a16_ref import dequantize_ref
+from .packing import pack_int4, unpack_int4  # noqa: F401  (the packing lives with the references)
+from .w4a16_ref import dequantize_ref
 
 LAYOUTS = ("spear", "unpacked", "tinygemm_cpu", "tinygemm_cuda")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -8,7 +8,7 @@ parameters (calibration trains ECs through quantized layers), via a backward tha
 re-runs the reference under autograd.
 
 Extra arguments that do not change the numbers:
-  layout     weight layout, one of ``quant.format.LAYOUTS``
+  layout     weight layout, one of ``format.LAYOUTS``
   lowering   "auto" (not decided), "fused", "overlapped" or "dispatch" (branch on M at
              run time against ``crossover``); set by the phase-dispatch pass.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .refs import _ACTS, GLU_ACTS, ec_linear_ref, ec_parts, glu_of, rms_norm_ref, w4a16_linear_ref
-from ..quant.format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
+from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
 

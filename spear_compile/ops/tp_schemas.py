@@ -25,7 +25,7 @@ from torch import Tensor
 from .collective import all_reduce_sum
 from .peer_reduce_ref import ec_partial_ref, ec_reduced_apply_ref
 from .schemas import _static, check_ec_shapes, check_same_device, check_w4a16_args, out_features
-from ..quant.format import QuantFormatError
+from .format import QuantFormatError
 
 DEFAULT_TIMEOUT_S = 300.0  # a reduction's wait before PeerTimeoutError (the group's own timeout may be longer)
 

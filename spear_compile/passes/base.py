@@ -12,6 +12,7 @@ import inspect
 
 import torch.fx as fx
 
+from ..dispatch import keys as _keys
 from ..dispatch import route as _route
 from ..dispatch import table as _table
 from .context import PassContext
@@ -34,9 +35,9 @@ class SpearPass:
     @classmethod
     def source_hash(cls) -> str:
         """The pass's own source, with the code every rewrite decision depends on: the route (which
-        kernel runs a node) and the tuned table's module with its schema version."""
+        kernel runs a node), the table's keys and the tuned table's module with its schema version."""
         h = hashlib.sha256()
-        for mod in (inspect.getmodule(cls), _route, _table):
+        for mod in (inspect.getmodule(cls), _route, _keys, _table):
             h.update(inspect.getsource(mod).encode())  # type: ignore[arg-type]
         h.update(f"table schema {_table.SCHEMA_VERSION}".encode())
         return h.hexdigest()

@@ -74,6 +74,7 @@ from tqdm.auto import tqdm
 
 from ..config import QuantConfig
 from .format import QuantFormatError, QuantizedWeight
+from .stats import collect_input_stats
 from .rtn import quantize_rtn, rtn_params, rtn_round, weight_groups
 
 
@@ -462,8 +463,6 @@ def _apply_awq(model: nn.Module, groups: list[list[ScaleGroup]], calib: list, cf
         ref = None  # half precision: rounding the rescaled weights moves logits by more than a bug check could tell
     active = [[g for g in layer if any(n in targets for n, _ in g.linears)] for layer in groups]
     reps = [g.linears[0][0] for layer in active for g in layer]
-    from ..compensators.stats import collect_input_stats
-
     stats = collect_input_stats(model, calib, names=reps, full=True, module_type=nn.Linear)
     res = AWQResult({}, {}, {})
     for layer in tqdm(active, desc=f"awq search g{cfg.group_size or 'ch'}", disable=not progress, leave=False):

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from ..quant.linear import QuantLinear
+from .linear import QuantLinear
 
 
 @dataclasses.dataclass

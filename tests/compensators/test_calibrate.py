@@ -8,7 +8,7 @@ import torch
 import spear_compile as spear
 from spear_compile import ECConfig, ErrorCompensator
 from spear_compile.compensators.calibrate import CalibConfig, calibrate_, mean_kl, sample_sequences
-from spear_compile.compensators.stats import collect_input_stats
+from spear_compile.quant.stats import collect_input_stats
 from spear_compile.models import tiny_llama
 
 

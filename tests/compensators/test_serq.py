@@ -11,7 +11,7 @@ from spear_compile.compensators.serq import (
     SERQLinear, apply_serq_, collect_serq_stats, fold_smoothing_, lsq_correction, select_salient, serq_bytes,
     serq_correction, serq_k_for_budget, serq_output_error, smooth_plan,
 )
-from spear_compile.compensators.stats import collect_input_stats
+from spear_compile.quant.stats import collect_input_stats
 from spear_compile.models.tiny import tiny_llama
 from spear_compile.quant.actquant import add_act_quant_, fake_quant_activation
 from spear_compile.quant.format import QuantFormatError

@@ -3,6 +3,7 @@ capability is faked where a test needs a Hopper-class GPU; nothing is launched).
 import pytest
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.dispatch import route as R
 from spear_compile.dispatch import table as TT
 from spear_compile.lowering import device as capability
@@ -53,7 +54,7 @@ def test_the_tma_gemv_only_where_the_table_picks_it(monkeypatch):
     (faked), else the CUDA-core GEMV; the kill switch turns it off."""
     if not GT.HAS_TMA:
         pytest.skip("needs Triton with Gluon TMA")
-    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
     hopper(monkeypatch)
     assert R.route(problem()) == R.Route("gemv1_tma", (4, 2, 2, 2, 2), R.route(problem()).reasons)
     assert R.route(problem(N=256)).kernel == "gemv1"  # no entry for this shape
@@ -67,8 +68,8 @@ def test_the_tma_gemv_only_where_the_table_picks_it(monkeypatch):
 
 def test_gemm_takes_the_tables_kernel_where_it_can_run(monkeypatch):
     M, N, K, G = 256, 4096, 4096, 128
-    use_tuned_table(monkeypatch, {T.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
-                                  T.gemm_key(4096, N, K, G): ["dequant_cublas_pipe", 4]})
+    use_tuned_table(monkeypatch, {TK.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
+                                  TK.gemm_key(4096, N, K, G): ["dequant_cublas_pipe", 4]})
     hopper(monkeypatch)
     assert R.route(problem(M=M, N=N, K=K)) .kernel == "gemm_wgmma_ra"
     assert R.route(problem(M=M, N=N, K=K)).config == (64, 128, 4, 4, 2)
@@ -85,9 +86,9 @@ def test_ec_structure_follows_the_measured_table(monkeypatch):
     """"auto" takes the measured structure; a C-operand choice only where the table's GEMM for the
     shape is dequantize + cuBLAS (the structure is built on it); nothing measured -> "side"."""
     use_tuned_table(monkeypatch, {
-        T.ec_structure_key(1024, 64, 32, 32): "c_operand_hi", T.gemm_key(1024, 64, 32, 32): ["dequant_cublas"],
-        T.ec_structure_key(1024, 96, 32, 32): "c_operand", T.gemm_key(1024, 96, 32, 32): [64, 64, 32, 4, 3],
-        T.ec_structure_key(256, 64, 32, 32): "side_hi"})
+        TK.ec_structure_key(1024, 64, 32, 32): "c_operand_hi", TK.gemm_key(1024, 64, 32, 32): ["dequant_cublas"],
+        TK.ec_structure_key(1024, 96, 32, 32): "c_operand", TK.gemm_key(1024, 96, 32, 32): [64, 64, 32, 4, 3],
+        TK.ec_structure_key(256, 64, 32, 32): "side_hi"})
     ec = dict(op="ec", K=32, G=32, rank=8, lowering="overlapped")
     rt = R.route(problem(M=1000, N=64, **ec))  # M buckets to 1024
     assert (rt.kernel, rt.option("high_priority")) == ("ec_c_operand", True)
@@ -102,9 +103,9 @@ def test_ec_structure_follows_the_measured_table(monkeypatch):
 
 def test_in_gemm_self_where_its_launch_config_is_measured(monkeypatch):
     M, N, K, G = 256, 11008, 4096, 128
-    use_tuned_table(monkeypatch, {T.ec_structure_key(M, N, K, G): "in_gemm_self",
-                                  T.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
-                                  T.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]})
+    use_tuned_table(monkeypatch, {TK.ec_structure_key(M, N, K, G): "in_gemm_self",
+                                  TK.gemm_key(M, N, K, G): ["wgmma_ra", 64, 128, 4, 4, 2],
+                                  TK.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]})
     hopper(monkeypatch)
     ec = dict(op="ec", M=M, N=N, K=K, rank=64, gate_width=8, lowering="overlapped")
     assert R.route(problem(**ec)) .kernel == "ec_in_gemm_self"
@@ -116,9 +117,9 @@ def test_in_gemm_self_where_its_launch_config_is_measured(monkeypatch):
 def test_ec_pdl_tile_prefers_its_own_measurement(monkeypatch):
     """The decode EC's PDL pair takes the tile measured for it (gemv1pdl), else the plain W4 tile of
     the shape, else the first config."""
-    table = use_tuned_table(monkeypatch, {T.gemv1_key(256, 1024, 128, False): [8, 512, 4, 0]})
+    table = use_tuned_table(monkeypatch, {TK.gemv1_key(256, 1024, 128, False): [8, 512, 4, 0]})
     assert R.ec_pdl_config(256, 1024, 128) == (8, 512, 4, 0)
-    table[T.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
+    table[TK.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
     assert R.ec_pdl_config(256, 1024, 128) == (8, 128, 1, 1)
     assert R.ec_pdl_config(512, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])
     hopper(monkeypatch)
@@ -133,14 +134,14 @@ def test_single_ec_takes_the_pair_the_table_measured_faster(monkeypatch):
         pytest.skip("needs Triton with Gluon TMA")
     hopper(monkeypatch)
     p = problem(op="ec", N=512, rank=16, lowering="fused")
-    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
     assert R.route(p).kernel == "ec_pair_tma"
-    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2], T.gemv1tmaec_key(512, 1024, 128): 0})
+    use_tuned_table(monkeypatch, {TK.tma_key(512, 1024, 128): [4, 2, 2, 2, 2], TK.gemv1tmaec_key(512, 1024, 128): 0})
     rt = R.route(p)
     assert rt.kernel == "ec_pair" and any("gemv1tmaec" in r for r in rt.reasons)
-    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 4, 2, 2, 2]})  # a K-split: no EC epilogue
+    use_tuned_table(monkeypatch, {TK.tma_key(512, 1024, 128): [4, 2, 4, 2, 2, 2]})  # a K-split: no EC epilogue
     assert R.route(p).kernel == "ec_pair"
-    use_tuned_table(monkeypatch, {GT.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(512, 1024, 128): [4, 2, 2, 2, 2]})
     assert R.route(p.replace(rank=R.EC_RC_MAX + 1)).kernel == "ec_pair"  # its operands would spill
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")
     assert R.route(p).kernel == "ec_pair"
@@ -154,9 +155,9 @@ def test_one_launch_decode_ec_follows_the_per_rank_entry(monkeypatch):
     hopper(monkeypatch)
     monkeypatch.setattr(R._es, "sm_count", lambda device: 132)
     N, K, G = 11008, 4096, 128
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2],
-                                  T.gemv1self_rank_key(N, K, G, 16): ["pair"],
-                                  GT.tma_key(N, K, G): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2],
+                                  TK.gemv1self_rank_key(N, K, G, 16): ["pair"],
+                                  TK.tma_key(N, K, G): [4, 2, 2, 2, 2]})
     p = problem(op="ec", N=N, K=K, rank=64, lowering="fused")
     assert R.route(p) .kernel == "ec_self_tma"
     assert R.route(p.replace(rank=16)).kernel == "ec_pair_tma"  # the rank's entry: a pair
@@ -170,7 +171,7 @@ def test_concatenations_route_to_the_tma_kernel_only_where_it_takes_the_fusion(m
         pytest.skip("needs Triton with Gluon TMA")
     hopper(monkeypatch)
     F, K, G = 256, 1024, 128
-    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]})
     cat = problem(op="w4a16_cat", N=2 * F, K=K, parts=(F, F))
     assert R.route(cat).kernel == "cat_tma" and R.route(cat.replace(norm=True)).kernel == "cat_tma"
     glu = problem(op="w4a16_glu", N=F, K=K, parts=(F, F))
@@ -179,7 +180,7 @@ def test_concatenations_route_to_the_tma_kernel_only_where_it_takes_the_fusion(m
     assert rt.kernel == "glu_of" and rt.parts[0].kernel == "parts"
     assert R.route(problem(op="ec_glu", N=F, K=K, parts=(F, F), rank=16)).kernel == "ec_glu_tma"
     assert R.route(problem(op="ec_cat", N=2 * F, K=K, parts=(F, F), rank=16, rank_total=32)).kernel == "ec_cat_tma"
-    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): [4, 2, 2, 2, 1]})  # x not staged in shared memory
+    use_tuned_table(monkeypatch, {TK.tma_key(2 * F, K, G): [4, 2, 2, 2, 1]})  # x not staged in shared memory
     assert R.route(cat.replace(norm=True)).kernel == "cat_gemv1"
     rt = R.route(problem(op="ec_cat", N=2 * F, K=K, parts=(F, F), rank=16, rank_total=32, norm=True))
     assert rt.kernel == "ec_cat_gemv1" and rt.parts[0].kernel in ("ec_self", "ec_pair")

@@ -9,6 +9,7 @@ runs against fp64 and the reference.
 import pytest
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.ops import refs
 
 from spear_compile.dispatch import route as R
@@ -171,7 +172,7 @@ def test_tma_route_takes_only_measured_shapes_that_can_run_here(monkeypatch):
     from spear_compile.dispatch import route as R
     from tests.helpers import use_tuned_table
 
-    use_tuned_table(monkeypatch, {gt.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(256, 1024, 128): [4, 2, 2, 2, 2]})
     bf = torch.bfloat16
     p = R.Problem(op="w4a16", M=1, N=256, K=1024, G=128, dtype=bf, param_dtypes=(bf, bf), device=torch.device("cuda"))
     kernel = lambda **kw: R.route(p.replace(**kw)).kernel  # noqa: E731
@@ -202,7 +203,6 @@ def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, mon
     kernel for a shape with a table entry and match the reference; without the entry they do not."""
     from spear_compile.lowering import w4a16_cat as C
     from spear_compile.dispatch import cuda as D
-    from spear_compile.lowering import w4a16_triton as T
 
     K = 1280
     Gs = G or K
@@ -215,9 +215,9 @@ def test_dispatch_routes_m1_through_the_tma_kernel_when_the_table_says_so(G, mon
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k["config"]) or real(*a, **k))
-    table = dict(T.tuned_table())
-    table[gt.tma_key(96, K, Gs)] = [4, 2, 2, 2, 2]
-    table[gt.tma_key(256, K, Gs)] = [8, 2, 1, 2, 2]
+    table = dict(TK.tuned_table())
+    table[TK.tma_key(96, K, Gs)] = [4, 2, 2, 2, 2]
+    table[TK.tma_key(256, K, Gs)] = [8, 2, 1, 2, 2]
     table = use_tuned_table(monkeypatch, table)
     y = D.w4a16_gemv(x, qs[0], ss[0], zs[0], Gs, bs[0])
     ref = w4a16_linear_ref(x, qs[0], ss[0], zs[0], Gs, bs[0])
@@ -290,7 +290,6 @@ def test_glu_op_takes_the_epilogue_only_where_the_table_says_so(monkeypatch):
     """spear::w4a16_linear_glu on CUDA: the GLU-epilogue kernel for a shape with a (non-split) table
     entry, the concatenated GEMV + glu_of without one; both equal the reference."""
     from spear_compile.lowering import w4a16_cat as C
-    from spear_compile.lowering import w4a16_triton as T
 
     F, K, G = 144, 1280, 128
     x, qs, ss, zs = _glu_pair(F, K, G, seed=3)
@@ -299,12 +298,12 @@ def test_glu_op_takes_the_epilogue_only_where_the_table_says_so(monkeypatch):
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("glu")) or real(*a, **k))
     ref = _glu_ref(x, qs, ss, zs, G)
-    table = dict(T.tuned_table())
-    table.pop(gt.tma_key(2 * F, K, G), None)
+    table = dict(TK.tuned_table())
+    table.pop(TK.tma_key(2 * F, K, G), None)
     table = use_tuned_table(monkeypatch, table)
     y0 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
     assert calls == []
-    table[gt.tma_key(2 * F, K, G)] = [4, 2, 2, 2, 2]
+    table[TK.tma_key(2 * F, K, G)] = [4, 2, 2, 2, 2]
     y1 = torch.ops.spear.w4a16_linear_glu(x, qs, ss, zs, G)
     assert calls == [True]
     assert R.glu_config(R.cat_problem_of("w4a16_glu", x, qs, ss, zs, G))[0] == (4, 2, 2, 2, 2)

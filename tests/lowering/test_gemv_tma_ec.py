@@ -10,6 +10,7 @@ under a CUDA graph.
 import pytest
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.ops import refs
 
 from spear_compile.dispatch import route as R
@@ -61,10 +62,10 @@ def test_ec_epilogue_routing(monkeypatch):
     monkeypatch.setattr(capability, "pdl", lambda device: True)
     for cfg, plain, normed in (([4, 2, 2, 2, 2], True, True), ([8, 2, 1, 3, 0], True, False),
                                ([4, 2, 2, 2, 2, 2], False, False)):
-        use_tuned_table(monkeypatch, {gt.tma_key(N, K, 128): cfg})
+        use_tuned_table(monkeypatch, {TK.tma_key(N, K, 128): cfg})
         assert (R.ec_tma_config(x, N, 128, (), None) is not None) == plain, cfg
         assert (R.ec_tma_config(x, N, 128, (), (torch.ones(K), 1e-5)) is not None) == normed, cfg
-    use_tuned_table(monkeypatch, {gt.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.tma_key(N, K, 128): [4, 2, 2, 2, 2]})
     assert R.ec_tma_config(x, N + 16, 128, (), None) is None  # no entry for the shape
     monkeypatch.setenv("SPEAR_NO_TMA_EC", "1")  # the escape hatch / A/B switch
     assert R.ec_tma_config(x, N, 128, (), None) is None
@@ -109,7 +110,7 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
-    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, Gs): list(config)}})
+    use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), **{TK.tma_key(256, K, Gs): list(config)}})
     ref = _ref(x, qs, ss, zs, Gs, bs, ecl, nw)
     for _ in range(2):  # the second launch relies on the producer's counter having been reset
         y = DC.ec_gemv1_cat(x, qs, ss, zs, Gs, bs, *ecl, norm=nw)
@@ -126,13 +127,12 @@ def test_concatenated_ec_through_the_tma_epilogue_matches_reference(G, config, n
 def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
     """The op's CUDA entry (norm_weight) and a single ec_linear's M = 1 path take the TMA epilogue where
     the table has the shape, and match the reference."""
-    from spear_compile.lowering import w4a16_triton as T
 
     K, G = 1280, 128
     x, qs, ss, zs, bs, ecl = _parts(K, G)
     w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
-    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2],
-                                                              gt.tma_key(96, K, G): [4, 2, 2, 2, 2]}})
+    use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), **{TK.tma_key(256, K, G): [4, 2, 2, 2, 2],
+                                                              TK.tma_key(96, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
@@ -148,12 +148,11 @@ def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
 def test_ec_epilogue_pair_replays_in_a_cuda_graph(monkeypatch):
     """The producer grid + PDL-launched TMA GEMV captured once and replayed with new inputs."""
     from spear_compile.lowering import ec_cat as E
-    from spear_compile.lowering import w4a16_triton as T
 
     K, G = 1280, 128
     x, qs, ss, zs, bs, ecl = _parts(K, G)
     nw = ((torch.rand(K) + 0.5).to(torch.bfloat16).cuda(), 1e-5)
-    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(256, K, G): [4, 2, 2, 2, 2]}})
+    use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), **{TK.tma_key(256, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma", lambda *a, **k: calls.append(k.get("ec")) or real(*a, **k))
@@ -191,7 +190,6 @@ def test_glu_ec_rows_follow_the_interleaved_weights():
 def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch):
     """spear::ec_linear_glu on CUDA where the table runs [2F, K] on the TMA kernel: GLU epilogue with each
     row's EC (and the RMSNorm prologue), twice, against the op's reference."""
-    from spear_compile.lowering import w4a16_triton as T
     from spear_compile.ops.refs import glu_of, rms_norm_ref
 
     F, K, G = 144, 1280, 128
@@ -200,7 +198,7 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
     qs, ss, zs = ([c[i].cuda() for c in cases] for i in (2, 3, 4))
     ecl = [list(v) for v in zip(*[[t.cuda() for t in _ec(F, K, r, 4, seed=s)] for s, r in enumerate((8, 5))])]
     w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
-    use_tuned_table(monkeypatch, {**dict(T.tuned_table()), **{gt.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}})
+    use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), **{TK.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}})
     calls = []
     real = gt.w4a16_gemv_tma
     monkeypatch.setattr(gt, "w4a16_gemv_tma",

@@ -9,6 +9,7 @@ fallback path (``publish=False``), and replays of a CUDA graph.
 import pytest
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.lowering import device as capability
 
 from tests.helpers import use_tuned_table
@@ -103,14 +104,14 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     q, s, z = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // G, dtype=torch.bfloat16), None
     ec = tuple(_ec(N, K, 8, 4, 0))
     x = torch.zeros(1, K, dtype=torch.bfloat16)
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0]})
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
     with pytest.raises(ValueError, match="no K-split"):  # (the EC epilogue needs one CTA per row block)
-        use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 2]})  # a K-split
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
+        use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 3, 2, 2]})  # a K-split
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["tma", 4, 2, 2, 2, 2]})
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: False)  # no TMA here: the pair
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
     use_tuned_table(monkeypatch, {})
@@ -118,17 +119,17 @@ def test_gemv1_ec_takes_the_one_launch_form_where_the_table_says(monkeypatch):
     # a per-rank entry overrides the rank-free one for its rank bucket only (ec has rank 8)
     monkeypatch.setattr(gt, "_tma_capable", lambda dev: True)
     generic = ["tma", 4, 2, 2, 2, 2]
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 8): ["pair"]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): generic, TK.gemv1self_rank_key(N, K, G, 8): ["pair"]})
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "pair"
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): generic, T.gemv1self_rank_key(N, K, G, 16): ["pair"]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): generic, TK.gemv1self_rank_key(N, K, G, 16): ["pair"]})
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma"
-    use_tuned_table(monkeypatch, {T.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
+    use_tuned_table(monkeypatch, {TK.gemv1self_rank_key(N, K, G, 7): generic})  # bucket next_pow2(7) = 8
     assert D.gemv1_ec(x, q, s, z, G, None, ec) == "tma" and calls[-1] == ("tma", (4, 2, 2, 2, 2))
     # the key format, pinned independently of the helper: an EC of rank 5 reads bucket 8
     ec5 = tuple(_ec(N, K, 5, 4, 0))
     use_tuned_table(monkeypatch, {"gemv1selfr|256|1024|128|8": ["cc", 8, 512, 4, 0]})
     assert D.gemv1_ec(x, q, s, z, G, None, ec5) == "cc" and calls[-1] == ("cc", (8, 512, 4, 0))
-    use_tuned_table(monkeypatch, {T.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0], "gemv1selfr|256|1024|128|8": ["pair"]})
+    use_tuned_table(monkeypatch, {TK.gemv1self_key(N, K, G): ["cc", 8, 512, 4, 0], "gemv1selfr|256|1024|128|8": ["pair"]})
     assert D.gemv1_ec(x, q, s, z, G, None, ec5) == "pair"
 
 

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from spear_compile.dispatch import keys as TK
 from spear_compile.dispatch import route as RT
-from spear_compile.lowering import tuning
+from spear_compile.dispatch import tuning
 
 
 def test_shipped_tables_are_well_formed():
@@ -135,11 +136,11 @@ def test_in_gemm_self_takes_the_register_operand_gemm_config_whatever_wins_the_w
     from tests.helpers import use_tuned_table
 
     M, N, K, G = 256, 4096, 4096, 128
-    use_tuned_table(monkeypatch, {T.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 256, 4, 4],
-                                      T.wgmma_ra_key(M, N, K, G): [128, 256, 4, 8]})
+    use_tuned_table(monkeypatch, {TK.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 256, 4, 4],
+                                      TK.wgmma_ra_key(M, N, K, G): [128, 256, 4, 8]})
     assert RT.wgmma_ra_config(M, N, K, G) == (64, 256, 4, 4)
-    use_tuned_table(monkeypatch, {T.gemm_key(M, N, K, G): ["dequant_cublas"],
-                                      T.wgmma_ra_key(M, N, K, G): [64, 128, 4, 4]})
+    use_tuned_table(monkeypatch, {TK.gemm_key(M, N, K, G): ["dequant_cublas"],
+                                      TK.wgmma_ra_key(M, N, K, G): [64, 128, 4, 4]})
     assert RT.wgmma_ra_config(M, N, K, G) == (64, 128, 4, 4)
     assert RT.wgmma_ra_config(200, N, K, G) == (64, 128, 4, 4)  # M = 200: the 256 bucket
     assert RT.wgmma_ra_config(300, N, K, G) is None  # M = 300: the 512 bucket, nothing measured
@@ -153,11 +154,11 @@ def test_in_gemm_self_prefers_its_own_measured_launch_config(monkeypatch):
     from tests.helpers import use_tuned_table
 
     M, N, K, G = 256, 11008, 4096, 128
-    table = use_tuned_table(monkeypatch, {T.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 128, 4, 4, 2],
-                                          T.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]})
+    table = use_tuned_table(monkeypatch, {TK.gemm_key(M, N, K, G): [T.WGMMA_RA, 64, 128, 4, 4, 2],
+                                          TK.ec_self_key(M, N, K, G): [128, 256, 4, 8, 2]})
     assert RT.ec_self_config(M, N, K, G) == (128, 256, 4, 8, 2)
     assert RT.wgmma_ra_config(M, N, K, G) == (64, 128, 4, 4, 2)  # (the W4 GEMM keeps its own)
-    del table[T.ec_self_key(M, N, K, G)]
+    del table[TK.ec_self_key(M, N, K, G)]
     assert RT.ec_self_config(M, N, K, G) == (64, 128, 4, 4, 2)
     assert RT.ec_self_config(1024, N, K, G) is None
 
@@ -165,13 +166,12 @@ def test_in_gemm_self_prefers_its_own_measured_launch_config(monkeypatch):
 def test_drop_gemv1self_ranks_removes_only_that_shapes_per_rank_entries(monkeypatch):
     """``drop_gemv1self_ranks``: the labs' reset of one shape's per-rank decode-EC choices; the rank-free entry and
     other shapes (also one whose N starts with the same digits) stay."""
-    from spear_compile.lowering import w4a16_triton as T
     from tests.helpers import use_tuned_table
 
-    keep = {T.gemv1self_key(4096, 4096, 128): ["tma", 4, 2, 2, 2, 2], T.gemv1self_rank_key(40960, 4096, 128, 16): ["pair"],
-            T.gemv1self_rank_key(4096, 4096, 64, 16): ["pair"]}
+    keep = {TK.gemv1self_key(4096, 4096, 128): ["tma", 4, 2, 2, 2, 2], TK.gemv1self_rank_key(40960, 4096, 128, 16): ["pair"],
+            TK.gemv1self_rank_key(4096, 4096, 64, 16): ["pair"]}
     table = dict(keep)
-    table.update({T.gemv1self_rank_key(4096, 4096, 128, r): ["pair"] for r in (4, 16, 64)})
+    table.update({TK.gemv1self_rank_key(4096, 4096, 128, r): ["pair"] for r in (4, 16, 64)})
     use_tuned_table(monkeypatch, table)
-    T.drop_gemv1self_ranks(4096, 4096, 128)
-    assert dict(T.tuned_table()) == keep
+    TK.drop_gemv1self_ranks(4096, 4096, 128)
+    assert dict(TK.tuned_table()) == keep

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import spear_compile as spear
 from spear_compile import CompileConfig
+from spear_compile.dispatch import keys as TK
 from spear_compile.passes.fuse_glu import silu_input
 from tests.helpers import (assert_compiled_matches_eager, capture, quantized_llama, round_trip_reaches_pass, snapshot,
                            spear_ops_after)
@@ -160,7 +161,7 @@ def _gpu_parts(monkeypatch, F=256, K=1024, G=128, config=(4, 2, 2, 2, 2)):
         pytest.skip("needs Triton with Gluon TMA")
     monkeypatch.setattr(capability, "is_sm90", lambda device: True)
     monkeypatch.setattr(capability, "pdl", lambda device: True)
-    use_tuned_table(monkeypatch, {GT.tma_key(2 * F, K, G): list(config)})
+    use_tuned_table(monkeypatch, {TK.tma_key(2 * F, K, G): list(config)})
     node = lambda t: SimpleNamespace(meta={"val": t})  # noqa: E731
     with FakeTensorMode():
         x = torch.empty(1, 1, K, dtype=torch.bfloat16, device="cuda")

@@ -48,7 +48,7 @@ def test_quantize_gptq_on_a_model_needs_calibration_and_beats_rtn_layer_by_layer
     import copy
 
     import spear_compile as spear
-    from spear_compile.compensators.stats import collect_input_stats
+    from spear_compile.quant.stats import collect_input_stats
     from tests.helpers import LlamaLike
 
     fp = LlamaLike(layers=2)
