@@ -43,7 +43,6 @@ import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("SPEAR_PEER_WRITE", "1")  # spear_peer measures the opt-in peer-write pair (envs.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -165,7 +164,7 @@ def meta(args, W: int) -> dict:
     NVLink multicast / peer-write environment."""
     import triton
 
-    env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "SPEAR_PEER_WRITE")}
+    env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "SPEAR_NO_PEER_WRITE")}
     return run_meta(args, {"triton": triton.__version__, "spear_compile": args.version}, head={"world_size": W},
                     tail={"env": env})
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..config import check_types
 from ..ops.packing import unpack_int4
+from ..ops.w4a16_ref import dequantize_ref
 from ..quant.linear import QuantLinear
 from .sampling import eos_ids, force_first, sample_static
 
@@ -276,7 +277,6 @@ class QuantParams:
         return s + (s.to(dt).float() - s).detach(), z + (z.to(dt).float() - z).detach()
 
     def weight(self) -> torch.Tensor:
-        from ..ops.w4a16_ref import dequantize_ref
 
         s, z = self.scales_zeros()
         return dequantize_ref(self.q, s, z, self.module.group_size, "unpacked", dtype=torch.float32)
@@ -298,7 +298,6 @@ def quant_params(model: nn.Module) -> list[QuantParams]:
 def _dense_forward(model: nn.Module, enabled: bool, qparams: Sequence[QuantParams] = ()):
     """Temporarily run every QuantLinear as ``x W^T (+ bias) (+ EC delta)`` with W dequantized once,
     or, for the modules in ``qparams``, rebuilt from their trainable scales and zeros per call."""
-    from ..ops.w4a16_ref import dequantize_ref
 
     trained = {id(p.module): p for p in qparams}
     if trained and not enabled:

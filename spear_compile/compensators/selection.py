@@ -30,6 +30,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..quant.linear import QuantLinear
+
 from .cka import StreamingCKA
 
 
@@ -219,7 +221,6 @@ def module_damage(fp_model: nn.Module, q_model: nn.Module, batches: Iterable[tor
     """
     from tqdm.auto import tqdm
 
-    from ..quant.linear import QuantLinear
 
     batches = list(batches)
     q_mods = dict(q_model.named_modules())

@@ -1,6 +1,6 @@
-"""The CUDA implementation of ``spear::ec_linear_peer_reduce``: the peer-write pair where it can run and
-``SPEAR_PEER_WRITE=1`` opts in (``envs.peer_write``: not yet verified on a GPU), else the host path (the reference partial, an all-reduce over the group - NCCL on CUDA - and the gated
-apply).
+"""The CUDA implementation of ``spear::ec_linear_peer_reduce``: the peer-write pair where it can run (unless
+``SPEAR_NO_PEER_WRITE=1``, ``envs.py``), else the host path (the reference partial, an all-reduce over the
+group - NCCL on CUDA - and the gated apply).
 
 The pair (``lowering/ec_peer_reduce.py``) runs at decode (M <= its staging rows) on a group of any size,
 one included (``group_name=""``: one GPU, the same kernels with one slot). Its staging is allocated on
@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 
 from .. import envs
+from ..lowering import ec_peer_reduce as PR
 from ..lowering.problem import Problem
 from ..ops.collective import all_reduce_sum
 from ..ops.peer_reduce_ref import ec_partial_ref, ec_reduced_apply_ref
+from ..ops.tp_schemas import check_peer_reduce_args
 
 _WHERE = "spear::ec_linear_peer_reduce"
 
@@ -29,12 +31,10 @@ def peer_reduce_problem(x, qweight, scales, zeros, group_size, A, W1, layout) ->
 
 def ec_linear_peer_reduce_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu",
                                layout="spear", group_name="", timeout_s=300.0):
-    from ..lowering import ec_peer_reduce as PR
-    from ..ops.tp_schemas import check_peer_reduce_args
 
     check_peer_reduce_args(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout,
                            group_name, timeout_s)
-    ok = envs.peer_write() and PR.can_implement(peer_reduce_problem(x, qweight, scales, zeros, group_size, A, W1,
+    ok = not envs.no_peer_write() and PR.can_implement(peer_reduce_problem(x, qweight, scales, zeros, group_size, A, W1,
                                                                       layout))[0]
     if ok:
         st = PR.staging_for(group_name, qweight.shape[0], A.shape[0], x.device)

@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import PeerTimeoutError
+
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from ._triton import can_implement as _triton_can_implement
 
@@ -262,7 +264,6 @@ class PeerStaging:
 
     def check(self, where: str = "ec_peer_reduce") -> None:
         """Raise ``PeerTimeoutError`` if a wait of this rank gave up (synchronises; not on the decode path)."""
-        from ..errors import PeerTimeoutError
 
         bad = int(self.flags[-1].item())
         if bad:

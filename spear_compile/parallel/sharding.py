@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..artifacts import load
 from ..compensators.ec import ErrorCompensator
 from ..quant.linear import QuantLinear
 from .layers import RowParallelLinear, RowShardEC
@@ -137,6 +138,5 @@ def shard_llama_(model: nn.Module, group=None, column=COLUMN, row=ROW) -> nn.Mod
 
 def load_sharded(path: str, group=None, model: Optional[nn.Module] = None) -> nn.Module:
     """Load the single-GPU artifact at ``path`` (``spear_compile.load``) and shard it for this rank."""
-    from ..artifacts import load
 
     return shard_llama_(load(path, model=model), group)

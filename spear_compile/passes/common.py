@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..dispatch.route import Route, cat_problem_of, route
+from ..ops.schemas import check_ec_shapes, out_features
 
 W4A16 = torch.ops.spear.w4a16_linear.default
 EC_LINEAR = torch.ops.spear.ec_linear.default
@@ -126,7 +127,6 @@ def emit_spear_linear(graph: fx.Graph, anchor: fx.Node, ctx, kwargs: dict, weigh
     If an EC is registered for ``weight_node``'s real tensor, the backend has added its
     parameters as extra graph inputs; the node becomes ``spear::ec_linear`` reading them.
     """
-    from ..ops.schemas import check_ec_shapes, out_features
 
     x_val = kwargs["x"].meta["val"]
     K = x_val.shape[-1]

@@ -105,7 +105,7 @@ def test_world_size_one_runs_the_peer_write_path_on_one_gpu(monkeypatch, M, N, K
     """The op on one GPU, no process group: the same two kernels with one slot, against the reference;
     twice (the signals reset) and under a CUDA graph. Shapes: a 7B-shaped layer at M = 1 and at the
     staging's largest M, and the tiny TP model's o_proj and down_proj (K = 192 and 384 at G = 32)."""
-    monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
+    monkeypatch.delenv("SPEAR_NO_PEER_WRITE", raising=False)
 
     dtype = torch.bfloat16
     shards, (bias, B, W1, b1, W2, b2, alpha) = _layer(N, K, 1, R, D, G, dtype)
@@ -132,7 +132,7 @@ def test_world_size_one_runs_the_peer_write_path_on_one_gpu(monkeypatch, M, N, K
 def test_two_layers_of_one_shape_share_the_staging_in_turn(monkeypatch):
     """Two layers of the same N and rank (the tiny TP model's o_proj and down_proj) use one staging, one
     after the other, the second reading the first's output, as in a model step: each equals its reference."""
-    monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
+    monkeypatch.delenv("SPEAR_NO_PEER_WRITE", raising=False)
     dtype = torch.bfloat16
     op = torch.ops.spear.ec_linear_peer_reduce
     layers = [_layer(192, 192, 1, 8, 4, 32, dtype, seed=1), _layer(192, 192, 1, 8, 4, 32, dtype, seed=2)]

@@ -113,14 +113,14 @@ def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_by_default(mo
     """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
     layers as spear::ec_linear_peer_reduce on its host path (partial, all-reduce, gated apply); its error
     against fp32 is within 1.5x of the single-process compiled model's."""
-    monkeypatch.setenv("SPEAR_PEER_WRITE", "0")
+    monkeypatch.setenv("SPEAR_NO_PEER_WRITE", "1")
     _assert_sharding_adds_no_error(_one_gpu_sharded_model())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_gpu_runs_the_sharded_model_through_the_peer_write_kernels(monkeypatch):
-    """The same through the peer-write pair with one slot (``SPEAR_PEER_WRITE=1``)."""
-    monkeypatch.setenv("SPEAR_PEER_WRITE", "1")
+    """The same through the peer-write pair with one slot (the default; ``SPEAR_NO_PEER_WRITE`` unset)."""
+    monkeypatch.delenv("SPEAR_NO_PEER_WRITE", raising=False)
     _assert_sharding_adds_no_error(_one_gpu_sharded_model())
 
 
