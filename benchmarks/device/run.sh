@@ -22,6 +22,12 @@
 #   determinism    benchmarks/determinism.py, then benchmarks/determinism_e2e.py
 #   e2e-profile    benchmarks/e2e_profile.py: torch.profiler over graph replays of the decode step
 #   read-floor     benchmarks/read_floor.py: a kernel that only reads the weight bytes
+#   serving        benchmarks/serving.py: the engine under Poisson arrivals, dynamic against static chunks
+#                  (default --device cuda --model llama2-7b; e.g. --densities 0 25 --chunks 512 2048 --slo-ms 16 22)
+#   engine-profile benchmarks/engine_profile.py: an engine step part by part and the GPU's top kernels
+#                  (default --device cuda --model llama2-7b --batch 1 16; --padding transformers|exact)
+#   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
+#                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)
 #   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
 #   quality        benchmarks/quality.py through quality.sh (needs the SmolLM2 GGUF carried in two
 #                  halves, see quality.sh); sweep: benchmarks/spear_sweep.py the same way
@@ -32,7 +38,7 @@
 set -uo pipefail
 if [ $# -lt 2 ]; then sed -n '2,30p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile e2e-hf ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -121,6 +127,10 @@ case "$topic" in
                 log="$out/determinism_e2e.log"; bench benchmarks/determinism_e2e.py --out "$out" || rc=$? ;;
   e2e-profile)  bench benchmarks/e2e_profile.py --out "$out" "$@"; rc=$? ;;
   read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
+  serving)      bench benchmarks/serving.py --out "$out" ${@:---device cuda --model llama2-7b}; rc=$? ;;
+  engine-profile) bench benchmarks/engine_profile.py --out "$out" ${@:---device cuda --model llama2-7b --batch 1 16}
+                rc=$? ;;
+  e2e-hf)       bench benchmarks/e2e_decode.py --out "$out" ${@:---hf llama2-7b qwen2.5-7b --batch 1 8 16 64}; rc=$? ;;
   ncu-gemv1|ncu-gemm)
                 script=benchmarks/${topic/-/_}.py
                 timeout "$limit" ncu --clock-control none -o "$out/rep" python "$script" "$@" > "$log" 2>&1; rc=$?
