@@ -10,6 +10,12 @@ teacher cache and the warm-up/capture), the largest loss difference and paramete
 """
 from __future__ import annotations
 
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # loaded from elsewhere (a test, benchmarks.<name>)
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow its ``kernels`` probe)
+
 import argparse
 import copy
 import json

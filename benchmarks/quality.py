@@ -12,6 +12,12 @@ one ``quality_<base>.svg`` per base (gap recovered vs memory overhead, a line pe
 """
 from __future__ import annotations
 
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # loaded from elsewhere (a test, benchmarks.<name>)
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow its ``kernels`` probe)
+
 import argparse
 import datetime
 import glob

@@ -12,6 +12,12 @@ the graphed and the eager step (CUDA events), a profiler table of one eager step
 """
 from __future__ import annotations
 
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # loaded from elsewhere (a test, benchmarks.<name>)
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow its ``kernels`` probe)
+
 import argparse
 import json
 import os

@@ -9,6 +9,12 @@ rows diverge). On CUDA the static loop replays its decode step as a CUDA graph.
 """
 from __future__ import annotations
 
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # loaded from elsewhere (a test, benchmarks.<name>)
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow its ``kernels`` probe)
+
 import argparse
 import datetime
 import json

@@ -51,7 +51,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # imported as benchmarks.serving
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow the ``kernels`` package)
 
 import spear_compile as spear  # noqa: E402
 from spear_compile import QuantConfig, runtime  # noqa: E402

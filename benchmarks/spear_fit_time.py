@@ -10,6 +10,12 @@ the KL steps. Run it with nothing else on the machine.
 """
 from __future__ import annotations
 
+try:
+    from _syspath import unshadow  # run as a script: benchmarks/ is first on sys.path
+except ImportError:  # loaded from elsewhere (a test, benchmarks.<name>)
+    from benchmarks._syspath import unshadow
+unshadow()  # before transformers is imported (benchmarks/kernels.py would shadow its ``kernels`` probe)
+
 import argparse
 import copy
 import dataclasses
