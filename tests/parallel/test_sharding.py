@@ -109,10 +109,10 @@ def _assert_sharding_adds_no_error(got):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_by_default(monkeypatch):
+def test_one_gpu_runs_the_sharded_model_through_the_host_reduction_when_switched_off(monkeypatch):
     """World size 1 on one GPU: the sharded model compiled by the spear backend runs both row-parallel
-    layers as spear::ec_linear_peer_reduce on its host path (partial, all-reduce, gated apply); its error
-    against fp32 is within 1.5x of the single-process compiled model's."""
+    layers as spear::ec_linear_peer_reduce on its host path (partial, all-reduce, gated apply) under
+    ``SPEAR_NO_PEER_WRITE=1``; its error against fp32 is within 1.5x of the single-process compiled model's."""
     monkeypatch.setenv("SPEAR_NO_PEER_WRITE", "1")
     _assert_sharding_adds_no_error(_one_gpu_sharded_model())
 
