@@ -109,7 +109,7 @@ def tma_config(p: Problem, rows: int) -> tuple:
     can run (``w4a16_gemv_tma.can_implement``)."""
     if envs.no_tma_gemv():
         return None, "SPEAR_NO_TMA_GEMV is set"
-    cfg = _table.configs().get(_table.Gemv1TmaKey(rows, p.K, p.G))
+    cfg = _table.configs().get(_keys.tma_key(rows, p.K, p.G))
     if cfg is None:
         return None, f"no measured TMA win for {rows}x{p.K} g{p.G}"
     ok, why = _gt.can_implement(p)
@@ -141,7 +141,7 @@ def self_plan_ok(p: Problem, R: int, grid: int, warps: int) -> bool:
 
 
 def _gemv1_config(p: Problem, N: int, ec: bool) -> tuple:
-    return tuple(_table.configs().get(_table.Gemv1Key(N, p.K, p.G, int(ec)), _t.GEMV1_CONFIGS[0]))
+    return tuple(_table.configs().get(_keys.gemv1_key(N, p.K, p.G, ec), _t.GEMV1_CONFIGS[0]))
 
 
 def _w4_gemv(p: Problem, why: list) -> Route:
@@ -151,7 +151,7 @@ def _w4_gemv(p: Problem, why: list) -> Route:
         if cfg is not None:
             return _route("gemv1_tma", cfg, why + [r2])
         return _route("gemv1", _gemv1_config(p, p.N, False), why + [f"TMA GEMV: {r2}", "CUDA-core M = 1 GEMV"])
-    cfg = tuple(_table.configs().get(_table.GemvKey(p.N, p.K, p.G, 0), _t.GEMV_CONFIGS[0]))
+    cfg = tuple(_table.configs().get(_keys.gemv_key(p.N, p.K, p.G, False), _t.GEMV_CONFIGS[0]))
     return _route("gemv", cfg, why + [f"M = 1 GEMV: {r}", "the M > 1 GEMV"])
 
 
@@ -159,7 +159,7 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
     """The W4 GEMM: the table's choice for (M bucket, N, K, G) (or ``choice``, a table value), else M's
     default; where the chosen kernel cannot run here, M's default."""
     why = list(why or [])
-    key = _table.GemmKey(_table.m_bucket(p.M), p.N, p.K, p.G)
+    key = _keys.gemm_key(p.M, p.N, p.K, p.G)
     cfg = _table.configs().get(key) if choice is None else list(choice)
     src = f"tuned table {key}" if choice is None else f"given {list(choice)}"
     if cfg is None:
@@ -198,7 +198,7 @@ def use_fused(lowering: str, M: int, crossover: int) -> bool:
 def _self_choice(p: Problem, N: int) -> tuple:
     t = _table.configs()
     R = p.rank
-    rk, gk = _table.Gemv1SelfRankKey(N, p.K, p.G, _triton.next_pow2(R)), _table.Gemv1SelfKey(N, p.K, p.G)
+    rk, gk = _keys.gemv1self_rank_key(N, p.K, p.G, R), _keys.gemv1self_key(N, p.K, p.G)
     choice = t.get(rk, t.get(gk))
     if not choice:
         return None, "no one-launch EC measured fastest for the shape"
@@ -238,7 +238,7 @@ def ec_decode_route(p: Problem, N: Optional[int] = None, why: Optional[list] = N
             else:
                 why.append("gemv1tmaec: the CUDA-core pair measured faster for the shape")
         t = _table.configs()
-        cfg = tuple(t.get(_table.Gemv1PdlKey(N, p.K, p.G)) or t.get(_table.Gemv1Key(N, p.K, p.G, 0))
+        cfg = tuple(t.get(_keys.gemv1pdl_key(N, p.K, p.G)) or t.get(_keys.gemv1_key(N, p.K, p.G, False))
                     or _t.GEMV1_CONFIGS[0])
         return _route("ec_pair", cfg, why + ["producer grid + CUDA-core GEMV"], pdl=capability.pdl_launch(p.device))
     cfg = _gemv1_config(p, N, True)
@@ -261,10 +261,10 @@ def ec_overlapped_route(p: Problem, structure: str = "auto", why: Optional[list]
         raise ValueError(f"ec_overlapped: structure={structure!r}; expected one of {OVERLAP_STRUCTURES}")
     gemm = gemm_route(p)
     if structure == "auto":
-        key = _table.EcStructKey(_table.m_bucket(p.M), p.N, p.K, p.G)
+        key = _keys.ec_structure_key(p.M, p.N, p.K, p.G)
         structure = _table.configs().get(key, "side")
         why.append(f"{key}: {structure}" if key in _table.configs() else "no structure measured: side")
-        raw = tuple(_table.configs().get(_table.GemmKey(_table.m_bucket(p.M), p.N, p.K, p.G), _t._default_gemm(p.M)))
+        raw = tuple(_table.configs().get(_keys.gemm_key(p.M, p.N, p.K, p.G), _t._default_gemm(p.M)))
         if structure.startswith("c_operand") and not _t.is_dequant_cublas(raw):
             why.append(f"c_operand needs the table's GEMM to be dequantize + cuBLAS, not {raw[0]}: side")
             structure = "side"
@@ -289,10 +289,9 @@ def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> O
     use_ra = gemm.kernel == "gemm_wgmma_ra"
     if self_:
         t = _table.configs()
-        b = _table.m_bucket(p.M)
-        got = t.get(_table.EcSelfKey(b, p.N, p.K, p.G))
+        got = t.get(_keys.ec_self_key(p.M, p.N, p.K, p.G))
         if got is None:
-            got = list(gemm.config) if use_ra else t.get(_table.GemmRaKey(b, p.N, p.K, p.G))
+            got = list(gemm.config) if use_ra else t.get(_keys.wgmma_ra_key(p.M, p.N, p.K, p.G))
         ra_ok, r2 = _ra.can_implement(p)
         self_ok, r3 = _egs.can_implement(p)
         if got is not None and ra_ok and self_ok:
@@ -302,9 +301,8 @@ def _in_gemm(p: Problem, gemm: Route, splitk: bool, self_: bool, why: list) -> O
     if use_ra:
         return _route("ec_in_gemm_ra", gemm.config, why + ["the register-operand GEMM takes the expand"],
                       shrink=shrink, pdl=capability.pdl_launch(p.device))
-    b = _table.m_bucket(p.M)
     cfg = (gemm.config if gemm.kernel == "gemm_wgmma"
-           else tuple(_table.configs().get(_table.GemmWgKey(b, p.N, p.K, p.G), _wg.WGMMA_CONFIGS[0])))
+           else tuple(_table.configs().get(_keys.wgmma_key(p.M, p.N, p.K, p.G), _wg.WGMMA_CONFIGS[0])))
     return _route("ec_in_gemm", cfg, why + ["the shared-memory-operand wgmma GEMM takes the expand"], shrink=shrink)
 
 
@@ -314,7 +312,7 @@ def _ec_route(p: Problem, why: list) -> Route:
         ok, r = _t.can_implement(p)
         if ok:
             return ec_decode_route(p, why=why)
-        cfg = tuple(_table.configs().get(_table.GemvKey(p.N, p.K, p.G, 1), _t.GEMV_CONFIGS[0]))
+        cfg = tuple(_table.configs().get(_keys.gemv_key(p.N, p.K, p.G, True), _t.GEMV_CONFIGS[0]))
         return _route("ec_gemv", cfg, why + [f"M = 1 GEMV: {r}", "the M > 1 GEMV with in-kernel producers"])
     return ec_overlapped_route(p, why=why + [f"lowering {p.lowering!r} at M = {p.M}: the overlapped EC"])
 
@@ -452,13 +450,13 @@ def ec_pdl_config(N: int, K: int, G: int) -> tuple:
     """The GEMV tile of the decode EC's producer + CUDA-core GEMV pair: its own measured one (``gemv1pdl``),
     else the plain W4 tile of the shape, else the first config."""
     t = _table.configs()
-    return tuple(t.get(_table.Gemv1PdlKey(N, K, G)) or t.get(_table.Gemv1Key(N, K, G, 0)) or _t.GEMV1_CONFIGS[0])
+    return tuple(t.get(_keys.gemv1pdl_key(N, K, G)) or t.get(_keys.gemv1_key(N, K, G, False)) or _t.GEMV1_CONFIGS[0])
 
 
 def tma_ec_measured_ok(N: int, K: int, G: int) -> bool:
     """Whether a single decode EC of this shape may take the TMA GEMV's EC pair: unless the table measured
     the CUDA-core pair faster (``gemv1tmaec`` entry 0)."""
-    return bool(_table.configs().get(_table.Gemv1TmaEcKey(N, K, G), 1))
+    return bool(_table.configs().get(_keys.gemv1tmaec_key(N, K, G), 1))
 
 
 def self_plan_fits(R: int, K: int, grid: int, warps: int, device: torch.device) -> bool:
@@ -486,7 +484,7 @@ def wgmma_config(M: int, N: int, K: int, G: int) -> tuple:
     cfg = gemm_config(M, N, K, G)
     if cfg[0] == _t.WGMMA:
         return tuple(cfg[1:])
-    return tuple(_keys.tuned_table().get(_keys.wgmma_key(M, N, K, G), _wg.WGMMA_CONFIGS[0]))
+    return tuple(_table.configs().get(_keys.wgmma_key(M, N, K, G), _wg.WGMMA_CONFIGS[0]))
 
 
 
@@ -505,7 +503,7 @@ def wgmma_ra_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     cfg = gemm_config(M, N, K, G)
     if cfg[0] == _t.WGMMA_RA:
         return tuple(cfg[1:])
-    got = _keys.tuned_table().get(_keys.wgmma_ra_key(M, N, K, G))
+    got = _table.configs().get(_keys.wgmma_ra_key(M, N, K, G))
     return tuple(got) if got is not None else None
 
 
@@ -516,7 +514,7 @@ def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     the tile that wins the plain W4 GEMM can be a poor host for the shrink roles - 11008x4096 M = 256 (H200):
     W4 took the 4-warp 64 x 128 tile (46.3 us), on which in_gemm_self took 78.6 us against ~51 on the
     128 x 256 tile of the run before."""
-    got = _keys.tuned_table().get(_keys.ec_self_key(M, N, K, G))
+    got = _table.configs().get(_keys.ec_self_key(M, N, K, G))
     return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
 
 
@@ -530,7 +528,7 @@ def wgmma_ra_choices() -> list:
 
 def gemm_config(M: int, N: int, K: int, G: int) -> tuple:
     """The GEMM config the tuned table (or the default for this M) gives this shape."""
-    return tuple(_keys.tuned_table().get(_keys.gemm_key(M, N, K, G), _t._default_gemm(M)))
+    return tuple(_table.configs().get(_keys.gemm_key(M, N, K, G), _t._default_gemm(M)))
 
 
 
@@ -539,7 +537,7 @@ def ec_structure(M: int, N: int, K: int, G: int) -> str:
     this GPU, or "side" where nothing was measured. A "c_operand" choice needs the table's GEMM
     for this shape to be dequantize + cuBLAS; otherwise "side" is returned. ("in_gemm" carries its own
     GEMM, ``wgmma_config``.)"""
-    choice = _keys.tuned_table().get(_keys.ec_structure_key(M, N, K, G), "side")
+    choice = _table.configs().get(_keys.ec_structure_key(M, N, K, G), "side")
     if choice.startswith("c_operand") and not _t.is_dequant_cublas(gemm_config(M, N, K, G)):
         return "side"
     return choice

@@ -242,7 +242,7 @@ class Engine:
         p = self.policy
         self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
 
-    def _cuda_graph_default(self, cc) -> dict:
+    def _cb_defaults(self, cc) -> dict:
         """Compiled: the step shapes transformers pads to, and on CUDA its CUDA graphs on, unless ``cb_config``
         says otherwise (each key apart). Measured on one H200 (Llama-2-7B-shaped W4 g128, ECs r64 on 25 % of
         the linears, transformers 5.17, ``benchmarks/engine_profile.py``; records in
@@ -304,7 +304,7 @@ class Engine:
         kw = dict(num_blocks=self.num_blocks, max_batch_tokens=self.max_batch_tokens,
                   max_requests_per_batch=self.max_requests_per_batch, scheduler_type=self._scheduler_name,
                   allow_block_sharing=False, cpu_offload_space=0.0, varlen_compile_config=cc,
-                  decode_compile_config=cc, **self._cuda_graph_default(cc), **self.extra_cb)
+                  decode_compile_config=cc, **self._cb_defaults(cc), **self.extra_cb)
         if self.block_size is not None:
             kw = config_kwargs(self.block_size, **kw)
         cb = ContinuousBatchingConfig(**kw)

@@ -129,7 +129,7 @@ def test_refine_retimes_finalists_interleaved_and_takes_the_lowest_median(monkey
 
 
 def test_in_gemm_self_takes_the_register_operand_gemm_config_whatever_wins_the_w4_table(monkeypatch):
-    """``w4a16_triton.wgmma_ra_config``: the table's GEMM where it is the register-operand one; else that GEMM's own
+    """``dispatch.route.wgmma_ra_config``: the table's GEMM where it is the register-operand one; else that GEMM's own
     measured config (``gemmra`` key); else None (the structure then runs "in_gemm")."""
     from spear_compile.dispatch import route as RT
     from spear_compile.lowering import w4a16_triton as T
@@ -147,7 +147,7 @@ def test_in_gemm_self_takes_the_register_operand_gemm_config_whatever_wins_the_w
 
 
 def test_in_gemm_self_prefers_its_own_measured_launch_config(monkeypatch):
-    """``w4a16_triton.ec_self_config``: the in-launch EC's own measured config (``ecself`` key) over the W4 table's
+    """``dispatch.route.ec_self_config``: the in-launch EC's own measured config (``ecself`` key) over the W4 table's
     register-operand GEMM (whose tile can be a poor host for the shrink roles), else ``wgmma_ra_config``; and
     the dispatch hands that config to the in-launch kernel."""
     from spear_compile.lowering import w4a16_triton as T

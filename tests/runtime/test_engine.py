@@ -232,11 +232,11 @@ def test_compiled_engine_pads_kv_reads_to_one_block_unless_told():
 
     m = tiny_llama()
     cc = Engine(m, compile=True)._compile_config()
-    assert Engine(m, compile=True, block_size=16)._cuda_graph_default(cc) == {"kv_padding_interval_size": 16}
-    assert Engine(m, compile=True)._cuda_graph_default(cc) == {"kv_padding_interval_size": 256}
+    assert Engine(m, compile=True, block_size=16)._cb_defaults(cc) == {"kv_padding_interval_size": 16}
+    assert Engine(m, compile=True)._cb_defaults(cc) == {"kv_padding_interval_size": 256}
     told = Engine(m, compile=True, block_size=16, cb_config={"kv_padding_interval_size": 64})
-    assert told._cuda_graph_default(cc) == {}
-    assert Engine(m)._cuda_graph_default(Engine(m)._compile_config()) == {}  # eager: transformers pads nothing
+    assert told._cb_defaults(cc) == {}
+    assert Engine(m)._cb_defaults(Engine(m)._compile_config()) == {}  # eager: transformers pads nothing
 
 
 @pytest.mark.slow
