@@ -12,7 +12,10 @@ part of transformers' generation-loop step is timed on the generation thread (wa
 
 The GPU's own kernel time per step comes from ``torch.profiler`` (CUPTI) over a window of decode steps:
 ``gpu_busy_ms_per_step`` against the step's wall time says whether the step is host or device bound.
-``cprofile_top``: the generation thread's functions by own time over the same window (cProfile).
+``gpu_launches``: per kernel, the distribution of single launches (a kernel that is slow only on some
+launches - a spin, a dependent-launch wait - shows as a wide min..max). ``cprofile_top``: the generation
+thread's functions by own time over the same window (cProfile). ``--trace`` also writes the window's
+Chrome trace (kernel order, grids, times).
 
     python benchmarks/engine_profile.py --device cuda --model llama2-7b --out OUT
     python benchmarks/engine_profile.py --device cpu --model smollm2 --out OUT --no-compile
@@ -38,6 +41,7 @@ unshadow()
 
 from benchmarks.serving import build_model, meta, set_ec_density  # noqa: E402
 
+from spear_compile.envs import fingerprint  # noqa: E402
 from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
 
 
@@ -87,17 +91,35 @@ def instrument(engine, timer: PartTimer) -> None:
     step = engine._manager._generation_step
 
     def profiled():
-        if timer.prof is not None:
-            timer.prof.enable()
+        prof = timer.prof  # read once: the consumer thread may end the window during this step
+        if prof is not None:
+            prof.enable()
             try:
                 return step()
             finally:
-                timer.prof.disable()
+                prof.disable()
         return step()
     engine._manager._generation_step = profiled
 
 
-def serve(engine, reqs, timer: PartTimer, window: tuple, gpu: bool) -> dict:
+def launch_stats(prof, steps: int, top: int = 12) -> list:
+    """Per kernel name (the ``top`` by total time): launches per step and the single-launch time
+    distribution in us (min, median, p90, max), from the profiler's device events."""
+    per = collections.defaultdict(list)
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            per[e.name].append(e.time_range.elapsed_us())
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out = []
+    for name, ts in rows:
+        ts = sorted(ts)
+        out.append({"name": name[:120], "launches_per_step": round(len(ts) / steps, 2), "min_us": round(ts[0], 2),
+                    "median_us": round(statistics.median(ts), 2), "p90_us": round(ts[int(0.9 * (len(ts) - 1))], 2),
+                    "max_us": round(ts[-1], 2)})
+    return out
+
+
+def serve(engine, reqs, timer: PartTimer, window: tuple, gpu: bool, trace: str = "") -> dict:
     """Serve ``reqs`` (prompt ids, max new tokens) at once; time the parts and profile over the steps
     ``window`` = (first, last) token index of the first request."""
     timer.t.clear()
@@ -125,6 +147,9 @@ def serve(engine, reqs, timer: PartTimer, window: tuple, gpu: bool) -> dict:
                 out["gpu_kernels_top"] = [{"name": e.key[:160], "calls_per_step": round(e.count / (window[1] - window[0]), 2),
                                            "ms_per_step": round(e.device_time_total / 1e3 / (window[1] - window[0]), 4)}
                                           for e in top]
+                out["gpu_launches"] = launch_stats(prof_ctx, window[1] - window[0])
+                if trace:
+                    prof_ctx.export_chrome_trace(trace)
             out["window_wall_ms_per_step"] = round((w1 - w0) * 1e3 / (window[1] - window[0]), 4)
             st = pstats.Stats(prof)
             rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]
@@ -155,12 +180,15 @@ def main(argv=None) -> None:
                     help="step shapes: the engine's (tokens to a multiple of 64, KV reads to a block), transformers' "
                          "fallback (tokens to a multiple of 64, KV reads to 16384) or exact (tokens as planned, KV "
                          "reads to a block)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers of the llama2-7b-shaped model")
+    ap.add_argument("--trace", action="store_true", help="also write the profiled window's Chrome trace per batch")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.model = args.model or ("llama2-7b" if args.device == "cuda" else "smollm2")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    model = build_model(args.model, args.device)
+    model = build_model(args.model, args.device, args.layers)
     ecs = set_ec_density(model, args.density, args.rank)
     cb = {} if args.cuda_graph is None else {"use_cuda_graph": args.cuda_graph}
     if args.padding == "transformers":  # transformers' fallback padding when it compiles (the engine's before)
@@ -180,12 +208,13 @@ def main(argv=None) -> None:
         reqs = [(list(range(10 + i, 42 + i)), args.tokens) for i in range(b)]
         serve(eng, reqs, timer, (8, 16), gpu)  # once to capture every graph this workload needs
         timer.captures = 0
-        rows[f"batch{b}"] = serve(eng, reqs, timer, (16, args.tokens - 8), gpu)
+        trace = os.path.join(args.out, f"trace_{args.device}{args.tag}_batch{b}.json") if args.trace and gpu else ""
+        rows[f"batch{b}"] = serve(eng, reqs, timer, (16, args.tokens - 8), gpu, trace)
         print(f"batch {b}: {json.dumps({k: v for k, v in rows[f'batch{b}'].items() if k != 'cprofile_top'})}")
     eng.stop()
     rec = {"meta": meta(args), "model": args.model, "ec_density": args.density, "ecs": len(ecs), "padding": args.padding,
-           "compile": args.compile, "cuda_graph": args.cuda_graph, "rows": rows}
-    path = os.path.join(args.out, f"engine_profile_{args.device}.json")
+           "layers": args.layers, "kill_switches": fingerprint(), "compile": args.compile, "cuda_graph": args.cuda_graph, "rows": rows}
+    path = os.path.join(args.out, f"engine_profile_{args.device}{args.tag}.json")
     json.dump(rec, open(path, "w"), indent=1)
     print(f"wrote {path}")
 

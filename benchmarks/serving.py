@@ -68,7 +68,8 @@ from benchmarks._meta import run_meta  # noqa: E402
 # ---------------------------------------------------------------- model and ECs
 
 
-def build_model(name: str, device: str):
+def build_model(name: str, device: str, layers: int = 32):
+    """SmolLM2-135M (real weights) or a Llama-2-7B-shaped model (random weights, ``layers`` decoder layers), W4."""
     if name == "smollm2":
         from spear_compile.models.smollm2 import load_smollm2
 
@@ -77,7 +78,7 @@ def build_model(name: str, device: str):
     elif name == "llama2-7b":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=8192)
         torch.manual_seed(0)
         with torch.device(device):
