@@ -181,6 +181,9 @@ def main(argv=None) -> None:
                          "fallback (tokens to a multiple of 64, KV reads to 16384) or exact (tokens as planned, KV "
                          "reads to a block)")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers of the llama2-7b-shaped model")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV cache blocks of 256 tokens (default: transformers sizes the cache from free memory, which "
+                         "with a few layers leaves too little for the CUDA graphs' pools)")
     ap.add_argument("--trace", action="store_true", help="also write the profiled window's Chrome trace per batch")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--out", required=True)
@@ -197,7 +200,7 @@ def main(argv=None) -> None:
         cb.update(q_padding_interval_size=1)
     extra = {"cb_config": cb} if cb else {}
     eng = Engine(model, None, policy=StaticChunkPolicy(512), compile=args.compile, max_batch_tokens=2048,
-                 block_size=256, log=print, **extra)
+                 block_size=256, num_blocks=args.num_blocks, log=print, **extra)
     eng.start()
     print(f"engine up in {time.perf_counter() - t0:.1f} s")
     timer = PartTimer()
