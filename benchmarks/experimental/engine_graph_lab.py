@@ -25,7 +25,10 @@ def main() -> None:
     if args.habit == "pool":
         from transformers.generation.continuous_batching import model_runner
 
-        model_runner.memory_pool_context = lambda pool: contextlib.nullcontext()
+        names = [n for n in ("memory_pool_context", "mem_pool_ctx") if hasattr(model_runner, n)]
+        for n in names:
+            setattr(model_runner, n, lambda pool: contextlib.nullcontext())
+        print(f"lab: warm-up outside the graph pool (patched model_runner.{names})")
     import engine_profile
 
     engine_profile.main([a for a in rest if a != "--"])
