@@ -51,6 +51,7 @@ import torch
 
 from . import device as _device
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
+from .layout_cache import outside_pools
 
 SPIN = 0 if INTERPRET else 4096  # re-reads of the slots before a program computes the pieces itself
 MAX_SLOTS = 1024  # R * NC: what every program reads after its loop (8 KB at most)
@@ -132,7 +133,7 @@ def site_workspace(store: dict, A: torch.Tensor, geometry: tuple, make, what: st
                            "and this first use is inside a CUDA graph capture: run the model once first")
     for k in [k for k, v in store.items() if v[0].expired()]:
         del store[k]
-    ws = make()
+    ws = outside_pools(make)
     store[key] = (StorageWeakRef(A.untyped_storage()), ws)
     return ws
 

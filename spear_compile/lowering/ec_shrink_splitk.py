@@ -37,6 +37,7 @@ import torch
 
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from .device import sm_count
+from .layout_cache import outside_pools
 
 # 32 x 64 tiles, 4 warps, 2 stages: 96 registers and 12 KB of shared memory (sm_90, offline ptxas), so a
 # program fits on an SM beside one 205-register, 256-thread register-operand GEMM CTA (53,248 + 12,288 =
@@ -117,9 +118,9 @@ def _counters(A: torch.Tensor, blocks: int) -> torch.Tensor:
     hit = _COUNTERS.get(key)
     if hit is not None and not hit[0].expired():
         return hit[1]
-    cnt = torch.zeros(size, dtype=torch.int32, device=A.device)
     if A.is_cuda and torch.cuda.is_current_stream_capturing():
-        return cnt  # (a memset node in the graph: zero at every replay)
+        return torch.zeros(size, dtype=torch.int32, device=A.device)  # (a memset node in the graph: zero at every replay)
+    cnt = outside_pools(lambda: torch.zeros(size, dtype=torch.int32, device=A.device))
     for k in [k for k, v in _COUNTERS.items() if v[0].expired()]:
         del _COUNTERS[k]
     _COUNTERS[key] = (StorageWeakRef(A.untyped_storage()), cnt)

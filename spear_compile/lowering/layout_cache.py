@@ -6,10 +6,49 @@ device) and their version counters, so an in-place update of a weight remakes wh
 it, and entries whose sources were freed are dropped. Making one while a CUDA graph is being
 captured raises: the re-layout would be recorded and re-run at every replay (a decode benchmark that
 did so timed an 8192 x 8192 GEMV at 98 us instead of 15 on an H200).
+
+Everything kept across calls (these layouts, and the kernels' workspaces: counters, tickets, slots) is
+made by ``outside_pools``: on a helper thread, so that a CUDA memory pool the caller holds does not
+apply. transformers' continuous batching runs the eager warm-up before each CUDA-graph capture inside
+the graphs' shared pool (``torch.cuda.use_mem_pool``, thread-local); state made there was clobbered by
+the graphs' own buffers: the one-launch decode EC found its slots' tags wrong and spun to its limit
+(4.28 ms per launch instead of ~10 us, H200, ``benchmarks/experimental/engine_graph_lab.py``), and a
+compiled engine hit illegal memory accesses.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
+
+
+def outside_pools(make):
+    """``make()`` (no autograd) run where no caller's CUDA memory pool applies: on a helper thread (pools
+    are per thread), on the current device, after the caller's stream has finished its pending work (the
+    helper's stream does not order with it) and with the helper's stream drained before returning. For
+    state kept across calls and CUDA-graph captures (module docstring); on CPU ``make()`` runs here."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        with torch.no_grad():
+            return make()
+    dev = torch.cuda.current_device()
+    torch.cuda.current_stream(dev).synchronize()
+    box: dict = {}
+
+    def run():
+        try:
+            torch.cuda.set_device(dev)
+            with torch.no_grad():
+                box["out"] = make()
+            torch.cuda.current_stream(dev).synchronize()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="spear-outside-pools", daemon=True)
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _version(t: torch.Tensor) -> int:
@@ -55,6 +94,6 @@ def derived_cached(cache: dict, sources: list, make):
                            "and re-run it at every replay: run the model (or op) once before capturing")
     for k in [k for k, v in cache.items() if any(r.expired() for r in v[0])]:  # sources freed since
         del cache[k]
-    out = make()
+    out = outside_pools(make)
     cache[key] = ([StorageWeakRef(t.untyped_storage()) for t in sources if t is not None], versions, out)
     return out

@@ -53,7 +53,7 @@ from . import device as _device
 from ._triton import next_pow2
 from .w4a16_words import (CHUNK, HAS_GLUON, compile_gluon_sm90, gemv_gluon_emulated, gluon_ok, repack_gluon,
                           word_layout, word_layout_bases)
-from .layout_cache import derived_cached, derived_peek  # noqa: F401
+from .layout_cache import derived_cached, derived_peek, outside_pools  # noqa: F401
 from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
                                      norm_ok, tile_geometry, unpack_config)
 from .ec_self import SPIN
@@ -502,7 +502,8 @@ def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[t
                                "once eagerly before capturing (the usual warm-up does)")
         n = max(rows, have[0].numel() if have else 0)
         r = max(row_blocks, have[1].numel() if have else 0)
-        have = (torch.zeros(n, dtype=torch.float32, device=device), torch.zeros(r, dtype=torch.int32, device=device))
+        have = outside_pools(lambda: (torch.zeros(n, dtype=torch.float32, device=device),
+                                      torch.zeros(r, dtype=torch.int32, device=device)))
         _SPLIT_WS[idx] = have
         _SPLIT_WS_ALL.append(have)
     return have

@@ -47,7 +47,7 @@ import torch
 from ..ops.packing import unpack_int4
 from ._triton import ACT_CODES, HAS_TRITON, INTERPRET, next_pow2
 from . import ec_self as _es
-from .layout_cache import derived_cached, derived_peek  # noqa: F401  (the kernels' operands are cached there)
+from .layout_cache import derived_cached, derived_peek, outside_pools  # noqa: F401  (the kernels' operands are cached there)
 from .ec_self import SPIN, slot_rows
 from .ec_self import check_self_operands, self_plan, self_workspace
 
@@ -608,8 +608,12 @@ def ec_workspace(device: torch.device, r_p: int) -> tuple[torch.Tensor, torch.Te
     key = (str(device), r_p)
     ws = _WORKSPACE.get(key)
     if ws is None:
-        ws = (torch.zeros(GEMV_MAX_M + GH_COPIES + MAX_PRODUCERS, r_p, dtype=torch.float32, device=device),
-              torch.zeros(96, dtype=torch.int32, device=device))
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a memset captured, not run
+            raise RuntimeError(f"ec_workspace: the fused EC's workspace (rank {r_p}) is made on first use, and this "
+                               "first use is inside a CUDA graph capture: run the model once before capturing")
+        ws = outside_pools(lambda: (
+            torch.zeros(GEMV_MAX_M + GH_COPIES + MAX_PRODUCERS, r_p, dtype=torch.float32, device=device),
+            torch.zeros(96, dtype=torch.int32, device=device)))
         _WORKSPACE[key] = ws
     return ws
 
