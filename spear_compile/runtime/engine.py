@@ -257,10 +257,13 @@ class Engine:
           gathering them. Reads padded to whole pages (what the paged cache holds anyway) cost one CUDA graph
           per distinct number of pages read instead.
         * The step's tokens keep transformers' padding (a multiple of 64, so at most 2048 / 64 graphs per KV
-          size). Exact token counts (``cb_config={"q_padding_interval_size": 1}``) would give batch-1 decode
-          the M = 1 GEMV instead of the W4 GEMM at M = 64 (10.0 ms per step), but in that measurement the TMA
-          GEMV took 0.49 ms per launch inside the engine's graphs (39.4 ms per step, a 44.7 ms step), far
-          from its standalone time: not the default until that is understood."""
+          size). With it the batch-1 decode step is 14.4 ms wall (12.9 ms GPU, most of it the W4 GEMM at
+          M = 64) and batch 16 16.5 ms (``2026-12-04_h200_graph_pool/``). Exact token counts
+          (``cb_config={"q_padding_interval_size": 1}``) give batch-1 decode the M = 1 GEMV (11 us per launch
+          in the engine's graphs on 4 layers), but compile and capture a graph per distinct token count:
+          the 32-layer model did not finish its first 40 tokens in 280 s. (An earlier measurement of 0.49 ms
+          per GEMV launch was the one-launch EC spinning on state clobbered by transformers' graph pool,
+          fixed in ``lowering/layout_cache.outside_pools``.)"""
         if cc is None:
             return {}
         out = {"kv_padding_interval_size": self.block_size or 256}
