@@ -130,15 +130,20 @@ def workload(n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed
 
 class TimedPolicy:
     """A policy that records its planning time, when it was asked (one call per engine step: the gap to
-    the next call is that step's wall time) and what it planned (decode contexts, prefill pieces)."""
+    the next call is that step's wall time) and what it planned (decode contexts, prefill pieces).
+    ``us``: wall time of each plan (it includes waits for the GIL while the engine's other threads and the
+    benchmark's streaming threads run); ``cpu_us``: the generation thread's own CPU time in it (what
+    planning costs, without those waits)."""
 
     def __init__(self, inner):
-        self.inner, self.us, self.steps = inner, [], []
+        self.inner, self.us, self.cpu_us, self.steps = inner, [], [], []
 
     def plan(self, state):
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         p = self.inner.plan(state)
         self.us.append((time.perf_counter_ns() - t0) / 1e3)
+        self.cpu_us.append((time.thread_time_ns() - c0) / 1e3)
         ctx = {d.request_id: d.context_len for d in state.decodes}
         done = {w.request_id: w.prefilled for w in state.waiting}
         self.steps.append((t0 / 1e6, tuple(ctx[r] for r in p.decode_ids),
@@ -185,7 +190,8 @@ def run(engine_kw: dict, policy, reqs: list, timeout_s: float) -> dict:
 
     makespan = send_at_arrivals(reqs, t0, start, timeout_s)
     eng.stop(wait=False)
-    return {"times": times, "makespan": makespan, "sched_us": timed.us, "steps": timed.steps, "errors": errors}
+    return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us, "steps": timed.steps,
+            "errors": errors}
 
 
 def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
@@ -201,6 +207,7 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
             "slo_attainment": (sum(x <= slo_ms for x in itl) / len(itl)) if itl else None,
             "mean_ttft_ms": statistics.fmean(ttft) if ttft else None, "p99_ttft_ms": pct(ttft, 99),
             "throughput_tok_s": gen / res["makespan"], "sched_us_p50": pct(res["sched_us"], 50), "sched_us_p99": us99,
+            "sched_cpu_us_p50": pct(res.get("sched_cpu_us", []), 50), "sched_cpu_us_p99": pct(res.get("sched_cpu_us", []), 99),
             "sched_share_of_step": (us99 / 1e3 / step_ms) if us99 is not None else None,
             "steps": len(res["sched_us"]), "completed": sum(1 for (_, _, m), ts in zip(reqs, res["times"])
                                                               if len(ts) >= m),
@@ -280,7 +287,7 @@ def main_http(args) -> None:
         reqs = workload(args.requests, rate, args.prompt, args.output, args.vocab, args.seed)
         print(f"   rate {rate}/s: {len(reqs)} requests over HTTP", flush=True)
         res = loadgen.open_loop(base, card["id"], reqs, timeout_s=args.timeout)
-        res.update(sched_us=[], steps=[], errors=[f"{o.status}: {o.error}" for o in res["outcomes"] if o.status != "ok"])
+        res.update(sched_us=[], sched_cpu_us=[], steps=[], errors=[f"{o.status}: {o.error}" for o in res["outcomes"] if o.status != "ok"])
         outcomes = res.pop("outcomes")
         for slo in slos:
             row = {"policy": "server", "chunk": None, "policy_label": "http", "slo_ms": slo, "rate": rate,
@@ -389,7 +396,7 @@ def main(argv=None) -> None:
                     record["rows"].append(row)
                     print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                     if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
-                                             "throughput_tok_s", "sched_us_p99", "completed")}, flush=True)
+                                             "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed")}, flush=True)
                 with open(path, "w") as f:
                     json.dump(record, f, indent=1)
         record["latency_model"][str(density)] = {
