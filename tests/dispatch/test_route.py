@@ -116,12 +116,13 @@ def test_in_gemm_self_where_its_launch_config_is_measured(monkeypatch):
 
 def test_ec_pdl_tile_prefers_its_own_measurement(monkeypatch):
     """The decode EC's PDL pair takes the tile measured for it (gemv1pdl), else the plain W4 tile of
-    the shape, else the first config."""
+    the shape, else (nothing tuned within two octaves) the first config."""
     table = use_tuned_table(monkeypatch, {TK.gemv1_key(256, 1024, 128, False): [8, 512, 4, 0]})
     assert R.ec_pdl_config(256, 1024, 128) == (8, 512, 4, 0)
     table[TK.gemv1pdl_key(256, 1024, 128)] = [8, 128, 1, 1]
     assert R.ec_pdl_config(256, 1024, 128) == (8, 128, 1, 1)
-    assert R.ec_pdl_config(512, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])
+    assert R.ec_pdl_config(512, 1024, 128) == (8, 128, 1, 1)  # untuned: the nearest tuned geometry's
+    assert R.ec_pdl_config(8192, 1024, 128) == tuple(T.GEMV1_CONFIGS[0])  # five octaves away: nothing near
     hopper(monkeypatch)
     assert R.route(problem(op="ec", N=256, rank=16, lowering="fused")) .kernel == "ec_pair"
     assert R.route(problem(op="ec", N=256, rank=16, lowering="fused")).config == (8, 128, 1, 1)
@@ -224,3 +225,44 @@ def test_each_kernel_file_names_its_own_constraints(monkeypatch):
     assert "needs bf16" in GT.can_implement(p.replace(M=1, param_dtypes=(torch.float16,)))[1]
     assert "RMSNorm" in GT.can_implement(p.replace(M=1), (8, 2, 1, 3, 0), norm=True)[1]
     assert not ec_self.can_implement(p.replace(M=1, K=1 << 20), 64, 1, 1)[0]
+
+
+def test_an_untuned_shape_takes_the_nearest_tuned_geometry_and_a_tuned_one_keeps_its_absences(monkeypatch):
+    """``tuned_key``: a shape whose family anchor (the plain ``gemv1`` tile; the GEMM's M bucket) is in the
+    table answers from its own entries, so an absent ``gemv1tma`` still means "the TMA GEMV was not
+    faster"; a shape never tuned answers from the nearest tuned geometry of the same group size (and M
+    bucket) within two octaves of N and of K, else from the kernels' defaults."""
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    tma = [4, 2, 2, 2, 2]
+    use_tuned_table(monkeypatch, {
+        TK.gemv1_key(4096, 4096, 128, False): [8, 512, 4, 0],  # tuned; the TMA kernel lost here
+        TK.gemv1_key(4096, 11008, 128, False): [8, 256, 2, 1], TK.tma_key(4096, 11008, 128): tma,
+        TK.gemm_key(64, 4096, 4096, 128): [128, 256, 64, 8, 3],
+        TK.gemm_key(64, 11008, 4096, 128): [64, 128, 64, 4, 4]})
+    hopper(monkeypatch)
+    assert R.route(problem(N=4096, K=4096)).kernel == "gemv1"  # tuned: the absent gemv1tma keeps its meaning
+    rt = R.route(problem(N=3584, K=9728))  # untuned: nearest is 4096x11008 (0.19 + 0.18 octaves)
+    assert rt.kernel == "gemv1_tma" and rt.config == tuple(tma)
+    assert any("nearest tuned geometry 4096x11008" in r for r in rt.reasons), rt.reasons
+    assert R.tuned_key(TK.gemv1_key(3584, 3584, 128, False)) == TK.gemv1_key(4096, 4096, 128, False)
+    assert R.route(problem(N=3584, K=3584)).config == (8, 512, 4, 0)
+    assert R.tuned_key(TK.tma_key(3584, 9728, 64)) == TK.tma_key(3584, 9728, 64)  # another group size
+    assert R.tuned_key(TK.tma_key(512, 4096, 128)) == TK.tma_key(512, 4096, 128)  # three octaves in N: too far
+    # the GEMMs: the same M bucket only
+    assert R.gemm_route(problem(M=40, N=12288, K=4096)).config == (64, 128, 64, 4, 4)
+    assert R.tuned_key(TK.gemm_key(128, 12288, 4096, 128)) == TK.gemm_key(128, 12288, 4096, 128)
+    assert R.gemm_route(problem(M=128, N=12288, K=4096)).reasons[-1].startswith("M = 128 default")
+
+
+def test_a_nearest_tma_config_whose_k_split_does_not_divide_k_is_not_taken(monkeypatch):
+    if not GT.HAS_TMA:
+        pytest.skip("needs Triton with Gluon TMA")
+    split2 = [4, 2, 2, 2, 2, 2]
+    use_tuned_table(monkeypatch, {TK.gemv1_key(4096, 4096, 128, False): [8, 512, 4, 0],
+                                  TK.tma_key(4096, 4096, 128): split2})
+    hopper(monkeypatch)
+    step = GT.tile_geometry(tuple(split2))[1]
+    odd = step * 5  # five K steps: a split in two does not divide them
+    rt = R.route(problem(N=4096, K=odd))
+    assert rt.kernel == "gemv1" and any("does not divide" in r for r in rt.reasons), rt.reasons
