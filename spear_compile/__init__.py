@@ -21,9 +21,10 @@ from ._version import __version__
 _register_backend()
 
 from . import errors, inspect, parallel  # noqa: E402,F401  (spear.inspect.capture, spear.errors.*, spear.parallel.*)
+from .tuner import tune  # noqa: E402  (spear.tune(model): the kernels measured for the model's shapes)
 
 __all__ = [
     "ArtifactError", "CompileConfig", "ECConfig", "ErrorCompensator", "QuantConfig", "QuantFormatError", "QuantLinear",
     "attach_", "compile_config", "detach_", "load", "quantize_", "quantized_linears", "register_ec", "save", "spear_backend",
-    "UnmatchedECError", "errors", "inspect",
+    "UnmatchedECError", "errors", "inspect", "tune",
 ]

@@ -339,6 +339,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"spear serve: {e}") from None
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .dispatch import autotune
+    from .tuner import load_config, shapes_from_config, tune
+
+    try:
+        shapes = shapes_from_config(load_config(args.config), args.group_size)
+        jobs = autotune.jobs_for(shapes, args.ms)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"spear tune: {e}") from None
+    print(f"spear tune: {len(shapes)} shapes, {len(jobs)} jobs (M in {sorted(set(args.ms))}), budget {args.budget_s:.0f} s")
+    if args.dry_run:
+        for j in jobs:
+            print(f"  {j.describe()}")
+        return 0
+    try:
+        rep = tune(shapes=shapes, ms=args.ms, budget_s=args.budget_s, progress=True)
+    except RuntimeError as e:
+        raise SystemExit(f"spear tune: {e}") from None
+    for job, why in rep.failed:
+        print(f"  failed: {job.describe()}: {why}")
+    if rep.left:
+        print(f"  not measured (budget spent; the route gives them the nearest tuned geometry): "
+              f"{', '.join(j.describe() for j in rep.left)}")
+    print(f"spear tune: {rep.summary()}")
+    return 0
+
+
+def _add_tune_parser(sub) -> None:
+    from .dispatch.autotune import DEFAULT_MS
+
+    t = sub.add_parser("tune", help="measure the W4 kernels for a model's shapes on this GPU (the user's tuned table)",
+                       formatter_class=_HELP)
+    t.add_argument("config", help="a Llama-family Hugging Face model directory or its config.json (no weights needed)")
+    t.add_argument("--group-size", type=int, default=128, help="quantization group size (0: per channel)")
+    t.add_argument("--ms", type=_positive("--ms"), nargs="+", default=list(DEFAULT_MS), help="rows (M) to tune for")
+    t.add_argument("--budget-s", type=float, default=300.0, help="stop measuring after this many seconds")
+    t.add_argument("--dry-run", action="store_true", help="list the jobs and exit (no GPU needed)")
+    t.set_defaults(fn=cmd_tune)
+
+
 def _add_serve_parser(sub) -> None:
     from .serve.config import COMPILE_MODES, EC_KINDS, POLICIES
 
@@ -428,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quant_args(i)
     i.set_defaults(fn=cmd_inspect)
     _add_serve_parser(sub)
+    _add_tune_parser(sub)
     return p
 
 
