@@ -2,6 +2,8 @@
 capability is faked where a test needs a Hopper-class GPU; nothing is launched)."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spear_compile.dispatch import keys as TK
 from spear_compile.dispatch import route as R
@@ -266,3 +268,47 @@ def test_a_nearest_tma_config_whose_k_split_does_not_divide_k_is_not_taken(monke
     odd = step * 5  # five K steps: a split in two does not divide them
     rt = R.route(problem(N=4096, K=odd))
     assert rt.kernel == "gemv1" and any("does not divide" in r for r in rt.reasons), rt.reasons
+
+
+_DIMS = [512, 1024, 2048, 3584, 4096, 8192, 11008, 14336, 28672]
+
+
+@settings(max_examples=60, deadline=None)
+@given(anchors=st.lists(st.tuples(st.sampled_from(_DIMS), st.sampled_from(_DIMS), st.sampled_from([64, 128])),
+                        max_size=6),
+       query=st.tuples(st.sampled_from(_DIMS), st.sampled_from(_DIMS), st.sampled_from([64, 128])),
+       kind=st.sampled_from(["tma", "gemv1pdl", "gemv1selfr", "gemm"]))
+def test_tuned_key_properties(anchors, query, kind):
+    """``tuned_key`` only moves N and K; keeps a tuned shape's own key; else goes to an anchored geometry of
+    the same G (and M bucket) within two octaves, and none is nearer."""
+    import math
+
+    M = 64
+    entries = {}
+    for N, K, G in anchors:
+        entries[TK.gemv1_key(N, K, G, False)] = [8, 512, 4, 0]
+        entries[TK.gemm_key(M, N, K, G)] = [64, 128, 64, 4, 4]
+    mp = pytest.MonkeyPatch()
+    try:
+        use_tuned_table(mp, entries)
+        N, K, G = query
+        key = {"tma": TK.tma_key(N, K, G), "gemv1pdl": TK.gemv1pdl_key(N, K, G),
+               "gemv1selfr": TK.gemv1self_rank_key(N, K, G, 24), "gemm": TK.gemm_key(40, N, K, G)}[kind]
+        got = R.tuned_key(key)
+        assert type(got) is type(key) and got.G == key.G
+        assert {f: v for f, v in got.fields().items() if f not in ("N", "K")} == \
+               {f: v for f, v in key.fields().items() if f not in ("N", "K")}
+        same = [(n, k) for n, k, g in anchors if g == G]
+        if (N, K) in same:
+            assert got == key
+            return
+
+        def dist(n, k):
+            return abs(math.log2(n / N)) + abs(math.log2(k / K))
+        near = [(n, k) for n, k in same if max(abs(math.log2(n / N)), abs(math.log2(k / K))) <= R.NEAREST_MAX_OCTAVES]
+        if not near:
+            assert got == key
+        else:
+            assert (got.N, got.K) in near and dist(got.N, got.K) == min(dist(n, k) for n, k in near)
+    finally:
+        mp.undo()
