@@ -119,8 +119,22 @@ def tuned_key(key: _table.Key) -> _table.Key:
     fam = _FAMILIES.get(type(key))
     if fam is None:
         return key
-    anchor_cls, same = fam
     t = _table.configs()
+    if _NEAREST[0] is not t or _NEAREST[1] != t.generation:  # another table, or keys added / removed since
+        _NEAREST[:] = [t, t.generation, {}]
+    got = _NEAREST[2].get(key)
+    if got is None:
+        got = _NEAREST[2][key] = _nearest(t, key, *fam)
+    return got
+
+
+# [table, its generation, {key: tuned_key(key)}]: the route asks on every op call, and an untuned shape's answer
+# is a scan of the table (the table is held, so that its identity cannot pass to a new one)
+_NEAREST: list = [None, -1, {}]
+
+
+def _nearest(t: _table.TunedTable, key: _table.Key, anchor_cls: type, same: tuple) -> _table.Key:
+    """``tuned_key``'s answer, computed: a scan of the table's anchors."""
     anchor = anchor_cls(**{f.name: getattr(key, f.name) for f in dataclasses.fields(anchor_cls) if f.name != "ec"})
     if anchor in t:
         return key

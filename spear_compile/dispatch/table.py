@@ -332,6 +332,7 @@ class TunedTable(MutableMapping):
         self.name = name
         self.source = source
         self._entries: dict[Key, Value] = {}
+        self.generation = 0  # bumped when a key is added or removed (what caches of the key set check)
         for k, v in (entries or {}).items():
             self[k] = v
 
@@ -349,10 +350,13 @@ class TunedTable(MutableMapping):
 
     def __setitem__(self, key, value) -> None:
         k = self._key(key)
+        if k not in self._entries:
+            self.generation += 1
         self._entries[k] = parse_value(k, value)
 
     def __delitem__(self, key) -> None:
         del self._entries[self._key(key)]
+        self.generation += 1
 
     def __iter__(self) -> Iterator[Key]:
         return iter(list(self._entries))
