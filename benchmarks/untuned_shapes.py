@@ -59,7 +59,7 @@ def w4(x, w, G):
 def time_shape(N: int, K: int, G: int, M: int) -> dict:
     """The four timings of one shape at one M (module docstring), in us, the process's table restored after."""
     copies = min(copies_for(N * K // 2), 12)
-    ws = AT._weights(N, K, G, copies, "cuda")
+    ws = AT.random_weights(N, K, G, copies, "cuda")
     xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     bf = [dequantize_ref(*ws[i], G, "spear", torch.bfloat16) for i in range(min(2, copies))]
     row = {"N": N, "K": K, "G": G, "M": M}

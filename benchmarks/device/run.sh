@@ -29,6 +29,8 @@
 #   untuned        benchmarks/untuned_shapes.py: shapes outside the shipped table, the route's nearest-geometry
 #                  default against the same shapes tuned, and the whole-model spear tune time
 #                  (default --models qwen2.5-7b llama3-8b --ms 1 16 64 256)
+#   small-m        benchmarks/small_m_gemm.py: the K-split tensor-core GEMM at M = 2..256 against the route's
+#                  shipped choice and cuBLAS, W4 + EC after (default: the benchmark and Qwen2.5-7B shapes)
 #   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
 #                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)
 #   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
@@ -41,7 +43,7 @@
 set -uo pipefail
 if [ $# -lt 2 ]; then sed -n '2,30p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned e2e-hf ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m e2e-hf ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -131,6 +133,7 @@ case "$topic" in
   e2e-profile)  bench benchmarks/e2e_profile.py --out "$out" "$@"; rc=$? ;;
   read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
   untuned)      bench benchmarks/untuned_shapes.py --out "$out" "$@"; rc=$? ;;
+  small-m)      bench benchmarks/small_m_gemm.py --out "$out" "$@"; rc=$? ;;
   serving)      bench benchmarks/serving.py --out "$out" ${@:---device cuda --model llama2-7b}; rc=$? ;;
   engine-profile) bench benchmarks/engine_profile.py --out "$out" ${@:---device cuda --model llama2-7b --batch 1 16}
                 rc=$? ;;

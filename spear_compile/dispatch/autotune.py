@@ -104,7 +104,7 @@ def jobs_for(shapes: Iterable[LinearShape], ms: Sequence[int] = DEFAULT_MS) -> l
     return list(out.values())
 
 
-def _weights(N: int, K: int, G: int, copies: int, device) -> list:
+def random_weights(N: int, K: int, G: int, copies: int, device) -> list:
     """``copies`` random spear-layout weights (qweight uint8 [N, K/2], bf16 scales and zero points)."""
     ng = 1 if G >= K else K // G
     out = []
@@ -116,6 +116,18 @@ def _weights(N: int, K: int, G: int, copies: int, device) -> list:
     return out
 
 
+def random_ec(N: int, K: int, r: int, device, d: int = 16, seed: int = 0) -> tuple:
+    """A gated EC's operands (A, B, W1, b1, W2, b2, alpha) of rank ``r`` for an [N, K] linear, bf16, scaled like a
+    fitted one (unit-variance h, gates mostly open), for timing its kernels."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    A = (torch.randn(r, K, device=device, generator=g) / K ** 0.5).to(**bf)
+    B = (torch.randn(N, r, device=device, generator=g) * 0.02).to(**bf)
+    W1 = (torch.randn(d, r, device=device, generator=g) / r ** 0.5).to(**bf)
+    W2 = (torch.randn(r, d, device=device, generator=g) * 0.1).to(**bf)
+    return A, B, W1, torch.zeros(d, **bf), W2, torch.full((r,), 2.0, **bf), torch.tensor(1.1, device=device)
+
+
 def measure(job: Job, device=None) -> dict:
     """Run one job on the GPU: {table key: value} of the entries it decided (CUDA only)."""
     from . import cuda as _cuda  # (the op implementations: importing them needs the ops registered)
@@ -123,7 +135,7 @@ def measure(job: Job, device=None) -> dict:
     device = torch.device(device or "cuda")
     N, K, G, M = job.N, job.K, job.G, job.M
     copies = min(_tuning.copies_for(N * K // 2), 12)
-    ws = _weights(N, K, G, copies, device)
+    ws = random_weights(N, K, G, copies, device)
     xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     got: dict = {}
     if job.family == "gemv1":
@@ -147,7 +159,7 @@ def measure(job: Job, device=None) -> dict:
     if job.family != "gemm":
         raise ValueError(f"measure: family {job.family!r}; expected 'gemv1' or 'gemm'")
     run = lambda c: (lambda i: _cuda.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
-    finalists = [_tuning.search(run, list(_t.GEMM_CONFIGS) + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE], copies)]
+    finalists = [_tuning.search(run, _route.gemm_choices(M), copies)]
     if M >= 64:  # the wgmma GEMMs never won below M = 64 (benchmarks/kernels.py)
         for choices in (_route.wgmma_choices(), _route.wgmma_ra_choices()):
             if choices:

@@ -43,6 +43,7 @@ from ..lowering import _triton
 from ..lowering import device as capability
 from ..lowering import ec_gemm_self as _egs
 from ..lowering import ec_self as _es
+from ..lowering import w4a16_gemm_splitk as _gsk
 from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
 from ..lowering import w4a16_gemv_tma as _gt
@@ -245,6 +246,12 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
         if ok and p.out_contiguous:
             return _route("gemm_" + cfg[0], cfg[1:], why + [f"{src}: {cfg[0]} ({r})"])
         why.append(f"{src}: {cfg[0]}, which cannot run here ({r if not ok else 'out not contiguous'})")
+        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
+    if cfg[0] == _gsk.SPLITK:
+        ok, r = _gsk.can_implement(p.dtype, p.K, p.G, cfg[1:])
+        if ok:
+            return _route("gemm_splitk", cfg[1:], why + [f"{src}: K-split tensor-core GEMM ({r})"])
+        why.append(f"{src}: {cfg[0]}, which cannot run here ({r})")
         cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
     if _t.is_dequant_cublas(cfg):
         chunks = int(cfg[1]) if cfg[0] == _t.DEQUANT_CUBLAS_PIPE[0] else 1
@@ -586,6 +593,20 @@ def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
     got = tuned(_keys.ec_self_key(M, N, K, G))
     return tuple(got) if got is not None else wgmma_ra_config(M, N, K, G)
 
+
+
+def splitk_choices(M: int) -> list:
+    """Table values for the K-split tensor-core GEMM's configs whose M tile is no taller than M needs
+    (``w4a16_gemm_splitk.SPLITK_CONFIGS``)."""
+    bm = min(c[0] for c in _gsk.SPLITK_CONFIGS if c[0] >= min(M, 128))
+    return [(_gsk.SPLITK,) + c for c in _gsk.SPLITK_CONFIGS if c[0] <= bm]
+
+
+def gemm_choices(M: int) -> list:
+    """Every W4 GEMM table value worth timing at M rows, except the wgmma GEMMs (``wgmma_choices``,
+    ``wgmma_ra_choices``): the Triton GEMM's configs, the K-split GEMM's (up to M = 256), dequantize + cuBLAS."""
+    sk = splitk_choices(M) if M <= 256 else []
+    return list(_t.GEMM_CONFIGS) + sk + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
 
 
 def wgmma_ra_choices() -> list:

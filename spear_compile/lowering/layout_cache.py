@@ -51,6 +51,32 @@ def outside_pools(make):
     return box["out"]
 
 
+_GROWN_ALL: list = []  # every grown workspace ever made: a CUDA graph may hold a pointer to an outgrown one
+
+
+def grown_workspace(store: dict, device: torch.device, floats: int, counters: int, what: str) -> tuple:
+    """A kernel's fp32 workspace of at least ``floats`` elements and int32 counters of at least ``counters``, zeroed
+    once per device (``store``: the kernel's own dict) and grown when a larger launch comes; the kernels keep
+    the counters zero. Shared by launches on the device, which serialize on one stream. Made ``outside_pools``;
+    growing one while a CUDA graph is being captured raises (its memset would be captured, not run), naming
+    ``what`` needed it."""
+    cuda = device.type == "cuda"
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else str(device)
+    have = store.get(idx)
+    if have is None or have[0].numel() < floats or have[1].numel() < counters:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} needs a larger workspace ({floats} floats, {counters} counters) while a "
+                               "CUDA graph is being captured; run the model once eagerly before capturing "
+                               "(the usual warm-up does)")
+        n = max(floats, have[0].numel() if have else 0)
+        r = max(counters, have[1].numel() if have else 0)
+        have = outside_pools(lambda: (torch.zeros(n, dtype=torch.float32, device=device),
+                                      torch.zeros(r, dtype=torch.int32, device=device)))
+        store[idx] = have
+        _GROWN_ALL.append(have)
+    return have
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version

@@ -53,7 +53,7 @@ from . import device as _device
 from ._triton import next_pow2
 from .w4a16_words import (CHUNK, HAS_GLUON, compile_gluon_sm90, gemv_gluon_emulated, gluon_ok, repack_gluon,
                           word_layout, word_layout_bases)
-from .layout_cache import derived_cached, derived_peek, outside_pools  # noqa: F401
+from .layout_cache import derived_cached, derived_peek, grown_workspace, outside_pools  # noqa: F401
 from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
                                      norm_ok, tile_geometry, unpack_config)
 from .ec_self import SPIN
@@ -485,28 +485,13 @@ def compile_sm90(config: tuple, G: int = 128, per_channel: bool = False, K: int 
 _TILES: dict = {}
 _SCALE_TILES: dict = {}
 _SPLIT_WS: dict = {}
-_SPLIT_WS_ALL: list = []  # every workspace ever made: a CUDA graph may hold a pointer to an outgrown one
 
 
 def split_workspace(device: torch.device, rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K-split epilogue's fp32 row sums and int32 arrival counters, zeroed once per device and kept
-    zero by the kernel (the last program of each row block resets its rows). Grown when a larger
-    shape comes; shared by launches on the device, which serialize on one stream (as the decode
-    GEMVs do), so two split launches must not run concurrently on different streams."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    have = _SPLIT_WS.get(idx)
-    if have is None or have[0].numel() < rows or have[1].numel() < row_blocks:
-        if torch.cuda.is_current_stream_capturing():  # a memset captured, not run: garbage counters
-            raise RuntimeError(f"split_workspace: the K-split GEMV needs a larger workspace ({rows} rows, "
-                               f"{row_blocks} counters) while a CUDA graph is being captured; run the model "
-                               "once eagerly before capturing (the usual warm-up does)")
-        n = max(rows, have[0].numel() if have else 0)
-        r = max(row_blocks, have[1].numel() if have else 0)
-        have = outside_pools(lambda: (torch.zeros(n, dtype=torch.float32, device=device),
-                                      torch.zeros(r, dtype=torch.int32, device=device)))
-        _SPLIT_WS[idx] = have
-        _SPLIT_WS_ALL.append(have)
-    return have
+    """The K-split epilogue's fp32 row sums and int32 arrival counters (``layout_cache.grown_workspace``), kept
+    zero by the kernel (the last program of each row block resets its rows). Two split launches must not run
+    concurrently on different streams."""
+    return grown_workspace(_SPLIT_WS, device, rows, row_blocks, "the K-split GEMV")
 
 
 def _tma_capable(device: torch.device) -> bool:

@@ -1,0 +1,133 @@
+"""W4 GEMMs in the serving regime (M = 2..256): the K-split tensor-core GEMM against what the route ran before.
+
+For each shape (the five benchmark shapes, and Qwen2.5-7B's, which the shipped table does not hold) and each M,
+one run checks the K-split GEMM (``lowering/w4a16_gemm_splitk.py``) against the dequantized reference and for
+bitwise reproducibility, then times, as CUDA-graph replays over weight copies that do not fit in L2:
+
+* ``cublas_bf16``: ``F.linear`` on the dequantized bf16 weight (the ratios' denominator);
+* ``route_before``: our W4 as the op runs it with the shipped table (the table's GEMM, or the GEMV for M <= 4);
+* ``triton_best``: the plain Triton GEMM's fastest config (``GEMM_CONFIGS``);
+* ``splitk_default``: the K-split GEMM's untuned config (``default_config``);
+* ``splitk_best``: its fastest config (``route.splitk_choices``);
+* ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
+  table holds the faster of the shipped choice and ``splitk_best`` (``ec_r64_before``: the EC before).
+
+Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the shipped table with
+those choices, for the shipped table when the numbers say so. Targets (issue "fast where serving runs", W4 /
+cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60, 128 0.85, 256 1.0; W4 + EC <= 1.10x W4.
+
+    python benchmarks/small_m_gemm.py --out OUT [--ms 2 4 8 16 32 64 128 256] [--shapes 4096x4096 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from _syspath import unshadow
+except ImportError:  # run as a module from the repository root
+    from benchmarks._syspath import unshadow
+unshadow()
+
+from spear_compile.dispatch import autotune as AT  # noqa: E402
+from spear_compile.dispatch import cuda as D  # noqa: E402
+from spear_compile.dispatch import keys as TK  # noqa: E402
+from spear_compile.dispatch import route as RT  # noqa: E402
+from spear_compile.dispatch import table as TT  # noqa: E402
+from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key, search  # noqa: E402
+from spear_compile.lowering import w4a16_gemm_splitk as SK  # noqa: E402
+from spear_compile.lowering import w4a16_triton as T  # noqa: E402
+from spear_compile.ops.w4a16_ref import dequantize_ref  # noqa: E402
+
+BENCH = ["4096x4096", "11008x4096", "4096x11008", "8192x8192", "28672x8192"]
+QWEN = ["4608x3584", "3584x3584", "37888x3584", "3584x18944"]  # Qwen2.5-7B: q/k/v, o, gate/up, down
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def one(N: int, K: int, G: int, M: int) -> dict:
+    copies = min(copies_for(N * K // 2), 12)
+    ws = AT.random_weights(N, K, G, copies, "cuda")
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    bf = [dequantize_ref(*ws[i], G, "spear", torch.bfloat16) for i in range(2)]
+    ec = AT.random_ec(N, K, 64, "cuda")
+    row = {"N": N, "K": K, "G": G, "M": M}
+    ref = F.linear(xs[0], bf[0])
+    y1 = SK.w4a16_gemm_splitk(xs[0], *ws[0], G, None)
+    y2 = SK.w4a16_gemm_splitk(xs[0], *ws[0], G, None)
+    row["splitk_rel_err"] = rel_err(y1, ref)
+    row["splitk_reproducible"] = bool(torch.equal(y1, y2))
+    row["splitk_default_config"] = list(SK.default_config(M, N, K, G, torch.cuda.get_device_properties(0).multi_processor_count))
+    w4 = lambda i: D.w4a16_linear_cuda(xs[i], *ws[i], G, None)  # noqa: E731
+    ecl = lambda i: D.ec_linear_cuda(xs[i], *ws[i], G, None, *ec)  # noqa: E731
+    row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % 2]), copies)
+    row["route_before"] = bench_graph(w4, copies)
+    row["route_before_kernel"] = RT.route(RT.problem_of("w4a16", xs[0], *ws[0], G)).describe()
+    row["ec_r64_before"] = bench_graph(ecl, copies)
+    run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
+    cfg_t, row["triton_best"] = search(run, list(T.GEMM_CONFIGS), copies)
+    row["triton_best_config"] = list(cfg_t)
+    row["splitk_default"] = bench_graph(lambda i: SK.w4a16_gemm_splitk(xs[i], *ws[i], G, None), copies)
+    cfg_s, row["splitk_best"] = search(run, RT.splitk_choices(M), copies)
+    row["splitk_best_config"] = list(cfg_s)
+    yb = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_s)
+    row["splitk_best_rel_err"] = rel_err(yb, ref)
+    key = TK.gemm_key(M, N, K, G)
+    table = TT.configs()
+    before = table.get(key)
+    if M > RT.W4_GEMV_MAX_M and row["splitk_best"] < row["route_before"]:
+        table[key] = list(cfg_s)
+        row["table_choice"] = list(cfg_s)
+    else:
+        row["table_choice"] = before
+    row["route_after"] = bench_graph(w4, copies)
+    row["route_after_kernel"] = RT.route(RT.problem_of("w4a16", xs[0], *ws[0], G)).describe()
+    row["ec_r64_after"] = bench_graph(ecl, copies)
+    for k in ("route_before", "triton_best", "splitk_default", "splitk_best", "route_after"):
+        row[f"{k}_over_cublas"] = row[k] / row["cublas_bf16"]
+    row["ec_after_over_w4_after"] = row["ec_r64_after"] / row["route_after"]
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", nargs="+", type=int, default=[2, 4, 8, 16, 32, 64, 128, 256])
+    ap.add_argument("--shapes", nargs="+", default=BENCH + QWEN)
+    ap.add_argument("--group-size", type=int, default=128)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "group_size": args.group_size, "ms": args.ms, "rows": []}
+    import triton
+
+    res["triton"] = triton.__version__
+    t0 = time.time()
+    for shape in args.shapes:
+        N, K = map(int, shape.split("x"))
+        for M in args.ms:
+            row = one(N, K, args.group_size, M)
+            res["rows"].append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            torch.cuda.empty_cache()
+        res["seconds"] = time.time() - t0
+        with open(os.path.join(args.out, f"small_m_gemm_{gpu_key()}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(args.out, f"configs_{gpu_key()}.json"), "w") as f:
+            json.dump(TT.configs().to_json(res["gpu"]), f, indent=1)
+    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'skdef':>7} {'skbest':>7} {'after/cuB':>9} {'EC/W4':>6}")
+    for r in res["rows"]:
+        print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>4} {r['cublas_bf16']:7.1f} {r['route_before']:7.1f} {r['triton_best']:7.1f} "
+              f"{r['splitk_default']:7.1f} {r['splitk_best']:7.1f} {r['route_after_over_cublas']:9.2f} "
+              f"{r['ec_after_over_w4_after']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
