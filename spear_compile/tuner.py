@@ -81,10 +81,11 @@ def shapes_of(model) -> list:
     out = [LinearShape(m.out_features, m.in_features, m.group_size) for m in lins.values()]
     cfg = getattr(getattr(model, "_orig_mod", model), "config", None)
     if cfg is not None and _cfg(cfg, "model_type", default="") in LLAMA_TYPES:
+        per_channel = all(m.group_size >= m.in_features for m in lins.values())
         gs = {m.group_size for m in lins.values()}
-        if len(gs) == 1:
-            G = gs.pop()
-            out += [s for s in shapes_from_config(cfg, G if G < _cfg(cfg, "hidden_size") else 0) if not s.prefill]
+        if per_channel or len(gs) == 1:  # the concatenations read hidden, so they share q's group size
+            G = 0 if per_channel else gs.pop()
+            out += [s for s in shapes_from_config(cfg, G) if not s.prefill]
     return list(dict.fromkeys(out))
 
 

@@ -149,8 +149,7 @@ def measure(job: Job, device=None) -> dict:
         p = _route.Problem(op="w4a16", M=1, N=N, K=K, G=G, dtype=torch.bfloat16,
                            param_dtypes=(torch.bfloat16, torch.bfloat16), device=device)
         if _gt.can_implement(p)[0]:
-            steps = lambda c: -(-K // _gt.tile_geometry(c)[1])  # noqa: E731
-            ok = [c for c in _gt.TMA_CONFIGS if steps(c) % _gt.unpack_config(c)[5] == 0]
+            ok = [c for c in _gt.TMA_CONFIGS if _gt.split_fits(c, K)]
             cfg_t, tt = _tuning.search(lambda c: (lambda i: _gt.w4a16_gemv_tma(xs[i], *ws[i], G, None, config=c)),
                                        ok, copies)
             if tt < t1:

@@ -187,9 +187,9 @@ def tma_config(p: Problem, rows: int) -> tuple:
     ok, why = _gt.can_implement(p)
     if not ok:
         return None, why
-    step, split = _gt.tile_geometry(cfg)[1], _gt.unpack_config(cfg)[5]
-    if -(-p.K // step) % split:  # (a nearest geometry's config: its K-split must divide this K's steps)
-        return None, f"{_src(key)}: config {list(cfg)} splits K into {split}, which does not divide K = {p.K}"
+    if not _gt.split_fits(cfg, p.K):  # (a nearest geometry's config: its K-split must divide this K's steps)
+        return None, (f"{_src(key)}: config {list(cfg)} splits K into {_gt.unpack_config(cfg)[5]}, which does not "
+                      f"divide K = {p.K}")
     return tuple(cfg), f"TMA GEMV measured faster for {_src(key)}: config {list(cfg)}"
 
 

@@ -55,7 +55,7 @@ from .w4a16_words import (CHUNK, HAS_GLUON, compile_gluon_sm90, gemv_gluon_emula
                           word_layout, word_layout_bases)
 from .layout_cache import derived_cached, derived_peek, grown_workspace, outside_pools  # noqa: F401
 from .w4a16_gemv_tma_configs import (OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM, ROW, TMA_CONFIGS, ec_ok,  # noqa: F401
-                                     norm_ok, tile_geometry, unpack_config)
+                                     norm_ok, split_fits, tile_geometry, unpack_config)
 from .ec_self import SPIN
 
 HAS_TMA = False
@@ -576,7 +576,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     elif ec is not None:
         ec.check(N, config)
 
-    if kt % split:
+    if not split_fits(config, K):
         raise ValueError(f"w4a16_gemv_tma: config {config} splits K into {split} runs, but K={K} has {kt} steps "
                          f"of {step} columns")
     if not _tma_capable(x2.device):

@@ -40,6 +40,12 @@ def unpack_config(config: tuple) -> tuple:
     return warps, rb, ch, stages, ops, split
 
 
+def split_fits(config: tuple, K: int) -> bool:
+    """Whether the config's K-split divides K's steps (each run takes whole steps): the wrapper refuses
+    a config where it does not, the route skips it and the tuner does not time it."""
+    return -(-K // tile_geometry(config)[1]) % unpack_config(config)[5] == 0
+
+
 def ec_ok(config: tuple) -> bool:
     """Whether a config can add the decode EC in its epilogue: no K-split."""
     return unpack_config(config)[5] == 1

@@ -41,6 +41,18 @@ def test_shapes_of_a_quantized_model_without_a_compiled_plan():
     assert (128 + 2 * 64, 128, 64, False) in got and (512, 128, 64, False) in got  # the decode concatenations
 
 
+def test_shapes_of_a_per_channel_model_include_the_decode_concatenations():
+    """Per channel, each linear's group is its own K (128 or 256 here): the concatenations read hidden, so they
+    are per channel over hidden."""
+    from spear_compile.models.tiny import tiny_llama
+
+    model = tiny_llama(hidden=128, intermediate=256, heads=4, kv_heads=2)
+    spear.quantize_(model, spear.QuantConfig(group_size=None))
+    got = {(s.N, s.K, s.G, s.prefill) for s in shapes_of(model)}
+    assert (128 + 2 * 64, 128, 128, False) in got and (512, 128, 128, False) in got
+    assert (128, 256, 256, True) in got  # down: per channel over the intermediate width
+
+
 def test_jobs_are_one_per_table_entry_decode_first():
     shapes = [AT.LinearShape(4096, 4096, 128), AT.LinearShape(12288, 4096, 128, prefill=False)]
     jobs = AT.jobs_for(shapes + shapes[:1], ms=[1, 3, 4, 100])
