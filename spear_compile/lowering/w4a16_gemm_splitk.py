@@ -45,7 +45,7 @@ import torch
 
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
 from . import device as _device
-from .layout_cache import grown_workspace
+from .layout_cache import derived_cached, grown_workspace
 
 SPLITK = "splitk"  # table value ("splitk", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -64,7 +64,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _w4a16_gemm_splitk_kernel(
-        X, QW, S, Z, BIAS, Y, WS, CNT, M, N, K, NG, G, stride_xm, stride_ym,
+        X, QW, S, Z, BIAS, Y, WS, CNT, M, N, K, G, stride_xm, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         MAGIC: tl.constexpr, MAGIC_F: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
         UPCAST: tl.constexpr,
@@ -101,10 +101,10 @@ if HAS_TRITON:
                 d = tl.dot(x, tl.trans(q.to(x.dtype, bitcast=True)))
             xs = tl.sum(x.to(tl.float32), axis=1)
             g = k0 // G
-            s = tl.load(S + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
+            s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [NG, N]: coalesced
             zz = tl.full([BLOCK_N], MAGIC_F, tl.float32)
             if HAS_Z:
-                zz += tl.load(Z + offs_n * NG + g, mask=mask_n, other=0.0).to(tl.float32)
+                zz += tl.load(Z + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc += (d - xs[:, None] * zz[None, :]) * s[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -128,6 +128,15 @@ if HAS_TRITON:
 
 
 _WS: dict = {}
+_PARAMS_T: dict = {}
+
+
+def params_t(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> tuple:
+    """Scales and zero points as [NG, N] (made once per weight, ``layout_cache``): a tile's loads of one group's
+    row parameters are then contiguous; from [N, NG] each column's 2 bytes sit NG * 2 bytes apart, one sector
+    per column (what made the register-operand wgmma GEMM stall on them, docs/kernels.md)."""
+    return derived_cached(_PARAMS_T, [scales, zeros],
+                          lambda: (scales.t().contiguous(), None if zeros is None else zeros.t().contiguous()))
 
 
 def tile_k(bk: int, G: int, K: int) -> int:
@@ -188,9 +197,10 @@ def w4a16_gemm_splitk(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     ws, cnt = workspace(x2.device, split * M * N, tiles) if split > 1 else (scales, scales)
     magic, magic_f = _MAGIC[x2.dtype]
+    st, zt = params_t(scales.reshape(N, -1), None if zeros is None else zeros.reshape(N, -1))
     _w4a16_gemm_splitk_kernel[(tiles, split)](
-        x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y, ws, cnt,
-        M, N, K, max(1, K // G), G, x2.stride(0), y.stride(0),
+        x2, qweight, st, zt if zt is not None else st, bias if bias is not None else st, y, ws, cnt,
+        M, N, K, min(G, K), x2.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, MAGIC=magic, MAGIC_F=magic_f, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, UPCAST=INTERPRET and x2.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
     )
