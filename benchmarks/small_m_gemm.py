@@ -9,8 +9,10 @@ bitwise reproducibility, then times, as CUDA-graph replays over weight copies th
 * ``triton_best``: the plain Triton GEMM's fastest config (``GEMM_CONFIGS``);
 * ``splitk_default``: the K-split GEMM's untuned config (``default_config``);
 * ``splitk_best``: its fastest config (``route.splitk_choices``);
+* ``ra_small_best``: the register-operand wgmma GEMM's fastest small-M tile (x blocks of 16 / 32 / 64 rows);
 * ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
-  table holds the faster of the shipped choice and ``splitk_best`` (``ec_r64_before``: the EC before).
+  table holds the fastest of the shipped choice, ``splitk_best`` and ``ra_small_best`` (``ec_r64_before``:
+  the EC before).
 
 Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the shipped table with
 those choices, for the shipped table when the numbers say so. Targets (issue "fast where serving runs", W4 /
@@ -79,12 +81,21 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     row["splitk_best_config"] = list(cfg_s)
     yb = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_s)
     row["splitk_best_rel_err"] = rel_err(yb, ref)
+    best_cfg, best_t = cfg_s, row["splitk_best"]
+    small = RT.ra_small_choices(M)
+    if small:  # the register-operand wgmma GEMM's small-M tiles (M <= 64)
+        cfg_r, row["ra_small_best"] = search(run, small, copies)
+        row["ra_small_best_config"] = list(cfg_r)
+        row["ra_small_rel_err"] = rel_err(D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r), ref)
+        row["ra_small_over_cublas"] = row["ra_small_best"] / row["cublas_bf16"]
+        if row["ra_small_best"] < best_t:
+            best_cfg, best_t = cfg_r, row["ra_small_best"]
     key = TK.gemm_key(M, N, K, G)
     table = TT.configs()
     before = table.get(key)
-    if M > RT.W4_GEMV_MAX_M and row["splitk_best"] < row["route_before"]:
-        table[key] = list(cfg_s)
-        row["table_choice"] = list(cfg_s)
+    if M > RT.W4_GEMV_MAX_M and best_t < row["route_before"]:
+        table[key] = list(best_cfg)
+        row["table_choice"] = list(best_cfg)
     else:
         row["table_choice"] = before
     row["route_after"] = bench_graph(w4, copies)
@@ -122,10 +133,11 @@ def main(argv=None) -> None:
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, f"configs_{gpu_key()}.json"), "w") as f:
             json.dump(TT.configs().to_json(res["gpu"]), f, indent=1)
-    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'skdef':>7} {'skbest':>7} {'after/cuB':>9} {'EC/W4':>6}")
+    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'skdef':>7} {'skbest':>7} {'ra':>7} {'after/cuB':>9} {'EC/W4':>6}")
     for r in res["rows"]:
         print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>4} {r['cublas_bf16']:7.1f} {r['route_before']:7.1f} {r['triton_best']:7.1f} "
-              f"{r['splitk_default']:7.1f} {r['splitk_best']:7.1f} {r['route_after_over_cublas']:9.2f} "
+              f"{r['splitk_default']:7.1f} {r['splitk_best']:7.1f} {r.get('ra_small_best', float('nan')):7.1f} "
+              f"{r['route_after_over_cublas']:9.2f} "
               f"{r['ec_after_over_w4_after']:6.2f}")
 
 

@@ -602,11 +602,22 @@ def splitk_choices(M: int) -> list:
     return [(_gsk.SPLITK,) + c for c in _gsk.SPLITK_CONFIGS if c[0] <= bm]
 
 
+def ra_small_choices(M: int) -> list:
+    """Table values for the register-operand wgmma GEMM's small-M tiles (``SMALL_CONFIGS``: x blocks of 16 / 32 /
+    64 rows, deep rings) whose x block holds M's rows (BMX >= M, the smallest such), where this Triton has it."""
+    if not _wg.HAS_WGMMA or _t.INTERPRET:
+        return []
+    bmx = min((c[1] for c in _ra.SMALL_CONFIGS if c[1] >= M), default=None)
+    return [(_t.WGMMA_RA,) + c for c in _ra.SMALL_CONFIGS if c[1] == bmx]
+
+
 def gemm_choices(M: int) -> list:
-    """Every W4 GEMM table value worth timing at M rows, except the wgmma GEMMs (``wgmma_choices``,
-    ``wgmma_ra_choices``): the Triton GEMM's configs, the K-split GEMM's (up to M = 256), dequantize + cuBLAS."""
+    """Every W4 GEMM table value worth timing at M rows, except the large-tile wgmma GEMMs (``wgmma_choices``,
+    ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the K-split GEMM's (up to M = 256),
+    the register-operand GEMM's small-M tiles (below M = 64), dequantize + cuBLAS."""
     sk = splitk_choices(M) if M <= 256 else []
-    return list(_t.GEMM_CONFIGS) + sk + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
+    ra = ra_small_choices(M) if M < 64 else []
+    return list(_t.GEMM_CONFIGS) + sk + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
 
 
 def wgmma_ra_choices() -> list:

@@ -361,15 +361,22 @@ _TILES = [(128, 256, 3, 8), (128, 256, 4, 8), (64, 256, 4, 4), (64, 128, 4, 4)]
 RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64, 128, 4, 4, 2)] + _TILES
 
 
+BMXS = (16, 32, 64, 128, 256)  # the MMA's N: x rows per tile (16 and 32 for serving's decode batches)
+# Small-M tiles: BMX = 16 / 32 leaves the shared memory to a deep ring (a stage is ~4 KB), which the weight stream
+# needs to keep enough bytes in flight per SM when there is little MMA work to hide it behind.
+SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 12, 4, 2), (64, 16, 16, 4, 2), (128, 16, 8, 8, 2), (64, 32, 8, 4, 2),
+                 (64, 32, 12, 4, 2), (128, 32, 8, 8, 2), (64, 64, 8, 4, 2)]
+
+
 def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
     """(BNW, BMX, STAGES, WARPS, PF) of a config (PF defaults to 0), or a ValueError naming the rule it breaks."""
     vals = tuple(int(v) for v in config)
     if len(vals) not in (4, 5):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF])")
     bnw, bmx, stages, warps, pf = vals + (0,) * (5 - len(vals))
-    if bnw != 16 * warps or warps not in (4, 8) or bmx not in (64, 128, 256) or stages < 2 or pf not in (0, 1, 2):
+    if bnw != 16 * warps or warps not in (4, 8) or bmx not in BMXS or stages < 2 or pf not in (0, 1, 2):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
-                         f"BMX in {{64, 128, 256}}, STAGES >= 2 and PF in {{0, 1, 2}}")
+                         f"BMX in {set(BMXS)}, STAGES >= 2 and PF in {{0, 1, 2}}")
     return bnw, bmx, stages, warps, pf
 
 
@@ -568,7 +575,7 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     if ec_self and not r_p:
         raise ValueError("compile_ra_sm90: ec_self needs the EC step (r_p > 0)")
 
-    if not split_ok(split, bmx):
+    if ec_self and not split_ok(split, bmx):
         raise ValueError(f"compile_ra_sm90: split={split}; needs one of {SPLITS} with BMX / split >= 64 (BMX = {bmx})")
     rp = pf == 2 and not per_channel
     while r_p and stages > 2 and ra_smem_bytes((bnw, bmx, stages, warps, 2 * rp), r_p, ec_self) > SMEM_LIMIT:

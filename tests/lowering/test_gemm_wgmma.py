@@ -132,6 +132,9 @@ def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
         ra.check_ra_config((128, 256, 3, 8, 3))
     with pytest.raises(ValueError, match="expected"):
         ra.check_ra_config((128, 256))
+    assert ra.check_ra_config((64, 16, 12, 4, 2)) == (64, 16, 12, 4, 2)  # the small-M tiles
+    with pytest.raises(ValueError, match="BMX in"):
+        ra.check_ra_config((64, 24, 8, 4))
     x, qw, s, z, b = _case(64, 640, 128, M=4)
     with pytest.raises(ValueError, match="w4a16_gemm_wgmma_ra: .*K % 64"):
         ra.w4a16_gemm_wgmma_ra(x[:, :600], qw[:, :300], s, z, 128, b)
@@ -174,6 +177,24 @@ def test_matches_the_reference_on_gpu(config, M, N, K, G, zeros, bias):
     ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
     y = wg.w4a16_gemm_wgmma(x, qw, s, z, G, b, config=config)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("config", [(64, 16, 12, 4, 2), (128, 32, 8, 8, 2), (64, 16, 8, 4, 0)])
+@pytest.mark.parametrize("M,N,K,G,bias", [(5, 264, 640, 128, True), (16, 520, 4096, 128, False),
+                                         (33, 136, 512, 512, True), (2, 64, 128, 64, False)])
+def test_register_operand_small_m_tiles_match_the_reference_on_gpu(config, M, N, K, G, bias):
+    """The serving-regime tiles (x blocks of 16 / 32 rows, deep rings): partial x blocks, several of them (M = 33),
+    per-channel, a grid of one tile."""
+    from spear_compile.lowering import w4a16_gemm_wgmma_ra as ra
+
+    x, qw, s, z, b = _case(N, K, G, M=M, device="cuda")
+    z, b = z.round(), (b if bias else None)
+    w = dequantize_ref(qw, s, z, min(G, K), "spear", torch.bfloat16).double()
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
+    y = ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=config)
     err = (y.double() - ref).abs()
     assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
 
@@ -294,7 +315,8 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                        ((128, 256, 3, 8, 1), dict(has_bias=False)),
                                        ((64, 256, 4, 4), dict(per_channel=True, has_z=False)),
                                        ((128, 256, 3, 8, 2), {}), ((64, 256, 4, 4, 2), dict(has_z=False)),
-                                       ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4))])
+                                       ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4)),
+                                       ((64, 16, 12, 4, 2), {}), ((128, 32, 8, 8, 2), dict(has_bias=False))])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
