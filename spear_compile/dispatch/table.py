@@ -263,8 +263,8 @@ def _gemm_choice(w, what: str) -> GemmChoice:
         return GemmChoice(kernel, tuple(rest))
     if kernel == "wgmma":
         return GemmChoice(kernel, _positive(rest, what + " (BM, BN, STAGES, WARPS)", 4))
-    if kernel == "wgmma_ra":
-        return GemmChoice(kernel, _ra_config(rest, what))
+    if kernel == "wgmma_ra":  # (a sixth value: the K split of the small-M tiles)
+        return GemmChoice(kernel, _ra_config(rest, what, (4, 5, 6)))
     if kernel == "splitk":
         return GemmChoice(kernel, _positive(rest, what + " (BM, BN, BK, SPLIT, warps, stages)", 6))
     raise ValueError(f"{what}: GEMM choice {w!r}; expected one of {GEMM_KERNELS} with its config")

@@ -46,7 +46,7 @@ import torch
 from .w4a16_gemm_wgmma import BK, HAS_WGMMA, SMEM_LIMIT, check_call, integer_zeros, launch_operands
 from .w4a16_gemm_wgmma import takes as wg_takes
 from .w4a16_gemm_wgmma import can_implement as wg_can_implement
-from .layout_cache import derived_cached, derived_peek  # noqa: F401
+from .layout_cache import derived_cached, derived_peek, grown_workspace  # noqa: F401
 from ._triton import ACT_CODES, next_pow2
 from .ec_gemm_self import R_SHRINK, SPLITS, self_split, self_takes, self_workspace, split_ok
 from .w4a16_gemm_wgmma import _descriptor
@@ -248,51 +248,89 @@ if HAS_WGMMA:
         gl.store(Y + gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1), acc.to(gl.bfloat16), mask=mask)
 
     @gluon.jit
+    def _ra_split_store(acc, Y, BIAS, WS, CNT, M, N, off_m, off_n, tile, run, KS: gl.constexpr,
+                        HAS_BIAS: gl.constexpr):
+        """K-split epilogue: run ``run`` of the tile's KS writes its fp32 partial into its own slot of WS
+        ([KS, M, N]); the last run to arrive (acq_rel counter per tile) sums the slots in slot order - the same
+        bits whatever the arrival order -, adds the bias, stores Y (bf16) and resets the counter for the next
+        launch (CUDA-graph replays need no memset)."""
+        mma: gl.constexpr = acc.type.layout
+        BNW: gl.constexpr = acc.type.shape[0]
+        BMX: gl.constexpr = acc.type.shape[1]
+        offs_w = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma))  # Y's columns
+        offs_x = off_m + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))  # Y's rows
+        mask = gl.expand_dims(offs_w < N, 1) & gl.expand_dims(offs_x < M, 0)
+        slot = gl.expand_dims(offs_x, 0) * N + gl.expand_dims(offs_w, 1)
+        gl.store(WS + run * M * N + slot, acc, mask=mask)
+        gl.thread_barrier()  # every thread's partial is written before the CTA's arrival is published
+        old = gl.atomic_add(CNT + tile, 1, sem="acq_rel")
+        if old == KS - 1:
+            tot = gl.zeros_like(acc)
+            for j in gl.static_range(KS):
+                tot += gl.load(WS + j * M * N + slot, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot = tot + gl.expand_dims(gl.load(BIAS + offs_w, mask=offs_w < N, other=0.0).to(gl.float32), 1)
+            gl.store(Y + slot, tot.to(gl.bfloat16), mask=mask)
+            gl.atomic_xchg(CNT + tile, 0)
+
+    @gluon.jit
     def _ra_tile(tile, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws, rps, bars, bs,
                  hgs, ecbars, HG, FLAGS, tag, G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SRC: gl.constexpr,
                  PF: gl.constexpr, HAS_EC: gl.constexpr, EC_WAIT: gl.constexpr, EC_SELF: gl.constexpr,
-                 SPLIT: gl.constexpr = 1, RP: gl.constexpr = False, RPL: gl.constexpr = None):
-        """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store."""
+                 SPLIT: gl.constexpr = 1, RP: gl.constexpr = False, RPL: gl.constexpr = None,
+                 KS: gl.constexpr = 1, WS=None, CNT=None):
+        """Output tile ``tile`` (x blocks fastest): the K loop, then with an EC its step, then the store. With
+        KS > 1 (no EC) ``tile`` counts K runs, KS per output tile: this CTA runs one of them (``_ra_split_store``)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
-        num_m = gl.cdiv(M, BMX)
-        m_blk = tile % num_m
-        off_m = m_blk * BMX
-        off_n = (tile // num_m) * BNW
+        if KS > 1:
+            run = tile % KS
+            tile = tile // KS
+            per = K // _BK // KS
+            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, (tile % gl.cdiv(M, BMX)) * BMX,
+                          (tile // gl.cdiv(M, BMX)) * BNW, run * per, per, 0, G, PER_CHANNEL, HAS_Z, STAGES, WARPS,
+                          SRC, PF, RP, RPL)
+            _ra_split_store(acc, Y, BIAS, WS, CNT, M, N, (tile % gl.cdiv(M, BMX)) * BMX,
+                            (tile // gl.cdiv(M, BMX)) * BNW, tile, run, KS, HAS_BIAS)
+        else:
+            num_m = gl.cdiv(M, BMX)
+            m_blk = tile % num_m
+            off_m = m_blk * BMX
+            off_n = (tile // num_m) * BNW
 
-        if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
-            mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
-        acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G,
-                      PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, RP, RPL)
-        if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
-            if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
-                ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT)
-                fence_async_shared()
-                gl.thread_barrier()
-            else:
-                if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
-                    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                              is_pure=False, pack=1)
-                mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
-                mbarrier.wait(ecbars.index(1), 0)
-            mbarrier.wait(ecbars.index(0), 0)
-            acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
+                mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
+            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, 0, K // _BK, 0, G,
+                          PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, RP, RPL)
+            if HAS_EC:  # one more K step: Y^T += B (alpha g h)^T, both operands from shared memory
+                if EC_SELF:  # alpha g h from this launch's shrink role of the block (ec_gemm_self.py)
+                    ec_wait_hg(HG, FLAGS, hgs, m_blk, M, tag, WARPS, SPLIT)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                else:
+                    if EC_WAIT:  # launched with PDL behind the gate kernel: g * h is complete after this
+                        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                                  is_pure=False, pack=1)
+                    mbarrier.expect(ecbars.index(1), hg_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(hg_desc, [off_m, 0], ecbars.index(1), hgs)
+                    mbarrier.wait(ecbars.index(1), 0)
+                mbarrier.wait(ecbars.index(0), 0)
+                acc = warpgroup_mma(bs, hgs.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
+            _ra_store(acc, Y, BIAS, M, N, off_m, off_n, HAS_BIAS)
 
     @gluon.jit
     def _w4a16_gemm_wgmma_ra_kernel(x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
-                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D,
+                                    a_desc, xr_desc, HG, W1, B1, W2, B2, ALPHA, FLAGS, TICK, R, D, WS, CNT,
                                     G: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_Z: gl.constexpr,
                                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
                                     SRC: gl.constexpr, PF: gl.constexpr, HAS_EC: gl.constexpr = False,
                                     EC_WAIT: gl.constexpr = False, EC_SELF: gl.constexpr = False,
                                     ACT: gl.constexpr = 0, SPLIT: gl.constexpr = 1, RDEEP: gl.constexpr = 1,
-                                    RP: gl.constexpr = False, RPL: gl.constexpr = None):
+                                    RP: gl.constexpr = False, RPL: gl.constexpr = None, KS: gl.constexpr = 1):
         """One CTA: an output tile, or with ``EC_SELF`` one of the SPLIT shrink roles of an x block
         (``ec_gemm_self.py``; a_desc, xr_desc, HG ... D are their operands, stand-ins otherwise; RDEEP: the roles'
         ring is STAGES x RDEEP deep). ``RP``: the row parameters come
@@ -335,11 +373,11 @@ if HAS_WGMMA:
             else:
                 _ra_tile(role - num_m * SPLIT, x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG,
                          xs, ws, rps, bars, bs, hgs, ecbars, HG, FLAGS, tag, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES,
-                         WARPS, SRC, PF, HAS_EC, EC_WAIT, EC_SELF, SPLIT, RP, RPL)
+                         WARPS, SRC, PF, HAS_EC, EC_WAIT, EC_SELF, SPLIT, RP, RPL, 1, WS, CNT)
         else:
             _ra_tile(gl.program_id(0), x_desc, w_desc, rp_desc, hg_desc, b_desc, Y, S, Z, BIAS, M, N, K, NG, xs, ws,
                      rps, bars, bs, hgs, ecbars, HG, FLAGS, 0, G, PER_CHANNEL, HAS_Z, HAS_BIAS, STAGES, WARPS, SRC,
-                     PF, HAS_EC, EC_WAIT, EC_SELF, 1, RP, RPL)
+                     PF, HAS_EC, EC_WAIT, EC_SELF, 1, RP, RPL, KS, WS, CNT)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         if HAS_EC:
@@ -364,16 +402,34 @@ RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64,
 BMXS = (16, 32, 64, 128, 256)  # the MMA's N: x rows per tile (16 and 32 for serving's decode batches)
 # Small-M tiles: BMX = 16 / 32 leaves the shared memory to a deep ring (a stage is ~4 KB), which the weight stream
 # needs to keep enough bytes in flight per SM when there is little MMA work to hide it behind.
-SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 12, 4, 2), (64, 16, 16, 4, 2), (128, 16, 8, 8, 2), (64, 32, 8, 4, 2),
-                 (64, 32, 12, 4, 2), (128, 32, 8, 8, 2), (64, 64, 8, 4, 2)]
+# The sixth value KS splits K into that many runs per output tile (more CTAs where N / BNW is short of the SMs).
+SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 8, 4, 2, 2), (64, 16, 8, 4, 2, 4), (64, 16, 6, 4, 2, 8),
+                 (64, 32, 8, 4, 2), (64, 32, 8, 4, 2, 2), (64, 32, 8, 4, 2, 4), (64, 64, 8, 4, 2),
+                 (64, 64, 6, 4, 2, 2), (64, 64, 6, 4, 2, 4)]
+
+
+KSPLITS = (1, 2, 4, 8)
+
+
+def ra_ksplit(config: tuple, K: int) -> int:
+    """The K split a config runs at K (its sixth value KS, default 1): halved until it divides K's 64-column steps
+    (each run takes whole steps and none is empty)."""
+    ks = int(config[5]) if len(config) > 5 else 1
+    steps = K // BK
+    while ks > 1 and steps % ks:
+        ks //= 2
+    return ks
 
 
 def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
     """(BNW, BMX, STAGES, WARPS, PF) of a config (PF defaults to 0), or a ValueError naming the rule it breaks."""
     vals = tuple(int(v) for v in config)
-    if len(vals) not in (4, 5):
-        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF])")
-    bnw, bmx, stages, warps, pf = vals + (0,) * (5 - len(vals))
+    if len(vals) not in (4, 5, 6):
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: expected (BNW, BMX, STAGES, WARPS[, PF[, KS]])")
+    if len(vals) == 6 and vals[5] not in KSPLITS:
+        raise ValueError(f"W4A16 register-operand GEMM config {config}: KS (K runs per output tile) must be one of "
+                         f"{KSPLITS}")
+    bnw, bmx, stages, warps, pf = vals[:5] + (0,) * (5 - len(vals[:5]))
     if bnw != 16 * warps or warps not in (4, 8) or bmx not in BMXS or stages < 2 or pf not in (0, 1, 2):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
                          f"BMX in {set(BMXS)}, STAGES >= 2 and PF in {{0, 1, 2}}")
@@ -443,11 +499,12 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                          "between the gate and this PDL launch, read before the wait)")
     y, xd, wd, hd, bd, r_p = launch_operands("w4a16_gemm_wgmma_ra", x2, qweight, out, ec, M, N, bmx, bnw)
     return _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel,
-                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, None)
+                   (bnw, bmx, stages, warps, pf), ec is not None, ec is not None and ec_wait, None,
+                   ks=1 if ec is not None else ra_ksplit(config, K))
 
 
 def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_channel, cfg, has_ec, ec_wait,
-            self_ops):
+            self_ops, ks: int = 1):
     """Launch the kernel (a grid of output tiles; with ``self_ops`` = (a_desc, x part descriptor, hg, W1, b1, W2,
     b2, alpha, flags, ticket, R, D, act code, split) also ``split`` shrink roles per x block, whose ring is
     ``split`` times deeper where the shared memory allows: ``role_depth``), the ring shortened until it fits."""
@@ -469,16 +526,26 @@ def _launch(x2, y, xd, wd, hd, bd, r_p, scales, zeros, bias, M, N, K, G, per_cha
     ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, act, split = self_ops
     rdeep = role_depth((bnw, bmx, stages, warps, 2 * rp), r_p, split)
     num_m = -(-M // bmx)
-    grid = (num_m * -(-N // bnw) + num_m * split,)
+    tiles = num_m * -(-N // bnw)
+    ws, cnt = ks_workspace(y.device, ks * M * N, tiles) if ks > 1 else (scales, scales)
+    grid = (tiles * ks + num_m * split,)
     _w4a16_gemm_wgmma_ra_kernel[grid](
         xd, wd, rpd, hd, bd, y, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D,
+        M, N, K, scales.shape[1], ad, xrd, hg, w1, b1, w2, b2, alpha, flags, tick, R, D, ws, cnt,
         G=min(G, K), PER_CHANNEL=per_channel, HAS_Z=zeros is not None,
         HAS_BIAS=bias is not None, STAGES=stages, WARPS=warps, SRC=_a_source_layout(warps), PF=pf,
         HAS_EC=has_ec, EC_WAIT=ec_wait, EC_SELF=ec_self, ACT=act, SPLIT=max(split, 1), RDEEP=rdeep, RP=rp,
-        RPL=_rp_layout(warps) if rp else None, num_warps=warps,
+        RPL=_rp_layout(warps) if rp else None, KS=ks, num_warps=warps,
         **({"launch_pdl": True} if ec_wait else {}))
     return y
+
+
+_KS_WS: dict = {}
+
+
+def ks_workspace(device: torch.device, floats: int, counters: int) -> tuple:
+    """The K split's fp32 partial slots [KS, M, N] and per-tile counters (``layout_cache.grown_workspace``)."""
+    return grown_workspace(_KS_WS, device, floats, counters, "the K-split register-operand GEMM")
 
 
 _PADDED_A: dict = {}
@@ -587,11 +654,12 @@ def compile_ra_sm90(config: tuple, G: int = 128, per_channel: bool = False, has_
     xr_t = f"tensordesc<bf16[{bmx // split}, {BK}],{_layout([bmx // split, BK], gl.bfloat16)!r}>"
     types = dict(**dt, Y="*bf16", S="*bf16", Z="*bf16", BIAS="*bf16", M="i32", N="i32", K="i32", NG="i32",
                  a_desc=a_t, xr_desc=xr_t, HG="*bf16", W1="*bf16", B1="*bf16", W2="*bf16", B2="*bf16", ALPHA="*fp32",
-                 FLAGS="*i32", TICK="*i64", R="i32", D="i32")
+                 FLAGS="*i32", TICK="*i64", R="i32", D="i32", WS="*fp32", CNT="*i32")
+    ks = int(config[5]) if len(config) > 5 and not r_p else 1
     consts = dict(G=G, PER_CHANNEL=per_channel, HAS_Z=has_z, HAS_BIAS=has_bias, STAGES=stages, WARPS=warps,
                   SRC=_a_source_layout(warps), PF=pf if pf < 2 else 0, HAS_EC=bool(r_p), RP=rp,
                   RPL=_rp_layout(warps) if rp else None, EC_WAIT=bool(r_p) and ec_wait and not ec_self,
-                  EC_SELF=ec_self, ACT=0, SPLIT=split, RDEEP=rdeep)
+                  EC_SELF=ec_self, ACT=0, SPLIT=split, RDEEP=rdeep, KS=ks)
     return compile_gluon_sm90(_w4a16_gemm_wgmma_ra_kernel, types, consts, warps)
 
 

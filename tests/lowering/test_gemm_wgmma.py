@@ -124,7 +124,11 @@ def test_register_operand_configs_and_inputs_are_checked_with_clear_errors():
 
     assert ra.check_ra_config((128, 256, 3, 8)) == (128, 256, 3, 8, 0)
     with pytest.raises(ValueError, match="expected"):
-        ra.check_ra_config((128, 256, 3, 8, 0, 1))  # (a sixth value, the removed stream-K tail, is refused)
+        ra.check_ra_config((128, 256, 3, 8, 0, 1, 1))
+    with pytest.raises(ValueError, match="KS"):
+        ra.check_ra_config((128, 256, 3, 8, 0, 3))  # the K split: a power of two up to 8
+    assert ra.ra_ksplit((64, 16, 8, 4, 2, 8), 4096) == 8 and ra.ra_ksplit((64, 16, 8, 4, 2, 8), 3584) == 8
+    assert ra.ra_ksplit((64, 16, 8, 4, 2, 8), 640) == 2  # 10 steps of 64: halved until it divides them
     with pytest.raises(ValueError, match="BNW = 16 WARPS"):
         ra.check_ra_config((128, 256, 3, 4))
     assert ra.check_ra_config((128, 256, 3, 8, 2)) == (128, 256, 3, 8, 2)  # row parameters through the ring
@@ -182,7 +186,8 @@ def test_matches_the_reference_on_gpu(config, M, N, K, G, zeros, bias):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("config", [(64, 16, 12, 4, 2), (128, 32, 8, 8, 2), (64, 16, 8, 4, 0)])
+@pytest.mark.parametrize("config", [(64, 16, 12, 4, 2), (128, 32, 8, 8, 2), (64, 16, 8, 4, 0), (64, 16, 8, 4, 2, 4),
+                                    (64, 32, 6, 4, 2, 8)])
 @pytest.mark.parametrize("M,N,K,G,bias", [(5, 264, 640, 128, True), (16, 520, 4096, 128, False),
                                          (33, 136, 512, 512, True), (2, 64, 128, 64, False)])
 def test_register_operand_small_m_tiles_match_the_reference_on_gpu(config, M, N, K, G, bias):
@@ -197,6 +202,9 @@ def test_register_operand_small_m_tiles_match_the_reference_on_gpu(config, M, N,
     y = ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=config)
     err = (y.double() - ref).abs()
     assert (err <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().mean()).all(), err.max()
+    if len(config) > 5:  # the K runs' partials are summed in run order: the same bits again, counters left at zero
+        assert torch.equal(ra.w4a16_gemm_wgmma_ra(x, qw, s, z, G, b, config=config), y)
+        assert int(ra.ks_workspace(x.device, 1, 1)[1].abs().sum()) == 0
 
 
 def _ec_case(N, K, R, device):
@@ -316,7 +324,8 @@ def test_register_operand_expansion_takes_each_lanes_byte():
                                        ((64, 256, 4, 4), dict(per_channel=True, has_z=False)),
                                        ((128, 256, 3, 8, 2), {}), ((64, 256, 4, 4, 2), dict(has_z=False)),
                                        ((64, 256, 4, 4, 2), dict(r_p=64, ec_self=True, split=4)),
-                                       ((64, 16, 12, 4, 2), {}), ((128, 32, 8, 8, 2), dict(has_bias=False))])
+                                       ((64, 16, 12, 4, 2), {}), ((128, 32, 8, 8, 2), dict(has_bias=False)),
+                                       ((64, 16, 8, 4, 2, 4), {})])
 def test_register_operand_kernel_compiles_with_its_a_registers_kept_until_retired(config, kw):
     """The [rows, words, lanes, 2] expansion reshapes into the wgmma A layout without moving data (the
     convert_layout is asserted trivial at compile time); no spills; MMAs left asynchronous; and no instruction
