@@ -1,24 +1,23 @@
-"""W4 GEMMs in the serving regime (M = 2..256): the K-split tensor-core GEMM against what the route ran before.
+"""W4 GEMMs in the serving regime (M = 2..64): the register-operand wgmma GEMM's small tiles against what the
+route ran before and cuBLAS.
 
 For each shape (the five benchmark shapes, and Qwen2.5-7B's, which the shipped table does not hold) and each M,
-one run checks the K-split GEMM (``lowering/w4a16_gemm_splitk.py``) against the dequantized reference and for
-bitwise reproducibility, then times, as CUDA-graph replays over weight copies that do not fit in L2:
+one run checks the small tiles (``lowering/w4a16_gemm_wgmma_ra.SMALL_CONFIGS``: x blocks of 16 / 32 / 64 rows,
+deep rings, an optional K split) against the dequantized reference and for bitwise reproducibility, then times,
+as CUDA-graph replays over weight copies that do not fit in L2:
 
 * ``cublas_bf16``: ``F.linear`` on the dequantized bf16 weight (the ratios' denominator);
-* ``route_before``: our W4 as the op runs it with the shipped table (the table's GEMM, or the GEMV for M <= 4);
-* ``triton_best``: the plain Triton GEMM's fastest config (``GEMM_CONFIGS``);
-* ``splitk_default``: the K-split GEMM's untuned config (``default_config``);
-* ``splitk_best``: its fastest config (``route.splitk_choices``);
-* ``ra_small_best``: the register-operand wgmma GEMM's fastest small-M tile (x blocks of 16 / 32 / 64 rows);
+* ``route_before``: our W4 as the op runs it with the table before this run (the table's GEMM);
+* ``triton_best``: the Triton GEMM's fastest config (``GEMM_CONFIGS``);
+* ``ra_small_best``: the small tiles' fastest config (``route.ra_small_choices``);
 * ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
-  table holds the fastest of the shipped choice, ``splitk_best`` and ``ra_small_best`` (``ec_r64_before``:
-  the EC before).
+  table holds the faster of the previous choice and ``ra_small_best`` (``ec_r64_before``: the EC before).
 
-Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the shipped table with
-those choices, for the shipped table when the numbers say so. Targets (issue "fast where serving runs", W4 /
-cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60, 128 0.85, 256 1.0; W4 + EC <= 1.10x W4.
+Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the table with those
+choices (``dispatch.table.dumps``), for the shipped table when the numbers say so. Targets (issue "fast where
+serving runs", W4 / cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60; W4 + EC <= 1.10x W4.
 
-    python benchmarks/small_m_gemm.py --out OUT [--ms 2 4 8 16 32 64 128 256] [--shapes 4096x4096 ...]
+    python benchmarks/small_m_gemm.py --out OUT [--ms 2 16 32 64] [--shapes 4096x4096 ...]
 """
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ from spear_compile.dispatch import keys as TK  # noqa: E402
 from spear_compile.dispatch import route as RT  # noqa: E402
 from spear_compile.dispatch import table as TT  # noqa: E402
 from spear_compile.dispatch.tuning import bench_graph, copies_for, gpu_key, search  # noqa: E402
-from spear_compile.lowering import w4a16_gemm_splitk as SK  # noqa: E402
 from spear_compile.lowering import w4a16_triton as T  # noqa: E402
 from spear_compile.ops.w4a16_ref import dequantize_ref  # noqa: E402
 
@@ -62,11 +60,6 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     ec = AT.random_ec(N, K, 64, "cuda")
     row = {"N": N, "K": K, "G": G, "M": M}
     ref = F.linear(xs[0], bf[0])
-    y1 = SK.w4a16_gemm_splitk(xs[0], *ws[0], G, None)
-    y2 = SK.w4a16_gemm_splitk(xs[0], *ws[0], G, None)
-    row["splitk_rel_err"] = rel_err(y1, ref)
-    row["splitk_reproducible"] = bool(torch.equal(y1, y2))
-    row["splitk_default_config"] = list(SK.default_config(M, N, K, G, torch.cuda.get_device_properties(0).multi_processor_count))
     w4 = lambda i: D.w4a16_linear_cuda(xs[i], *ws[i], G, None)  # noqa: E731
     ecl = lambda i: D.ec_linear_cuda(xs[i], *ws[i], G, None, *ec)  # noqa: E731
     row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % 2]), copies)
@@ -76,20 +69,18 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
     cfg_t, row["triton_best"] = search(run, list(T.GEMM_CONFIGS), copies)
     row["triton_best_config"] = list(cfg_t)
-    row["splitk_default"] = bench_graph(lambda i: SK.w4a16_gemm_splitk(xs[i], *ws[i], G, None), copies)
-    cfg_s, row["splitk_best"] = search(run, RT.splitk_choices(M), copies)
-    row["splitk_best_config"] = list(cfg_s)
-    yb = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_s)
-    row["splitk_best_rel_err"] = rel_err(yb, ref)
-    best_cfg, best_t = cfg_s, row["splitk_best"]
+    best_cfg, best_t = None, float("inf")
     small = RT.ra_small_choices(M)
-    if small:  # the register-operand wgmma GEMM's small-M tiles (M <= 64)
+    if small:
         cfg_r, row["ra_small_best"] = search(run, small, copies)
         row["ra_small_best_config"] = list(cfg_r)
-        row["ra_small_rel_err"] = rel_err(D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r), ref)
+        y1 = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r)
+        row["ra_small_rel_err"] = rel_err(y1, ref)
+        row["ra_small_reproducible"] = bool(torch.equal(y1, D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r)))
         row["ra_small_over_cublas"] = row["ra_small_best"] / row["cublas_bf16"]
-        if row["ra_small_best"] < best_t:
-            best_cfg, best_t = cfg_r, row["ra_small_best"]
+        best_cfg, best_t = cfg_r, row["ra_small_best"]
+        for c in small:  # every tile's own time, for the record
+            row[f"ra_{'_'.join(map(str, c[1:]))}"] = bench_graph(run(c), copies)
     key = TK.gemm_key(M, N, K, G)
     table = TT.configs()
     before = table.get(key)
@@ -101,7 +92,7 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     row["route_after"] = bench_graph(w4, copies)
     row["route_after_kernel"] = RT.route(RT.problem_of("w4a16", xs[0], *ws[0], G)).describe()
     row["ec_r64_after"] = bench_graph(ecl, copies)
-    for k in ("route_before", "triton_best", "splitk_default", "splitk_best", "route_after"):
+    for k in ("route_before", "triton_best", "route_after"):
         row[f"{k}_over_cublas"] = row[k] / row["cublas_bf16"]
     row["ec_after_over_w4_after"] = row["ec_r64_after"] / row["route_after"]
     return row
@@ -110,7 +101,7 @@ def one(N: int, K: int, G: int, M: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", nargs="+", type=int, default=[2, 4, 8, 16, 32, 64, 128, 256])
+    ap.add_argument("--ms", nargs="+", type=int, default=[2, 16, 32, 64])
     ap.add_argument("--shapes", nargs="+", default=BENCH + QWEN)
     ap.add_argument("--group-size", type=int, default=128)
     args = ap.parse_args(argv)
@@ -132,11 +123,11 @@ def main(argv=None) -> None:
         with open(os.path.join(args.out, f"small_m_gemm_{gpu_key()}.json"), "w") as f:
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, f"configs_{gpu_key()}.json"), "w") as f:
-            json.dump(TT.configs().to_json(res["gpu"]), f, indent=1)
-    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'skdef':>7} {'skbest':>7} {'ra':>7} {'after/cuB':>9} {'EC/W4':>6}")
+            f.write(TT.dumps(TT.configs(), gpu_key()))
+    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'ra':>7} {'after/cuB':>9} {'EC/W4':>6}")
     for r in res["rows"]:
         print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>4} {r['cublas_bf16']:7.1f} {r['route_before']:7.1f} {r['triton_best']:7.1f} "
-              f"{r['splitk_default']:7.1f} {r['splitk_best']:7.1f} {r.get('ra_small_best', float('nan')):7.1f} "
+              f"{r.get('ra_small_best', float('nan')):7.1f} "
               f"{r['route_after_over_cublas']:9.2f} "
               f"{r['ec_after_over_w4_after']:6.2f}")
 

@@ -26,7 +26,6 @@ from ..lowering import ec_gemm_self as _egs  # noqa: F401  (the in-launch struct
 from ..lowering import ec_shrink_splitk as _sk
 from ..lowering import ec_triton as _ect
 from ..lowering import w4a16_cat as _cat
-from ..lowering import w4a16_gemm_splitk as _gsk
 from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
 from ..lowering import w4a16_gemv_tma as _gt
@@ -84,8 +83,6 @@ def launch_w4(rt: Route, x2, qweight, scales, zeros, G: int, bias, out=None) -> 
         return _t.w4a16_gemv_small(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
     if k == "gemm":
         return _t.w4a16_gemm_triton(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
-    if k == "gemm_splitk":
-        return _gsk.w4a16_gemm_splitk(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
     if k == "dequant_cublas":
         return _dc.dequant_cublas(x2, qweight, scales, zeros, G, bias, out=out, chunks=cfg[0])
     if k == "gemm_wgmma":

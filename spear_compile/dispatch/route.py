@@ -43,7 +43,6 @@ from ..lowering import _triton
 from ..lowering import device as capability
 from ..lowering import ec_gemm_self as _egs
 from ..lowering import ec_self as _es
-from ..lowering import w4a16_gemm_splitk as _gsk
 from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
 from ..lowering import w4a16_gemv_tma as _gt
@@ -246,12 +245,6 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
         if ok and p.out_contiguous:
             return _route("gemm_" + cfg[0], cfg[1:], why + [f"{src}: {cfg[0]} ({r})"])
         why.append(f"{src}: {cfg[0]}, which cannot run here ({r if not ok else 'out not contiguous'})")
-        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
-    if cfg[0] == _gsk.SPLITK:
-        ok, r = _gsk.can_implement(p.dtype, p.K, p.G, cfg[1:])
-        if ok:
-            return _route("gemm_splitk", cfg[1:], why + [f"{src}: K-split tensor-core GEMM ({r})"])
-        why.append(f"{src}: {cfg[0]}, which cannot run here ({r})")
         cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
     if _t.is_dequant_cublas(cfg):
         chunks = int(cfg[1]) if cfg[0] == _t.DEQUANT_CUBLAS_PIPE[0] else 1
@@ -595,13 +588,6 @@ def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
 
 
 
-def splitk_choices(M: int) -> list:
-    """Table values for the K-split tensor-core GEMM's configs whose M tile is no taller than M needs
-    (``w4a16_gemm_splitk.SPLITK_CONFIGS``)."""
-    bm = min(c[0] for c in _gsk.SPLITK_CONFIGS if c[0] >= min(M, 128))
-    return [(_gsk.SPLITK,) + c for c in _gsk.SPLITK_CONFIGS if c[0] <= bm]
-
-
 def ra_small_choices(M: int) -> list:
     """Table values for the register-operand wgmma GEMM's small-M tiles (``SMALL_CONFIGS``: x blocks of 16 / 32 /
     64 rows, deep rings) whose x block holds M's rows (BMX >= M, the smallest such), where this Triton has it."""
@@ -613,11 +599,10 @@ def ra_small_choices(M: int) -> list:
 
 def gemm_choices(M: int) -> list:
     """Every W4 GEMM table value worth timing at M rows, except the large-tile wgmma GEMMs (``wgmma_choices``,
-    ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the K-split GEMM's (up to M = 256),
-    the register-operand GEMM's small-M tiles (below M = 64), dequantize + cuBLAS."""
-    sk = splitk_choices(M) if M <= 256 else []
+    ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the register-operand GEMM's small-M
+    tiles (below M = 64), dequantize + cuBLAS."""
     ra = ra_small_choices(M) if M < 64 else []
-    return list(_t.GEMM_CONFIGS) + sk + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
+    return list(_t.GEMM_CONFIGS) + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
 
 
 def wgmma_ra_choices() -> list:

@@ -156,7 +156,7 @@ def parse_key(wire: str, table: str = "configs") -> Key:
 # ---------------------------------------------------------------- values
 
 TMA_OPS = (0, 1, 2)  # the TMA GEMV's operand modes (w4a16_gemv_tma: OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM)
-GEMM_KERNELS = ("triton", "dequant_cublas", "dequant_cublas_pipe", "wgmma", "wgmma_ra", "splitk")
+GEMM_KERNELS = ("triton", "dequant_cublas", "dequant_cublas_pipe", "wgmma", "wgmma_ra")
 SELF_KERNELS = ("cc", "tma", "pair")
 STRUCTURES = ("side", "side_hi", "c_operand", "c_operand_hi", "in_gemm", "in_gemm_sk", "in_gemm_self")
 
@@ -265,8 +265,6 @@ def _gemm_choice(w, what: str) -> GemmChoice:
         return GemmChoice(kernel, _positive(rest, what + " (BM, BN, STAGES, WARPS)", 4))
     if kernel == "wgmma_ra":  # (a sixth value: the K split of the small-M tiles)
         return GemmChoice(kernel, _ra_config(rest, what, (4, 5, 6)))
-    if kernel == "splitk":
-        return GemmChoice(kernel, _positive(rest, what + " (BM, BN, BK, SPLIT, warps, stages)", 6))
     raise ValueError(f"{what}: GEMM choice {w!r}; expected one of {GEMM_KERNELS} with its config")
 
 
