@@ -600,8 +600,8 @@ def ra_small_choices(M: int) -> list:
 def gemm_choices(M: int) -> list:
     """Every W4 GEMM table value worth timing at M rows, except the large-tile wgmma GEMMs (``wgmma_choices``,
     ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the register-operand GEMM's small-M
-    tiles (below M = 64), dequantize + cuBLAS."""
-    ra = ra_small_choices(M) if M < 64 else []
+    tiles (up to M = 64), dequantize + cuBLAS."""
+    ra = ra_small_choices(M) if M <= 64 else []
     return list(_t.GEMM_CONFIGS) + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
 
 

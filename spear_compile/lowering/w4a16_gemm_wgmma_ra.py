@@ -401,13 +401,16 @@ RA_CONFIGS = [(128, 256, 4, 8, 2), (128, 256, 3, 8, 2), (64, 256, 4, 4, 2), (64,
 
 BMXS = (16, 32, 64, 128, 256)  # the MMA's N: x rows per tile (16 and 32 for serving's decode batches)
 # Small-M tiles: BMX = 16 / 32 leaves the shared memory to a deep ring (a stage is ~4 KB), which the weight stream
-# needs to keep enough bytes in flight per SM when there is little MMA work to hide it behind.
-# The sixth value KS splits K into that many runs per output tile (more CTAs where N / BNW is short of the SMs).
-SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 8, 4, 2, 2), (64, 16, 8, 4, 2, 4), (64, 16, 6, 4, 2, 8),
-                 (64, 32, 8, 4, 2), (64, 32, 8, 4, 2, 2), (64, 32, 8, 4, 2, 4), (64, 64, 8, 4, 2),
-                 (64, 64, 6, 4, 2, 2), (64, 64, 6, 4, 2, 4)]
-
-
+# needs to keep enough bytes in flight per SM when there is little MMA work to hide it behind. Measured (H200,
+# 2026-12-05, benchmarks/small_m_gemm.py): 0.62-0.74x cuBLAS on 28672x8192 and 37888x3584 at M = 2..32, but slower
+# than the Triton GEMM where N / 64 tiles leave SMs idle (3584-wide outputs); the 8-stage ring won everywhere.
+SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 12, 4, 2), (64, 16, 16, 4, 2), (128, 16, 8, 8, 2), (64, 32, 8, 4, 2),
+                 (64, 32, 12, 4, 2), (128, 32, 8, 8, 2), (64, 64, 8, 4, 2)]
+# The same tiles with K split into KS runs per output tile (a sixth value): more CTAs where the grid is short. They
+# compile for sm_90 with their SASS checks passing, but have not run on a GPU yet: not searched by the tuner or the
+# route until tests/lowering/test_gemm_wgmma.py's GPU tests pass on them (benchmarks/small_m_gemm.py times them).
+KSPLIT_CONFIGS = [(64, 16, 8, 4, 2, 2), (64, 16, 8, 4, 2, 4), (64, 16, 6, 4, 2, 8), (64, 32, 8, 4, 2, 2),
+                  (64, 32, 8, 4, 2, 4), (64, 64, 6, 4, 2, 2), (64, 64, 6, 4, 2, 4)]
 KSPLITS = (1, 2, 4, 8)
 
 

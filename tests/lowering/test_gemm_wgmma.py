@@ -187,7 +187,7 @@ def test_matches_the_reference_on_gpu(config, M, N, K, G, zeros, bias):
 
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", [(64, 16, 12, 4, 2), (128, 32, 8, 8, 2), (64, 16, 8, 4, 0), (64, 16, 8, 4, 2, 4),
-                                    (64, 32, 6, 4, 2, 8)])
+                                    (64, 32, 6, 4, 2, 8), (64, 64, 6, 4, 2, 2)])
 @pytest.mark.parametrize("M,N,K,G,bias", [(5, 264, 640, 128, True), (16, 520, 4096, 128, False),
                                          (33, 136, 512, 512, True), (2, 64, 128, 64, False)])
 def test_register_operand_small_m_tiles_match_the_reference_on_gpu(config, M, N, K, G, bias):
