@@ -292,3 +292,16 @@ def test_state_types_validate_naming_the_field():
         StepPlan((), (("a", 0),))
     with pytest.raises(ValueError, match="request_id"):
         StepPlan((True,), ())
+
+
+def test_plan_cost_is_measured_warm_and_cold_over_every_state():
+    """``sched_cost.plan_cost_us`` times every state (warm: the median of repeats; cold: once after the caches
+    were run through) and says which; its numbers are for the benchmark, not asserted here."""
+    from spear_compile.runtime.policy import StaticChunkPolicy
+    from spear_compile.runtime.sched_cost import example_states, plan_cost_us
+
+    states = example_states(n=5, decodes=8, waiting=3)
+    warm = plan_cost_us(StaticChunkPolicy(64), states, repeat=2)
+    cold = plan_cost_us(StaticChunkPolicy(64), states, cold=True)
+    assert (warm["caches"], cold["caches"]) == ("warm", "cold") and warm["states"] == cold["states"] == 5
+    assert 0 < warm["p50_us"] <= warm["p99_us"] <= warm["max_us"] and 0 < cold["p50_us"] <= cold["max_us"]
