@@ -418,7 +418,7 @@ def main() -> None:
                                    T.GEMV_CONFIGS, copies)
                 TK.tuned_table()[TK.gemv_key(N, K, G, True)] = list(cfg_ec)
             gemm_run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None, config=c))  # noqa: E731
-            cfg, t_gemm = search(gemm_run, RT.gemm_choices(M), copies)
+            cfg, t_gemm = search(gemm_run, RT.gemm_choices(M, N, K, G), copies)
             finalists = [(tuple(cfg), t_gemm)]  # the best of each kernel family, re-timed together below
             # the wgmma GEMMs (not below M = 64, where they never won): the plain kernel's fastest config is also
             # the "in_gemm" structure's GEMM where the table does not run the shape on the register-operand one

@@ -73,7 +73,7 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     cfg_t, row["triton_best"] = search(run, list(T.GEMM_CONFIGS), copies)
     row["triton_best_config"] = list(cfg_t)
     best_cfg, best_t = None, float("inf")
-    small = RT.ra_small_choices(M)
+    small = RT.ra_small_choices(M, N, K, G)
     if small:
         cfg_r, row["ra_small_best"] = search(run, small, copies)
         row["ra_small_best_config"] = list(cfg_r)

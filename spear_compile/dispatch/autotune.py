@@ -158,7 +158,7 @@ def measure(job: Job, device=None) -> dict:
     if job.family != "gemm":
         raise ValueError(f"measure: family {job.family!r}; expected 'gemv1' or 'gemm'")
     run = lambda c: (lambda i: _cuda.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
-    finalists = [_tuning.search(run, _route.gemm_choices(M), copies)]
+    finalists = [_tuning.search(run, _route.gemm_choices(M, N, K, G), copies)]
     if M >= 64:  # the wgmma GEMMs never won below M = 64 (benchmarks/kernels.py)
         for choices in (_route.wgmma_choices(), _route.wgmma_ra_choices()):
             if choices:
