@@ -79,9 +79,28 @@ def example_states(n: int = 200, seed: int = 0, decodes: int = 64, waiting: int 
 
 
 if __name__ == "__main__":  # pragma: no cover
+    import argparse
+    import json
+    import os
+    import platform
+
     from .policy import SloChunkPolicy, StaticChunkPolicy
 
+    ap = argparse.ArgumentParser(description="the step policy's planning cost, warm and cold caches")
+    ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
+    args = ap.parse_args()
     states = example_states()
+    rows = []
     for pol in (SloChunkPolicy(example_model(), 16.0, 2048, 32), StaticChunkPolicy(512)):
-        print(pol, plan_cost_us(pol, states))
-        print(pol, plan_cost_us(pol, states, cold=True))
+        for cold in (False, True):
+            r = {"policy": repr(pol), **plan_cost_us(pol, states, cold=cold)}
+            rows.append(r)
+            print(json.dumps(r))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+                "machine": platform.machine(), "python": platform.python_version(),
+                "command": "python -m spear_compile.runtime.sched_cost --out " + args.out,
+                "states": "example_states(): 200 states, up to 64 decodes and 8 waiting"}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
