@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "exp
 import gemv_mma_sync as GG  # noqa: E402  (the register-fed mma.sync GEMV study, --gluon)
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192)]
-MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 RANKS = [16, 32, 64]
 G = 128
 DT = torch.bfloat16
