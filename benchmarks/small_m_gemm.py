@@ -1,4 +1,4 @@
-"""W4 GEMMs in the serving regime (M = 2..64): the register-operand wgmma GEMM's small tiles against what the
+"""W4 GEMMs in the serving regime (M = 2..128): the register-operand wgmma GEMM's small tiles against what the
 route ran before and cuBLAS.
 
 For each shape (the five benchmark shapes, and Qwen2.5-7B's, which the shipped table does not hold) and each M,
@@ -10,16 +10,17 @@ as CUDA-graph replays over weight copies that do not fit in L2:
 * ``route_before``: our W4 as the op runs it with the table before this run (the table's GEMM);
 * ``triton_best``: the Triton GEMM's fastest config (``GEMM_CONFIGS``);
 * ``ra_small_best``: the small tiles' fastest config (``route.ra_small_choices``);
-* ``ra_ks_best``: the same tiles with K split (``KSPLIT_CONFIGS``), checked against the reference first;
+* ``ra_large_best`` (M >= 64): the register-operand GEMM's large tiles (``RA_CONFIGS``);
+* ``ra_ks_best``: the small tiles with K split (``KSPLIT_CONFIGS``), checked against the reference first;
 * ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
   table holds the fastest of the previous choice, ``ra_small_best`` and a correct ``ra_ks_best``
   (``ec_r64_before``: the EC before).
 
 Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the table with those
 choices (``dispatch.table.dumps``), for the shipped table when the numbers say so. Targets (issue "fast where
-serving runs", W4 / cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60; W4 + EC <= 1.10x W4.
+serving runs", W4 / cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60, 128 0.85; W4 + EC <= 1.10x W4.
 
-    python benchmarks/small_m_gemm.py --out OUT [--ms 2 16 32 64] [--shapes 4096x4096 ...]
+    python benchmarks/small_m_gemm.py --out OUT [--ms 2 4 8 16 32 64 128] [--shapes 4096x4096 ...]
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     row["triton_best_config"] = list(cfg_t)
     best_cfg, best_t = None, float("inf")
     small = RT.ra_small_choices(M, N, K, G)
-    if small:
+    if small:  # (empty where the kernel does not take the shape)
         cfg_r, row["ra_small_best"] = search(run, small, copies)
         row["ra_small_best_config"] = list(cfg_r)
         y1 = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r)
@@ -84,6 +85,12 @@ def one(N: int, K: int, G: int, M: int) -> dict:
         best_cfg, best_t = cfg_r, row["ra_small_best"]
         for c in small:  # every tile's own time, for the record
             row[f"ra_{'_'.join(map(str, c[1:]))}"] = bench_graph(run(c), copies)
+    large = RT.wgmma_ra_choices() if M >= 64 and small else []
+    if large:  # from M = 64 the register-operand GEMM's large tiles too (the M = 128 entries predate them)
+        cfg_l, row["ra_large_best"] = search(run, large, copies)
+        row["ra_large_best_config"] = list(cfg_l)
+        if row["ra_large_best"] < best_t:
+            best_cfg, best_t = cfg_l, row["ra_large_best"]
     ks = [("wgmma_ra",) + c for c in RA.KSPLIT_CONFIGS if c[1] == (small[0][2] if small else 0)]
     if ks:  # the K-split tiles: checked against the reference first, and kept only where they are right
         cfg_k, row["ra_ks_best"] = search(run, ks, copies)
@@ -113,7 +120,7 @@ def one(N: int, K: int, G: int, M: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", nargs="+", type=int, default=[2, 16, 32, 64])
+    ap.add_argument("--ms", nargs="+", type=int, default=[2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--shapes", nargs="+", default=BENCH + QWEN)
     ap.add_argument("--group-size", type=int, default=128)
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@
 #   untuned        benchmarks/untuned_shapes.py: shapes outside the shipped table, the route's nearest-geometry
 #                  default against the same shapes tuned, and the whole-model spear tune time
 #                  (default --models qwen2.5-7b llama3-8b --ms 1 16 64 256)
-#   small-m        benchmarks/small_m_gemm.py: the register-operand GEMM's small tiles at M = 2..64 against the route's
+#   small-m        benchmarks/small_m_gemm.py: the register-operand GEMM's small tiles at M = 2..128 against the route's
 #                  shipped choice and cuBLAS, W4 + EC after (default: the benchmark and Qwen2.5-7B shapes)
 #   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
 #                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)

@@ -590,21 +590,22 @@ def ec_self_config(M: int, N: int, K: int, G: int) -> Optional[tuple]:
 
 def ra_small_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G: Optional[int] = None) -> list:
     """Table values for the register-operand wgmma GEMM's small-M tiles (``SMALL_CONFIGS``: x blocks of 16 / 32 /
-    64 rows, deep rings) whose x block holds M's rows (BMX >= M, the smallest such), where this Triton has it and
+    64 rows, deep rings) whose x block holds M's rows (BMX >= M, the smallest such; above 64 rows the 64-row blocks),
+    where this Triton has it and
     (given N, K, G) the kernel takes the shape: a search would otherwise time the route's fallback under its name."""
     if not _wg.HAS_WGMMA or _t.INTERPRET:
         return []
     if K is not None and not _wg.wgmma_ok(M, N or 8, K, G or K, torch.bfloat16):
         return []
-    bmx = min((c[1] for c in _ra.SMALL_CONFIGS if c[1] >= M), default=None)
+    bmx = min((c[1] for c in _ra.SMALL_CONFIGS if c[1] >= M), default=max(c[1] for c in _ra.SMALL_CONFIGS))
     return [(_t.WGMMA_RA,) + c for c in _ra.SMALL_CONFIGS if c[1] == bmx]
 
 
 def gemm_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G: Optional[int] = None) -> list:
     """Every W4 GEMM table value worth timing at M rows, except the large-tile wgmma GEMMs (``wgmma_choices``,
     ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the register-operand GEMM's small-M
-    tiles (up to M = 64, where they take the shape), dequantize + cuBLAS."""
-    ra = ra_small_choices(M, N, K, G) if M <= 64 else []
+    tiles (up to M = 128, where they take the shape), dequantize + cuBLAS."""
+    ra = ra_small_choices(M, N, K, G) if M <= 128 else []
     return list(_t.GEMM_CONFIGS) + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
 
 

@@ -317,7 +317,7 @@ def test_tuned_key_properties(anchors, query, kind):
 def test_small_m_tiles_searched_are_those_whose_x_block_holds_m_and_that_take_the_shape(monkeypatch):
     """``ra_small_choices``: the smallest x block that holds M (16 for M <= 16, 32, then 64), only on shapes the
     register-operand kernel takes (K a multiple of 64), never the K-split tiles (not yet run on a GPU); the GEMM
-    search includes them up to M = 64."""
+    search includes them up to M = 128."""
     from spear_compile.lowering import w4a16_gemm_wgmma as WG
     from spear_compile.lowering import w4a16_gemm_wgmma_ra as RA
 
@@ -329,4 +329,5 @@ def test_small_m_tiles_searched_are_those_whose_x_block_holds_m_and_that_take_th
     assert R.ra_small_choices(16, 4096, 4000, 4000) == []  # K not a multiple of 64
     assert all(len(c) == 6 for c in R.ra_small_choices(16))  # ("wgmma_ra", BNW, BMX, STAGES, WARPS, PF): no K split
     assert set(R.ra_small_choices(32, 4096, 4096, 128)) <= set(R.gemm_choices(32, 4096, 4096, 128))
-    assert not [c for c in R.gemm_choices(128, 4096, 4096, 128) if c[0] == "wgmma_ra"]
+    assert {c[2] for c in R.ra_small_choices(128, 4096, 4096, 128)} == {64}  # two x blocks of the largest
+    assert not [c for c in R.gemm_choices(256, 4096, 4096, 128) if c[0] == "wgmma_ra"]
