@@ -31,11 +31,13 @@ the fastest EC structure on 6 of the 8 shapes x M where the table runs this kern
 
 Config (BNW, BMX, STAGES, WARPS[, PF]): BNW weight rows (16 per warp, the MMA's M), BMX rows of x (the MMA's
 N, <= 256), ring depth; PF = 1 loads each step's row scales one step ahead (default 0: where they are used), PF = 2
-brings them through the TMA ring with the step's words (``ring_row_params``; faster). (A stream-K tail of the
-last partial wave measured slower and was removed: docs/kernels.md.)
+brings them through the TMA ring with the step's words (``ring_row_params``; faster); an optional sixth value KS
+splits K into KS runs per output tile, each a CTA, whose fp32 partials the last run to arrive sums in run order
+(``_ra_split_store``; without an EC only). (A stream-K tail of the last partial wave measured slower and was
+removed: docs/kernels.md.) Small M (serving's decode batches): BMX = 16 / 32 with deep rings, ``SMALL_CONFIGS``.
 Constraints: those of the plain kernel (``check_call``), and integer zero points (or none): ``takes``.
 The output tile is stored transposed from the MMA layout (two-byte stores). The tuned table names it
-``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF])`` (``dispatch/route.py:gemm_route``).
+``("wgmma_ra", BNW, BMX, STAGES, WARPS[, PF[, KS]])`` (``dispatch/route.py:gemm_route``).
 """
 from __future__ import annotations
 
@@ -483,7 +485,8 @@ def w4a16_gemm_wgmma_ra(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     Arguments as ``w4a16_gemm_wgmma``; zero points must be integers (``integer_zeros``) or absent.
     ``ec`` = (hg, B): ``hg B^T`` added as one more K step (hg the EC's ``alpha g h`` [M, R_P], B [N, R],
     as ``w4a16_gemm_wgmma``); ``ec_wait``: launched with programmatic dependent launch behind the kernel
-    that writes hg (which must trigger its dependents), waiting only before hg is read."""
+    that writes hg (which must trigger its dependents), waiting only before hg is read. A config's K split
+    (sixth value, ``ra_ksplit``) applies without ``ec`` only: the EC's step needs the whole K in one CTA."""
     bnw, bmx, stages, warps, pf = check_ra_config(config)
     M, N, K, per_channel = check_call("w4a16_gemm_wgmma_ra", x2, qweight, scales, zeros, G, bias, out)
     if zeros is not None and not integer_zeros(zeros):
