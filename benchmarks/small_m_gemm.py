@@ -17,8 +17,8 @@ as CUDA-graph replays over weight copies that do not fit in L2:
   (``ec_r64_before``: the EC before).
 
 Writes ``OUT/small_m_gemm_<GPU>.json`` (rows, meta) and ``OUT/configs_<GPU>.json``: the table with those
-choices (``dispatch.table.dumps``), for the shipped table when the numbers say so. Targets (issue "fast where
-serving runs", W4 / cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60, 128 0.85; W4 + EC <= 1.10x W4.
+choices (``dispatch.table.dumps``), for the shipped table when the numbers say so. Targets (the serving-regime
+kernel targets, W4 / cuBLAS): M <= 16 0.40, 32 0.45, 64 0.60, 128 0.85; W4 + EC <= 1.10x W4.
 
     python benchmarks/small_m_gemm.py --out OUT [--ms 2 4 8 16 32 64 128] [--shapes 4096x4096 ...]
 """

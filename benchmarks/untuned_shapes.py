@@ -9,7 +9,7 @@ Mistral-7B-shaped by default, none of them in the shipped H200 table) and each M
 * ``nearest``: our W4 with the shipped table (``route.tuned_key``: the nearest tuned geometry's entries);
 * ``tuned``: our W4 after ``dispatch.autotune`` measured the shape at that M (what ``spear tune`` writes).
 
-Targets (issue "fast where serving runs"): ``nearest / tuned <= 1.15``; ``spear tune`` of a 7-8B model within
+Targets (the serving-regime kernel targets): ``nearest / tuned <= 1.15``; ``spear tune`` of a 7-8B model within
 5 minutes (``tune_seconds`` per model: every job of the model, M in ``--ms``, measured once).
 
     python benchmarks/untuned_shapes.py --out OUT [--models qwen2.5-7b llama3-8b] [--ms 1 16 64 256]
