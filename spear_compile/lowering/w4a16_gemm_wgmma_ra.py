@@ -286,21 +286,19 @@ if HAS_WGMMA:
         KS > 1 (no EC) ``tile`` counts K runs, KS per output tile: this CTA runs one of them (``_ra_split_store``)."""
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BNW: gl.constexpr = w_desc.block_type.shape[0]
-        if KS > 1:
+        if KS > 1:  # ``tile`` counts K runs: this CTA's run of its output tile
             run = tile % KS
             tile = tile // KS
+        num_m = gl.cdiv(M, BMX)
+        m_blk = tile % num_m
+        off_m = m_blk * BMX
+        off_n = (tile // num_m) * BNW
+        if KS > 1:
             per = K // _BK // KS
-            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, (tile % gl.cdiv(M, BMX)) * BMX,
-                          (tile // gl.cdiv(M, BMX)) * BNW, run * per, per, 0, G, PER_CHANNEL, HAS_Z, STAGES, WARPS,
-                          SRC, PF, RP, RPL)
-            _ra_split_store(acc, Y, BIAS, WS, CNT, M, N, (tile % gl.cdiv(M, BMX)) * BMX,
-                            (tile // gl.cdiv(M, BMX)) * BNW, tile, run, KS, HAS_BIAS)
+            acc = _ra_run(x_desc, w_desc, rp_desc, xs, ws, rps, bars, S, Z, N, NG, off_m, off_n, run * per, per, 0, G,
+                          PER_CHANNEL, HAS_Z, STAGES, WARPS, SRC, PF, RP, RPL)
+            _ra_split_store(acc, Y, BIAS, WS, CNT, M, N, off_m, off_n, tile, run, KS, HAS_BIAS)
         else:
-            num_m = gl.cdiv(M, BMX)
-            m_blk = tile % num_m
-            off_m = m_blk * BMX
-            off_n = (tile // num_m) * BNW
-
             if HAS_EC:  # the EC's B rows [BNW, R_P] arrive while the loop runs; alpha g h [BMX, R_P] after it
                 mbarrier.expect(ecbars.index(0), b_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(b_desc, [off_n, 0], ecbars.index(0), bs)
@@ -434,7 +432,7 @@ def check_ra_config(config: tuple) -> tuple[int, int, int, int, int]:
     if len(vals) == 6 and vals[5] not in KSPLITS:
         raise ValueError(f"W4A16 register-operand GEMM config {config}: KS (K runs per output tile) must be one of "
                          f"{KSPLITS}")
-    bnw, bmx, stages, warps, pf = vals[:5] + (0,) * (5 - len(vals[:5]))
+    bnw, bmx, stages, warps, pf = (vals + (0,))[:5]  # PF defaults to 0; a sixth value (KS) is checked above
     if bnw != 16 * warps or warps not in (4, 8) or bmx not in BMXS or stages < 2 or pf not in (0, 1, 2):
         raise ValueError(f"W4A16 register-operand GEMM config {config}: needs WARPS in {{4, 8}}, BNW = 16 WARPS, "
                          f"BMX in {set(BMXS)}, STAGES >= 2 and PF in {{0, 1, 2}}")
