@@ -73,33 +73,34 @@ def one(N: int, K: int, G: int, M: int) -> dict:
     run = lambda c: (lambda i: D.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
     cfg_t, row["triton_best"] = search(run, list(T.GEMM_CONFIGS), copies)
     row["triton_best_config"] = list(cfg_t)
+
+    def checked(stem, choices):
+        """The fastest of ``choices``, recorded as ``<stem>_best`` with its config, its error against the
+        reference (``<stem>_rel_err``) and whether a second call gives the same bits (``<stem>_reproducible``)."""
+        cfg, row[f"{stem}_best"] = search(run, choices, copies)
+        row[f"{stem}_best_config"] = list(cfg)
+        y = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg)
+        row[f"{stem}_rel_err"] = rel_err(y, ref)
+        row[f"{stem}_reproducible"] = bool(torch.equal(y, D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg)))
+        return cfg, row[f"{stem}_best"]
+
     best_cfg, best_t = None, float("inf")
     small = RT.ra_small_choices(M, N, K, G)
     if small:  # (empty where the kernel does not take the shape)
-        cfg_r, row["ra_small_best"] = search(run, small, copies)
-        row["ra_small_best_config"] = list(cfg_r)
-        y1 = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r)
-        row["ra_small_rel_err"] = rel_err(y1, ref)
-        row["ra_small_reproducible"] = bool(torch.equal(y1, D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_r)))
-        row["ra_small_over_cublas"] = row["ra_small_best"] / row["cublas_bf16"]
-        best_cfg, best_t = cfg_r, row["ra_small_best"]
+        best_cfg, best_t = checked("ra_small", small)
+        row["ra_small_over_cublas"] = best_t / row["cublas_bf16"]
         for c in small:  # every tile's own time, for the record
             row[f"ra_{'_'.join(map(str, c[1:]))}"] = bench_graph(run(c), copies)
     large = RT.wgmma_ra_choices() if M >= 64 and small else []
     if large:  # from M = 64 the register-operand GEMM's large tiles too (the M = 128 entries predate them)
-        cfg_l, row["ra_large_best"] = search(run, large, copies)
-        row["ra_large_best_config"] = list(cfg_l)
-        if row["ra_large_best"] < best_t:
-            best_cfg, best_t = cfg_l, row["ra_large_best"]
+        cfg_l, t_l = checked("ra_large", large)
+        if t_l < best_t:
+            best_cfg, best_t = cfg_l, t_l
     ks = [("wgmma_ra",) + c for c in RA.KSPLIT_CONFIGS if c[1] == (small[0][2] if small else 0)]
     if ks:  # the K-split tiles: checked against the reference first, and kept only where they are right
-        cfg_k, row["ra_ks_best"] = search(run, ks, copies)
-        row["ra_ks_best_config"] = list(cfg_k)
-        yk = D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_k)
-        row["ra_ks_rel_err"] = rel_err(yk, ref)
-        row["ra_ks_reproducible"] = bool(torch.equal(yk, D.w4a16_gemm(xs[0], *ws[0], G, None, config=cfg_k)))
-        if row["ra_ks_rel_err"] < 1e-2 and row["ra_ks_best"] < best_t:
-            best_cfg, best_t = cfg_k, row["ra_ks_best"]
+        cfg_k, t_k = checked("ra_ks", ks)
+        if row["ra_ks_rel_err"] < 1e-2 and t_k < best_t:
+            best_cfg, best_t = cfg_k, t_k
     key = TK.gemm_key(M, N, K, G)
     table = TT.configs()
     before = table.get(key)
