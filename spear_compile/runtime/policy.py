@@ -52,8 +52,11 @@ The policy is stateless (state in, plan out): cancellation is the engine removin
 next state and adding its blocks back to ``free_blocks``. Cost: the step time of a piece of c tokens is a
 quadratic in c plus the combined per-M table, so a piece needs one prediction when the whole remainder
 fits, and otherwise a bisection over the table's buckets in range plus a closed-form root on one
-segment (``sched_cost.py`` measures it: about 25 us p50, 30 us p99 per step on a 2-core CPU runner
-with 64 decodes and 8 waiting).
+segment. In the engine the plan runs right after a forward pass, with the CPU's caches cold, which made
+it 3-8x its warm-cache time; so it walks the decodes once and builds its plan without re-checking what
+the checked state guarantees (``StepPlan.unchecked``). ``python -m spear_compile.runtime.sched_cost``
+measures it over states of up to 64 decodes and 8 waiting (records under
+``benchmarks/results/serving/*_cpu_plan_*``).
 """
 from __future__ import annotations
 
@@ -82,10 +85,14 @@ def _decodes(state: SchedulerState):
     request (younger than every decode, FCFS admitted it last), then decodes from the youngest; their
     blocks count as free in this step (the engine frees them before it runs the step)."""
     bs, free = state.kv.block_size, state.kv.free_blocks
-    ctxs = [d.context_len for d in state.decodes]
-    need = sum(1 for c in ctxs if c % bs == 0)
+    ids, ctx, need = [], 0, 0
+    for d in state.decodes:  # one pass: the plan runs with cold caches, each walk over the decodes costs
+        c = d.context_len
+        ids.append(d.request_id)
+        ctx += c
+        need += c % bs == 0
     if need <= free:  # the common case: every decode gets its block
-        return [d.request_id for d in state.decodes], [], sum(ctxs), free - need, False
+        return ids, [], ctx, free - need, False
     preempt, head_out = [], False
     partial = [w for w in state.waiting if w.prefilled > 0]
     for w in sorted(partial, key=lambda w: -w.arrival):
@@ -109,7 +116,7 @@ def _unblock_plan(state: SchedulerState, run, preempt, free: int, predicts: bool
     unblock = _unblock(state, run, preempt, free)
     if not unblock:
         return None
-    return StepPlan((), (), 0.0 if predicts else None, 0, tuple(unblock), False,
+    return StepPlan.unchecked((), (), 0.0 if predicts else None, 0, tuple(unblock), False,
                     "younger partial prefills preempted to free KV for the oldest")
 
 
@@ -272,8 +279,8 @@ class SloChunkPolicy:
                 reason = f"{w.request_id!r} continues next step ({R - c} tokens left)"
                 break
             reason = "every waiting request fits"
-        return StepPlan(tuple(run), tuple(pieces), model.step_ms(tokens, seqs, attn), blocks, tuple(preempt),
-                        forced, reason)
+        return StepPlan.unchecked(tuple(run), tuple(pieces), model.step_ms(tokens, seqs, attn), blocks, tuple(preempt),
+                                  forced, reason)
 
 
 class StaticChunkPolicy:
@@ -320,4 +327,4 @@ class StaticChunkPolicy:
             pred = self.model.step_ms(len(run) + sum(c for c, _ in chunks), len(run) + len(chunks),
                                       self.model.decodes_attention_ms(len(run), ctx)
                                       + sum(self.model.piece_attention_ms(c, p) for c, p in chunks))
-        return StepPlan(tuple(run), tuple(pieces), pred, blocks, tuple(preempt), False, reason)
+        return StepPlan.unchecked(tuple(run), tuple(pieces), pred, blocks, tuple(preempt), False, reason)

@@ -49,7 +49,11 @@ def plan_contexts(state, plan):
 
 
 def check_common(state, plan, max_prefill):
-    """Decodes first and complete, KV within capacity, FCFS prefix, one partial piece at most, the budget."""
+    """Decodes first and complete, KV within capacity, FCFS prefix, one partial piece at most, the budget; and
+    the plan, built without ``StepPlan``'s checks, is one the checked constructor accepts and equals."""
+    fields = (plan.decode_ids, plan.prefill, plan.predicted_ms, plan.kv_blocks, plan.preempt_ids, plan.forced, plan.reason)
+    assert StepPlan(*fields) == plan and all(type(f) is tuple for f in fields[:2] + fields[4:5])
+    assert all(type(c) is int for _, c in plan.prefill) and type(plan.kv_blocks) is int
     ids = [d.request_id for d in state.decodes]
     waiting = {w.request_id: w for w in state.waiting}
     if plan.preempt_ids and not state.decodes:  # unblocking: younger partial prefills give their KV back
@@ -292,6 +296,10 @@ def test_state_types_validate_naming_the_field():
         StepPlan((), (("a", 0),))
     with pytest.raises(ValueError, match="request_id"):
         StepPlan((True,), ())
+    unchecked = StepPlan.unchecked(("a",), (("b", 3),), 1.5, 1, (), False, "why")  # the policies' constructor
+    assert unchecked == StepPlan(("a",), (("b", 3),), 1.5, 1, (), False, "why") and unchecked.num_tokens == 4
+    with pytest.raises(AttributeError):
+        unchecked.kv_blocks = 2  # frozen all the same
 
 
 def test_plan_cost_is_measured_warm_and_cold_over_every_state():
