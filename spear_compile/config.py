@@ -176,6 +176,11 @@ class ECConfig(_Serialisable):
             raise ValueError(f"ECConfig.act={self.act!r}: expected one of {_GATE_ACTS}")
 
 
+# The fused / overlapped EC crossover for shapes without a measured one (CompileConfig.default_crossover_m, and the
+# ops' own default when called outside the backend): the fused EC at M = 1 only (the evidence: CompileConfig).
+DEFAULT_CROSSOVER_M = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileConfig(_Serialisable):
     """Options of the ``spear`` torch.compile backend.
@@ -184,7 +189,11 @@ class CompileConfig(_Serialisable):
         fused-epilogue (decode) one. ``None`` (default) = measured: the per-GPU,
         per-shape table ``dispatch/tuned/crossover_<GPU>.json`` (or the user cache's) written by
         ``benchmarks/kernels.py``; shapes or devices without a measurement use
-        ``default_crossover_m``.
+        ``default_crossover_m``: 2, the fused EC at M = 1 only. Every crossover measured on
+        the H200 is 2 or 4 (the five benchmark shapes: 2, 4, 2, 2, 2), and since the small-M
+        GEMMs (``benchmarks/results/small_m_gemm/``) the fused M > 1 GEMV with an EC ran 2.5-5.2x
+        the W4 GEMM at M = 2 and 4 (H100, nine shapes), where the overlapped EC beside the GEMM
+        ran 1.07-1.42x it at M = 8.
     enable_dequant_match / enable_int4pack_match: turn source-form matchers off.
     fuse_shared_input: at decode (M == 1), run linears without an EC that read the same
         activation (q/k/v, gate/up) as one GEMV over their concatenated weights
@@ -211,7 +220,7 @@ class CompileConfig(_Serialisable):
     """
 
     crossover_m: Optional[int] = None
-    default_crossover_m: int = 16
+    default_crossover_m: int = DEFAULT_CROSSOVER_M
     enable_dequant_match: bool = True
     enable_int4pack_match: bool = True
     enable_phase_dispatch: bool = True

@@ -36,6 +36,7 @@ from ..ops import refs as _refs
 from ..ops import schemas as _ops
 from . import route as _r
 from .route import OVERLAP_STRUCTURES, Route, W4_GEMV_MAX_M, problem_of, route, use_fused  # noqa: F401
+from ..config import DEFAULT_CROSSOVER_M
 
 _TRACE: Optional[list] = None  # routes the op implementations took, while ``trace_routes`` is active
 
@@ -165,7 +166,7 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
     return launch_w4(_r.gemm_route(p, choice=config), x2, qweight, scales, zeros, G, bias, out=out)
 
 
-def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto", crossover=16):
+def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear", lowering="auto", crossover=DEFAULT_CROSSOVER_M):
     x2 = x.reshape(-1, x.shape[-1])
     rt = _took(route(problem_of("w4a16", x2, qweight, scales, zeros, group_size, bias, layout=layout)))
     if rt.kernel == "reference":
@@ -176,7 +177,7 @@ def w4a16_linear_cuda(x, qweight, scales, zeros, group_size, bias, layout="spear
 
 
 def ec_linear_cuda(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act="silu",
-                   layout="spear", lowering="auto", crossover=16):
+                   layout="spear", lowering="auto", crossover=DEFAULT_CROSSOVER_M):
     x2 = x.reshape(-1, x.shape[-1])
     ec = (A, B, W1, b1, W2, b2, alpha)
     rt = _took(route(problem_of("ec", x2, qweight, scales, zeros, group_size, bias, ec, layout=layout, lowering=lowering,

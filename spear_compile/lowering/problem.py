@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from ..config import DEFAULT_CROSSOVER_M
 
 OPS = ("w4a16", "ec", "w4a16_cat", "w4a16_glu", "ec_cat", "ec_glu")
 
@@ -34,7 +35,7 @@ class Problem:
     device: torch.device = torch.device("cpu")
     layout: str = "spear"
     lowering: str = "auto"
-    crossover: int = 16
+    crossover: int = DEFAULT_CROSSOVER_M
     has_zeros: bool = True
     zeros_consistent: bool = True  # concatenations: all parts have zero points or none does
     weight_contiguous: bool = True

@@ -404,13 +404,16 @@ BMXS = (16, 32, 64, 128, 256)  # the MMA's N: x rows per tile (16 and 32 for ser
 # needs to keep enough bytes in flight per SM when there is little MMA work to hide it behind. Measured (H200,
 # 2026-12-05, benchmarks/small_m_gemm.py): 0.62-0.74x cuBLAS on 28672x8192 and 37888x3584 at M = 2..32, but slower
 # than the Triton GEMM where N / 64 tiles leave SMs idle (3584-wide outputs); the 8-stage ring won everywhere.
-SMALL_CONFIGS = [(64, 16, 8, 4, 2), (64, 16, 12, 4, 2), (64, 16, 16, 4, 2), (128, 16, 8, 8, 2), (64, 32, 8, 4, 2),
-                 (64, 32, 12, 4, 2), (128, 32, 8, 8, 2), (64, 64, 8, 4, 2)]
-# The same tiles with K split into KS runs per output tile (a sixth value): more CTAs where the grid is short. They
-# compile for sm_90 with their SASS checks passing, but have not run on a GPU yet: not searched by the tuner or the
-# route until tests/lowering/test_gemm_wgmma.py's GPU tests pass on them (benchmarks/small_m_gemm.py times them).
+_WHOLE_K = [(64, 16, 8, 4, 2), (64, 16, 12, 4, 2), (64, 16, 16, 4, 2), (128, 16, 8, 8, 2), (64, 32, 8, 4, 2),
+            (64, 32, 12, 4, 2), (128, 32, 8, 8, 2), (64, 64, 8, 4, 2)]
+# The same tiles with K split into KS runs per output tile (a sixth value): KS times the CTAs where N / 64 tiles leave
+# SMs idle, each run's fp32 partial summed in run order (deterministic). Measured (H100, 2026-12-05, same run,
+# benchmarks/small_m_gemm.py; GPU tests in tests/lowering/test_gemm_wgmma.py): 4096x4096 at M = 2..16 11.1-11.8 us
+# against 19.8-20.4 whole-K and 15.8-16.9 cuBLAS; 3584x18944 27.5 against 78.5; 8192x8192 24.7 against 36.3; on the
+# widest outputs (28672x8192, 37888x3584) no faster than whole K.
 KSPLIT_CONFIGS = [(64, 16, 8, 4, 2, 2), (64, 16, 8, 4, 2, 4), (64, 16, 6, 4, 2, 8), (64, 32, 8, 4, 2, 2),
                   (64, 32, 8, 4, 2, 4), (64, 64, 6, 4, 2, 2), (64, 64, 6, 4, 2, 4)]
+SMALL_CONFIGS = _WHOLE_K + KSPLIT_CONFIGS
 KSPLITS = (1, 2, 4, 8)
 
 

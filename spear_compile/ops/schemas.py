@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .refs import _ACTS, GLU_ACTS, ec_linear_ref, ec_parts, glu_of, rms_norm_ref, w4a16_linear_ref
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
+from ..config import DEFAULT_CROSSOVER_M
 
 LOWERINGS = ("auto", "fused", "overlapped", "dispatch")
 
@@ -36,7 +37,7 @@ def out_features(qweight: Tensor, scales: Tensor, layout: str) -> int:
     return scales.shape[1] if layout == "tinygemm_cuda" else qweight.shape[0]
 
 
-def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover=16) -> None:
+def check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover=DEFAULT_CROSSOVER_M) -> None:
     if isinstance(crossover, bool) or not isinstance(crossover, int) or crossover < 1:
         raise QuantFormatError(f"{where}: crossover={crossover!r} must be an int >= 1 (rows M below it take the "
                                "fused decode path)")
@@ -199,7 +200,7 @@ def w4a16_linear(
     bias: Optional[Tensor],
     layout: str = "spear",
     lowering: str = "auto",
-    crossover: int = 16,
+    crossover: int = DEFAULT_CROSSOVER_M,
 ) -> Tensor:
     """4-bit-weight linear, ``x [..., K] -> [..., N]``; see module docstring."""
     return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, layout)
@@ -223,14 +224,14 @@ def ec_linear(
     act: str = "silu",
     layout: str = "spear",
     lowering: str = "auto",
-    crossover: int = 16,
+    crossover: int = DEFAULT_CROSSOVER_M,
 ) -> Tensor:
     """W4A16 linear plus a gated low-rank error compensator; see module docstring."""
     return ec_linear_ref(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout)
 
 
 def _check_ec_op(x, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act, layout, lowering,
-                 crossover=16, where="spear::ec_linear"):
+                 crossover=DEFAULT_CROSSOVER_M, where="spear::ec_linear"):
     check_w4a16_args(x, qweight, scales, zeros, group_size, bias, layout, lowering, where, crossover)
     check_same_device(x, {"A": A, "B": B, "W1": W1, "b1": b1, "W2": W2, "b2": b2, "alpha": alpha}, where)
     K, N = _static(x.shape[-1]), _static(out_features(qweight, scales, layout))

@@ -18,8 +18,8 @@ in ``node.meta["spear"]`` for the inspection report, with the kernel ``dispatch.
 
 Example graph:
     before: %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='auto')
-    after:  %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='dispatch', crossover=16)
-            meta: lowering='dispatch', reason='M in [2, oo] straddles crossover 16: runtime branch (default)'
+    after:  %y = spear.ec_linear(x=%x[s0, 576], ..., lowering='dispatch', crossover=2)
+            meta: lowering='dispatch', reason='M in [2, oo] straddles crossover 2: runtime branch (default)'
 
 The crossover is, in order: ``CompileConfig.crossover_m`` if set; the value measured for
 this GPU and weight shape by ``benchmarks/kernels.py``; ``default_crossover_m``.
@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..config import DEFAULT_CROSSOVER_M
 from ..dispatch import table as _table
 from ..dispatch.route import Problem, Route, problem_of, route
 from .base import SpearPass
@@ -70,7 +71,7 @@ def node_problem(kwargs: dict, op: str, M: int) -> Optional[Problem]:
         return None
     ec = (vals["A"], vals["B"], vals["W1"]) if op == "ec" and vals["A"] is not None else None
     p = problem_of(op, x, q, s, vals["zeros"], kwargs["group_size"], vals["bias"], ec, layout=kwargs["layout"],
-                   lowering=kwargs.get("lowering", "auto"), crossover=kwargs.get("crossover", 16), M=M)
+                   lowering=kwargs.get("lowering", "auto"), crossover=kwargs.get("crossover", DEFAULT_CROSSOVER_M), M=M)
     return p.replace(zeros_probe=None)
 
 

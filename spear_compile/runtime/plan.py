@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
+from ..config import DEFAULT_CROSSOVER_M
 
 HEAD_ROWS = ("last", "all")
 
@@ -48,7 +49,7 @@ class PlannedOp:
     m_lo: int = 1
     m_hi: Optional[int] = None
     lowering: str = "auto"
-    crossover: int = 16
+    crossover: int = DEFAULT_CROSSOVER_M
     norm: bool = False
     act: str = "silu"
     layout: str = "spear"

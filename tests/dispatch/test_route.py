@@ -327,7 +327,8 @@ def test_small_m_tiles_searched_are_those_whose_x_block_holds_m_and_that_take_th
     assert {c[2] for c in R.ra_small_choices(17, 4096, 4096, 128)} == {32}
     assert R.ra_small_choices(64) == [("wgmma_ra",) + c for c in RA.SMALL_CONFIGS if c[1] == 64]
     assert R.ra_small_choices(16, 4096, 4000, 4000) == []  # K not a multiple of 64
-    assert all(len(c) == 6 for c in R.ra_small_choices(16))  # ("wgmma_ra", BNW, BMX, STAGES, WARPS, PF): no K split
+    got = R.ra_small_choices(16)  # ("wgmma_ra", BNW, BMX, STAGES, WARPS, PF[, KS]): whole K and split K
+    assert {len(c) for c in got} == {6, 7} and {c[6] for c in got if len(c) == 7} <= set(RA.KSPLITS) - {1}
     assert set(R.ra_small_choices(32, 4096, 4096, 128)) <= set(R.gemm_choices(32, 4096, 4096, 128))
     assert {c[2] for c in R.ra_small_choices(128, 4096, 4096, 128)} == {64}  # two x blocks of the largest
     assert not [c for c in R.gemm_choices(256, 4096, 4096, 128) if c[0] == "wgmma_ra"]

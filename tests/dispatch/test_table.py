@@ -73,5 +73,9 @@ def test_shipped_tables_load_and_keep_the_measured_values():
     assert configs[TT.Gemv1SelfRankKey(11008, 4096, 128, 16)] == ["pair"]
     assert TT.read(TT.shipped_path("crossover", "NVIDIA_H200"))[TT.CrossoverKey(11008, 4096)] == 2
     data = TT.SHIPPED_DIR
-    assert sorted(f for f in os.listdir(data) if f.endswith(".json")) == ["configs_NVIDIA_H200.json",
+    assert sorted(f for f in os.listdir(data) if f.endswith(".json")) == ["configs_NVIDIA_H100_80GB_HBM3.json",
+                                                                         "configs_NVIDIA_H200.json",
                                                                          "crossover_NVIDIA_H200.json"]
+    h100 = TT.read(TT.shipped_path("configs", "NVIDIA_H100_80GB_HBM3"))  # the small-M GEMMs measured on an H100
+    assert {k.KIND for k in h100} == {"gemm"} and {k.M for k in h100} == {2, 4, 8, 16, 32, 64, 128}
+    assert h100[TT.GemmKey(2, 4096, 4096, 128)] == ["wgmma_ra", 64, 16, 6, 4, 2, 8]  # a K split of 8

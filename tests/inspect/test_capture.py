@@ -30,7 +30,7 @@ def test_summary_counts_every_form_and_decision(tmp_path):
     s = rep.summary()
     assert s["matched_linears"] == 3
     assert s["by_source_form"] == {"spear_op": 1, "dequant_linear": 1, "int4pack_mm": 1}
-    assert s["lowering"] == {"fused": 3}
+    assert s["lowering"] == {"overlapped": 3}  # M = 3 >= the default crossover
     assert {r["weight"] for r in rep.linears} == {"ours.qweight", "deq.q", "i4.packed"}
     paths = rep.write(str(tmp_path))
     assert json.load(open(paths["summary"])) == json.loads(json.dumps(s))
@@ -38,7 +38,7 @@ def test_summary_counts_every_form_and_decision(tmp_path):
     spear_nodes = [n for n, a in g.nodes(data=True) if "spear" in a]
     assert len(spear_nodes) == 3 and all(g.in_degree(n) > 0 for n in spear_nodes)
     html = open(paths["html"]).read()
-    for needle in ("Matched linears", "deq.q", "int4pack_mm", "M = 3 &lt; crossover 16", "match_dequant_linear"):
+    for needle in ("Matched linears", "deq.q", "int4pack_mm", "M = 3 &gt;= crossover 2", "match_dequant_linear"):
         assert needle in html
 
 

@@ -39,9 +39,12 @@ def test_static_large_m_is_overlapped_and_crossover_is_configurable():
 
 
 def test_dynamic_m_straddling_crossover_is_a_runtime_branch():
-    rep = capture(_model(), (torch.randn(5, 64),), dynamic=True)
+    rep = capture(_model(), (torch.randn(5, 64),), dynamic=True, config=CompileConfig(default_crossover_m=16))
     rec = rep.linears[0]
     assert rec["lowering"] == "dispatch" and rec["M_range"][0] == 2 and rec["M_range"][1] is None
+    # the default crossover (2: the fused EC at M = 1 only) puts a dynamic M >= 2 wholly on the overlapped EC
+    rec = capture(_model(), (torch.randn(5, 64),), dynamic=True).linears[0]
+    assert rec["lowering"] == "overlapped" and "crossover 2" in rec["reason"]
 
 
 def test_value_range_above_crossover_is_overlapped():
