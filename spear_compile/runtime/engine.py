@@ -241,6 +241,10 @@ class Engine:
         self.calibration = model
         p = self.policy
         self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
+        why = self.policy.infeasible()
+        if why is not None:  # a clear word at start rather than a queue that silently grows
+            logger.warning("spear_compile: %s", why)
+            self.log(f"spear_compile: warning: {why}")
 
     def _cb_defaults(self, cc) -> dict:
         """Compiled: the step shapes transformers pads to, and on CUDA its CUDA graphs on, unless ``cb_config``

@@ -313,3 +313,16 @@ def test_plan_cost_is_measured_warm_and_cold_over_every_state():
     cold = plan_cost_us(StaticChunkPolicy(64), states, cold=True)
     assert (warm["caches"], cold["caches"]) == ("warm", "cold") and warm["states"] == cold["states"] == 5
     assert 0 < warm["p50_us"] <= warm["p99_us"] <= warm["max_us"] and 0 < cold["p50_us"] <= cold["max_us"]
+
+
+def test_an_slo_below_the_cheapest_step_is_named_infeasible():
+    model = _model()
+    floor = model.step_ms(1, 1, model.decodes_attention_ms(1, 1))
+    policy = SloChunkPolicy(model, floor * 0.9, 64, 16)
+    assert policy.floor_ms() == floor
+    why = policy.infeasible()
+    assert why is not None and f"slo_itl_ms={floor * 0.9:g}" in why and f"{floor:.2f} ms" in why
+    assert SloChunkPolicy(model, floor * 1.01, 64, 16).infeasible() is None
+    # served all the same: the oldest request progresses in forced minimal pieces
+    plan = policy.plan(SchedulerState((), (WaitingRequest("a", 0, 100),), KVCache(16, 100)))
+    assert plan.forced and plan.prefill == (("a", 16),)
