@@ -1,7 +1,12 @@
 """Serving under an inter-token-latency SLO: SPEAR's dynamic chunks against static chunks, on the real engine.
 
 Every run goes through ``spear_compile.runtime.Engine`` (transformers' continuous batching with our
-scheduler, the model compiled with ``backend="spear"``): Poisson arrivals at ``--rates`` requests per
+scheduler, the model compiled with ``backend="spear"``). Per EC density one engine is started and kept
+across the policies, as a server would be: its forward compiled once, and before the timed runs each
+policy serves ``--warmup-requests`` unrecorded requests (another seed), so that the timed runs find
+the CUDA graphs of their step shapes captured (each new (tokens, KV pages) shape costs a capture of
+the whole forward: 0.1-0.3 s for a 32-layer 7B on an H100; the rows count those left in the timed
+run, ``graph_captures``). Poisson arrivals at ``--rates`` requests per
 second, prompt and output lengths drawn from the stated distributions (seeded, the same workload for
 every policy), ECs on ``--densities`` percent of the linears (random EC weights of rank ``--rank``:
 the latency does not depend on their values). Policies: ``dynamic`` (``scheduler_for(model, slo)``:
@@ -168,12 +173,32 @@ def prediction_error(steps: list, latency_model) -> dict:
             "sample": pts[:: max(1, len(pts) // 40)]}
 
 
-def run(engine_kw: dict, policy, reqs: list, timeout_s: float) -> dict:
-    """Serve ``reqs`` on a fresh engine with ``policy``; token arrival times per request."""
+def graph_count(eng) -> int:
+    """CUDA graphs transformers' continuous batching holds for ``eng`` (its ``CudaGraphBuffer``s, found by
+    type under the manager: their place differs between transformers versions); 0 without graphs."""
+    seen, todo, n = set(), [(getattr(eng, "_manager", None), 0)], 0
+    while todo:
+        obj, depth = todo.pop()
+        if obj is None or id(obj) in seen or depth > 4 or isinstance(obj, (str, bytes, int, float, torch.Tensor)):
+            continue
+        seen.add(id(obj))
+        if type(obj).__name__ == "CudaGraphBuffer":
+            n += len(getattr(obj, "_storage", {}))
+            continue
+        kids = (list(obj.values()) if isinstance(obj, dict) else list(obj) if isinstance(obj, (list, tuple)) else
+                list(vars(obj).values()) if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) else [])
+        todo += [(k, depth + 1) for k in kids]
+    return n
+
+
+def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
+    """Serve ``reqs`` on the started engine ``eng`` with ``policy``; token arrival times per request. Requests
+    still running at the timeout are cancelled, so the next run starts on an idle engine."""
     timed = TimedPolicy(policy)
-    eng = Engine(policy=timed, **engine_kw)
-    eng.start()
+    eng.set_policy(timed)
+    graphs0 = graph_count(eng)
     times = [[] for _ in reqs]
+    rids = [None] * len(reqs)
     t0 = time.perf_counter()
     errors = []
 
@@ -185,13 +210,14 @@ def run(engine_kw: dict, policy, reqs: list, timeout_s: float) -> dict:
             errors.append(f"{rid}: {e}")
 
     def start(i, req):  # at the request's arrival: add it, and stream it on a thread of its own
-        rid = eng.add_request(req[1], max_new_tokens=req[2], eos_token_id=-1)
+        rid = rids[i] = eng.add_request(req[1], max_new_tokens=req[2], eos_token_id=-1)
         return lambda: consume(i, rid)
 
     makespan = send_at_arrivals(reqs, t0, start, timeout_s)
-    eng.stop(wait=False)
-    return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us, "steps": timed.steps,
-            "errors": errors}
+    cut = sum(eng.cancel(r) for r in rids if r is not None)
+    return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us,
+            "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
+            "graph_captures": graph_count(eng) - graphs0}
 
 
 def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
@@ -212,12 +238,13 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
             "steps": len(res["sched_us"]), "completed": sum(1 for (_, _, m), ts in zip(reqs, res["times"])
                                                               if len(ts) >= m),
             "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
+            "graph_captures": res.get("graph_captures"),
             "prediction": prediction_error(res["steps"], latency_model) if latency_model is not None else {}}
 
 
-def decode_step_ms(engine_kw: dict, vocab: int) -> float:
+def decode_step_ms(eng) -> float:
     """Median gap between tokens of one request alone (batch-1 decode through the engine)."""
-    res = run(engine_kw, StaticChunkPolicy(512), [(0.0, list(range(10, 42)), 48)], 600)
+    res = serve(eng, StaticChunkPolicy(512), [(0.0, list(range(10, 42)), 48)], 600)
     ts = res["times"][0][8:]
     return statistics.median([(b - a) * 1e3 for a, b in zip(ts, ts[1:])])
 
@@ -328,6 +355,9 @@ def main(argv=None) -> None:
     ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: transformers sizes it)")
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its stragglers are cut")
+    ap.add_argument("--warmup-requests", type=int, default=None,
+                    help="per density and policy, requests served unrecorded first (another seed, the highest rate), "
+                         "so the timed runs find the CUDA graphs of their shapes captured (default: 24 on CUDA, 0 on CPU)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile the engine's forward with backend='spear' (--no-compile: the spear ops run eagerly)")
     ap.add_argument("--out", required=True)
@@ -350,10 +380,12 @@ def main(argv=None) -> None:
     args.densities = args.densities if args.densities is not None else ([0, 10, 25, 50, 100] if gpu else [0, 25, 100])
     args.rates = args.rates or ([2.0, 4.0] if gpu else [0.25])
     args.requests = args.requests or (48 if gpu else 10)
+    args.warmup_requests = args.warmup_requests if args.warmup_requests is not None else (24 if gpu else 0)
     args.prompt = tuple(args.prompt or ((1024, 256, 4096) if gpu else (160, 32, 512)))
     args.output = tuple(args.output or ((32, 128) if gpu else (8, 24)))
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if gpu and "H200" in torch.cuda.get_device_name() else args.device
+    name = torch.cuda.get_device_name() if gpu else ""
+    tag = next((t.lower() for t in ("H200", "H100", "A100") if t in name), args.device)
     path = os.path.join(args.out, f"serving_{tag}.json")
 
     model = build_model(args.model, args.device)
@@ -365,40 +397,49 @@ def main(argv=None) -> None:
         names = set_ec_density(model, density, args.rank, args.seed)
         print(f"== EC density {density}%: {len(names)} linears carry an EC of rank {args.rank}", flush=True)
         torch._dynamo.reset()  # the ECs change the graphs: compile them afresh (and forget the old records)
-        step = decode_step_ms(engine_kw, vocab)  # also compiles the decode and prefill graphs
-        asked = args.slo_ms or (["16", "22"] if gpu else ["auto"])
-        slos = sorted({float(s) for s in asked if s != "auto"}
-                      | ({round(1.5 * step, 1), round(2.5 * step, 1)} if "auto" in asked else set()))
-        print(f"   batch-1 decode step {step:.2f} ms; SLOs {slos}", flush=True)
-        plan = runtime.plan_of(model, eager=not args.compile)
-        tables = runtime.scheduler_for(model, slos[0], max_chunk=max(args.chunks), plan=plan, progress=False).model
-        cal_eng = Engine(policy=StaticChunkPolicy(max(args.chunks)), **engine_kw).start()
-        try:  # the step overhead on the engine's own steps (what Engine(slo_itl_ms=...) does when it starts)
-            calibrated, held_out, cal_steps = runtime.calibrate(cal_eng, tables, log=print)
-        finally:
-            cal_eng.stop(wait=False)
-        print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "
-              f"{runtime.check(tables, cal_steps)}", flush=True)
-        for rate in args.rates:
-            reqs = workload(args.requests, rate, args.prompt, args.output, vocab, args.seed)
+        # one engine per density, warm across the policies: a server runs for long, so the runs are timed
+        # on an engine that has compiled its forward and captured the CUDA graphs of its shapes
+        eng = Engine(policy=StaticChunkPolicy(max(args.chunks)), **engine_kw).start()
+        try:
+            step = decode_step_ms(eng)
+            asked = args.slo_ms or (["16", "22"] if gpu else ["auto"])
+            slos = sorted({float(s) for s in asked if s != "auto"}
+                          | ({round(1.5 * step, 1), round(2.5 * step, 1)} if "auto" in asked else set()))
+            print(f"   batch-1 decode step {step:.2f} ms; SLOs {slos}", flush=True)
+            plan = runtime.plan_of(model, eager=not args.compile)
+            tables = runtime.scheduler_for(model, slos[0], max_chunk=max(args.chunks), plan=plan, progress=False).model
+            # the step overhead on the engine's own steps (what Engine(slo_itl_ms=...) does when it starts)
+            calibrated, held_out, cal_steps = runtime.calibrate(eng, tables, log=print)
+            print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "
+                  f"{runtime.check(tables, cal_steps)}", flush=True)
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
-            for slo in slos:
-                runs.append(("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
-                                                                          min_chunk=32), slo))
-            for kind, chunk, pol, own_slo in runs:
-                print(f"   rate {rate}/s {kind} {chunk} (slo {own_slo})", flush=True)
-                res = run(engine_kw, pol, reqs, args.timeout)
-                for slo in ([own_slo] if own_slo is not None else slos):
-                    row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
-                           "slo_ms": slo, "rate": rate, "decode_step_ms": step,
-                           **score(res, reqs, slo, calibrated),
-                           "prediction_op_tables_only": prediction_error(res["steps"], tables)}
-                    record["rows"].append(row)
-                    print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                    if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
-                                             "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed")}, flush=True)
-                with open(path, "w") as f:
-                    json.dump(record, f, indent=1)
+            runs += [("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
+                                                                   min_chunk=32), slo) for slo in slos]
+            if args.warmup_requests:
+                warm = workload(args.warmup_requests, max(args.rates), args.prompt, args.output, vocab, args.seed + 1)
+                for kind, chunk, pol, own_slo in runs:
+                    res = serve(eng, pol, warm, args.timeout)
+                    print(f"   warm-up {kind} {chunk} (slo {own_slo}): {len(res['steps'])} steps, "
+                          f"{res['graph_captures']} CUDA graphs captured", flush=True)
+            for rate in args.rates:
+                reqs = workload(args.requests, rate, args.prompt, args.output, vocab, args.seed)
+                for kind, chunk, pol, own_slo in runs:
+                    print(f"   rate {rate}/s {kind} {chunk} (slo {own_slo})", flush=True)
+                    res = serve(eng, pol, reqs, args.timeout)
+                    for slo in ([own_slo] if own_slo is not None else slos):
+                        row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
+                               "slo_ms": slo, "rate": rate, "decode_step_ms": step,
+                               **score(res, reqs, slo, calibrated),
+                               "prediction_op_tables_only": prediction_error(res["steps"], tables)}
+                        record["rows"].append(row)
+                        print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                                        if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
+                                                 "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed",
+                                                 "graph_captures")}, flush=True)
+                    with open(path, "w") as f:
+                        json.dump(record, f, indent=1)
+        finally:
+            eng.stop(wait=False)
         record["latency_model"][str(density)] = {
             "linears": [lin.name for lin in plan.linears], "routes": list(plan.routes),
             "calibration": {"steps": len(cal_steps), "held_out": str(held_out),

@@ -37,7 +37,7 @@ import numpy as np
 
 from .plan import HEAD_ROWS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: on CUDA the parts are GPU time inside CUDA graphs (1 timed them by wall clock)
 
 
 def _nonneg(owner: str, name: str, v) -> float:

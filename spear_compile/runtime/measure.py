@@ -13,8 +13,10 @@ at every M), so the dispatch takes the route the compiled graph takes; other rou
 ``runners={"route name": runner}``. ``SyntheticStep`` runs a whole step from the same ops, for CPU
 checks; an engine's real step function replaces it on a GPU.
 
-Timing is the median of ``reps`` runs after ``warmup`` (with a device synchronise on CUDA). On CPU the
-defaults are coarse (M up to 256, a few attention points), so a small model measures in seconds.
+The parts are timed as the engine runs them: on CUDA the GPU time of each inside a CUDA graph
+(``gpu_time_ms``), on CPU the median wall time of ``reps`` runs after ``warmup`` (``time_ms``); whole
+steps are timed by wall clock. On CPU the defaults are coarse (M up to 256, a few attention points), so
+a small model measures in seconds.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def _sync(device) -> None:
 
 
 def time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, wall clock with a device
+    synchronise after each run (so on CUDA it includes the host's launch work)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -54,6 +57,63 @@ def time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int =
         _sync(device)
         ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
+
+
+def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: int = 5, calls: int = 10) -> float:
+    """Median GPU milliseconds of one ``fn()`` as it runs inside a CUDA graph: ``calls`` calls captured in
+    one graph, replayed ``reps`` times between CUDA events, divided by ``calls``.
+
+    This is how the serving engine runs the ops (its steps are CUDA-graph replays), so the op tables
+    carry no host launch cost: timed with ``time_ms`` instead, the op tables of a Llama-2-7B-shaped W4
+    model summed to 71 ms for a batch-1 decode step that the engine ran in 29 ms (H100, 2026-12-05,
+    ``benchmarks/results/serving/2026-12-05_h100_llama2_partial``). The warm-up runs outside the capture
+    (first-use allocations, layouts, autotuning). Where ``fn`` cannot be captured (a host synchronise, a
+    CPU tensor), the same calls run back to back between events instead, launch gaps included."""
+    torch = _torch()
+    dev = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # a capture warms up on a side stream (what torch.cuda.graphs does)
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - an uncapturable op is timed eagerly (the docstring says how)
+        graph = None
+        torch.cuda.synchronize(dev)
+
+        def run():
+            for _ in range(calls):
+                fn()
+    run()
+    torch.cuda.synchronize(dev)
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / calls)
+    del graph
+    return statistics.median(ts)
+
+
+def part_time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5) -> float:
+    """How a part of the step (one linear's ops, attention, the head) is timed for the tables: GPU time in
+    a CUDA graph on CUDA (``gpu_time_ms``), wall clock elsewhere (``time_ms``)."""
+    torch = _torch()
+    if torch.device(device).type == "cuda":
+        return gpu_time_ms(fn, device, warmup, reps)
+    return time_ms(fn, device, warmup, reps)
 
 
 def _dtype(plan: Plan, device, dtype):
@@ -153,13 +213,13 @@ def measure_latency_model(plan: Plan, device="cpu", dtype=None, max_m: Optional[
                 for m in buckets:
                     fn = (op_runner(lin, m, device, dtype, weights) if lin.ops else
                           runners[lin.route_at(m)](lin, m, device, dtype))
-                    ms.append(time_ms(fn, device, warmup, reps))
+                    ms.append(part_time_ms(fn, device, warmup, reps))
                     if bar is not None:
                         bar.update(1)
                 tables.append(LinearTable(lin.name, lin.count, LatencyTable.monotone(buckets, ms)))
             samples = []
             for q, p in grid:
-                samples.append((q, p, time_ms(_attention_fn(plan, q, p, device, dtype), device, warmup, reps)))
+                samples.append((q, p, part_time_ms(_attention_fn(plan, q, p, device, dtype), device, warmup, reps)))
                 if bar is not None:
                     bar.update(1)
     finally:

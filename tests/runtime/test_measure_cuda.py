@@ -1,0 +1,36 @@
+"""GPU timing of the latency model's parts (``measure.gpu_time_ms``): CUDA-graph replay, no host launch cost."""
+import pytest
+import torch
+
+from spear_compile.runtime.measure import gpu_time_ms, part_time_ms, time_ms
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and events need a GPU")
+
+
+def test_graph_time_drops_the_launch_cost_of_small_kernels():
+    x = torch.randn(64, device="cuda")
+    fn = lambda: x.add_(1.0)  # noqa: E731  one tiny kernel: its wall time is the host's launch and sync
+    wall, gpu = time_ms(fn, "cuda", reps=20), gpu_time_ms(fn, "cuda", reps=20)
+    assert 0 < gpu < wall
+    assert gpu < 0.02  # a 64-element add is a few microseconds of GPU time
+
+
+def test_graph_time_scales_with_the_work():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    one = gpu_time_ms(lambda: a @ a, "cuda", reps=10)
+    three = gpu_time_ms(lambda: (a @ a, a @ a, a @ a), "cuda", reps=10)
+    assert 2.4 < three / one < 3.6
+
+
+def test_uncapturable_fn_is_timed_eagerly():
+    x = torch.randn(1024, device="cuda")
+    ms = gpu_time_ms(lambda: (x * 2).sum().item(), "cuda", reps=5)  # .item() synchronises: no capture
+    assert ms > 0
+    assert torch.cuda.is_current_stream_capturing() is False
+
+
+def test_part_time_takes_the_gpu_path_on_cuda_and_the_wall_clock_on_cpu():
+    x = torch.randn(64, device="cuda")
+    assert part_time_ms(lambda: x.add_(1.0), "cuda", reps=10) < time_ms(lambda: x.add_(1.0), "cuda", reps=10)
+    y = torch.randn(64)
+    assert part_time_ms(lambda: y.add_(1.0), "cpu", reps=3) > 0
