@@ -360,6 +360,9 @@ def main(argv=None) -> None:
                          "so the timed runs find the CUDA graphs of their shapes captured (default: 24 on CUDA, 0 on CPU)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile the engine's forward with backend='spear' (--no-compile: the spear ops run eagerly)")
+    ap.add_argument("--attention", choices=("transformers", "varlen"), default="transformers",
+                    help="the engine's attention: transformers' choice (paged|sdpa without flash-attn) or "
+                         "runtime.attention's varlen kernel (Engine(attention='varlen'))")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -391,7 +394,8 @@ def main(argv=None) -> None:
     model = build_model(args.model, args.device)
     vocab = model.config.vocab_size
     engine_kw = dict(model=model, compile=args.compile, block_size=args.block_size, num_blocks=args.num_blocks,
-                     max_batch_tokens=max(args.chunks) + 256, log=print)
+                     max_batch_tokens=max(args.chunks) + 256, log=print,
+                     attention=None if args.attention == "transformers" else args.attention)
     record = {"meta": meta(args), "rows": [], "latency_model": {}}
     for density in args.densities:
         names = set_ec_density(model, density, args.rank, args.seed)

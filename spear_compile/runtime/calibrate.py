@@ -159,7 +159,7 @@ def engine_fingerprint(engine) -> str:
         tv = "none"
     cfg = {"transformers": tv, "block_size": engine.kv_block_size, "max_batch_tokens": engine.max_batch_tokens,
            "max_requests_per_batch": engine.max_requests_per_batch, "backend": engine.backend,
-           "compile_options": engine.compile_options}
+           "compile_options": engine.compile_options, "attention": getattr(engine, "attention", None)}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -131,14 +131,17 @@ class Engine:
     ``GenerationConfig`` (default: the model's, greedy); ``cb_config``: further
     ``ContinuousBatchingConfig`` fields; ``calibrate``: with ``slo_itl_ms`` and no policy, refit the
     latency model's step overhead on the engine's own steps when it starts (``runtime.calibrate``; a
-    few dozen steps, cached per plan and engine configuration)."""
+    few dozen steps, cached per plan and engine configuration); ``attention``: None keeps transformers'
+    choice (without flash-attn ``paged|sdpa``: one masked attention over the whole step), ``"varlen"``
+    runs ``runtime.attention.paged_varlen_attention`` (each sequence against its own keys; the model's
+    attention implementation is restored when the engine stops)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
                  block_size: Optional[int] = None, num_blocks: Optional[int] = None,
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, calibrate: bool = True,
+                 recompile_limit: Optional[int] = None, calibrate: bool = True, attention: Optional[str] = None,
                  log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
@@ -147,6 +150,8 @@ class Engine:
             raise ValueError(f"Engine: slo_itl_ms={slo_itl_ms!r} must be a positive number of milliseconds")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"Engine: max_queue={max_queue!r} must be an integer >= 1")
+        if attention not in (None, "varlen"):
+            raise ValueError(f"Engine: attention={attention!r} must be None (transformers' choice) or 'varlen'")
         if compile not in (False, True) and not isinstance(compile, str):
             raise ValueError(f"Engine: compile={compile!r} must be False, True (backend 'spear') or a backend name")
         self.model, self.tokenizer = model, tokenizer
@@ -158,6 +163,7 @@ class Engine:
         self.max_requests_per_batch = max_requests_per_batch
         self.extra_cb = dict(cb_config or {})
         self.recompile_limit, self.log = recompile_limit, log
+        self.attention, self._saved_attention = attention, None
         self.generation_config = self._generation_config(generation_config)
         self.steps: List[tuple] = []  # (SchedulerState, StepPlan, scheduled) per step when record_steps is on
         self.record_steps = False
@@ -316,6 +322,7 @@ class Engine:
             kw = config_kwargs(self.block_size, **kw)
         cb = ContinuousBatchingConfig(**kw)
         try:
+            self._switch_attention()
             manager = self.model.init_continuous_batching(generation_config=self.generation_config,
                                                           continuous_batching_config=cb)
             # warmup() builds the batch processor (the paged cache, the scheduler) here, and with compile
@@ -329,6 +336,7 @@ class Engine:
             manager.start()
         except BaseException:
             self._unregister()
+            self._restore_attention()
             raise
         self._stop_dispatch.clear()
         self._dispatcher = threading.Thread(target=self._dispatch, name="spear-engine-dispatch", daemon=True)
@@ -364,6 +372,20 @@ class Engine:
             finally:
                 self._manager = None
                 self._unregister()
+                self._restore_attention()
+
+    def _switch_attention(self) -> None:
+        if self.attention == "varlen" and self._saved_attention is None:
+            from .attention import register
+
+            name = register()  # a transformers that cannot run it refuses here, the model untouched
+            self._saved_attention = self.model.config._attn_implementation
+            self.model.set_attn_implementation(name)
+
+    def _restore_attention(self) -> None:
+        if self._saved_attention is not None:
+            self.model.set_attn_implementation(self._saved_attention)
+            self._saved_attention = None
 
     def _unregister(self) -> None:
         if self._scheduler_name is not None:

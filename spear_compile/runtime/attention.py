@@ -1,0 +1,181 @@
+"""Paged attention for the engine with variable-length kernels: each sequence against its own keys, no step mask.
+
+Without flash-attn, transformers' continuous batching runs ``paged|sdpa``: each step packs every sequence's
+new tokens into one query of T rows and every sequence's keys (cached and new) into one key of K rows, builds
+a (T, K) mask that keeps each token to its own sequence and the causal order, and runs one masked SDPA. The
+work is T x K scores per head and layer, where the step needs only the sum of q_i x k_i over its sequences:
+a step of a 512-token chunk beside 30 decodes at 2k context scores 542 x 62k pairs where 512 x 2k + 30 x 2k
+are needed (27x). On an H100 (2026-12-05, Llama-2-7B-shaped W4, ``benchmarks/results/serving/
+2026-12-05_h100_llama2_partial``) such steps took 150-300 ms against a 29 ms batch-1 decode step.
+
+``paged_varlen_attention`` (registered with transformers' ``AttentionInterface`` as ``paged|spear_varlen``
+by ``register()``) takes the same packed inputs: it updates the paged cache as transformers' own paths do
+(``cache.update``, which returns each sequence's keys contiguous in ``cu_seq_lens_k`` order) and then runs
+variable-length attention over ``cu_seq_lens_q`` / ``cu_seq_lens_k``, causal with the queries aligned to the
+end of their keys (a chunk of a prompt sees all of its sequence's earlier tokens):
+
+* on CUDA, ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention's varlen kernel, in torch since 2.9;
+  GQA without repeating the KV heads where the installed torch takes ``enable_gqa``);
+* elsewhere, or without it, ``varlen_reference``: SDPA per sequence with an explicit causal mask (it reads
+  the sequence lengths on the host, so it does not run inside a CUDA graph; the engine's CPU path has none).
+
+Query rows past ``cu_seq_lens_q[-1]`` (transformers' padding for static CUDA-graph shapes) come out zero from
+the reference and unspecified from the kernel; they are never read. No mask is built: transformers builds
+one only for ``paged|sdpa`` / ``paged|eager``. Outside continuous batching (no paged cache in the call) the
+function is plain SDPA, so a model switched to it still runs ``generate`` and ordinary forwards.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import torch
+
+NAME = "paged|spear_varlen"
+
+
+def _bottom_right_causal(n_q: int, n_k: int, device) -> torch.Tensor:
+    """(n_q, n_k) bool: query j (the (n_k - n_q + j)-th token of its sequence) sees keys 0 .. n_k - n_q + j."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Variable-length causal attention, one SDPA per sequence. ``q``: (Tq, H, D); ``k``, ``v``: (Tk, Hkv, D)
+    with H a multiple of Hkv; sequence i is rows ``cu_q[i]:cu_q[i+1]`` of ``q`` against ``cu_k[i]:cu_k[i+1]`` of
+    ``k`` / ``v``, its queries the last of its keys. Returns (Tq, H, D); rows of no sequence are zero."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % Hkv:
+        raise ValueError(f"varlen_reference: {H} query heads are not a multiple of {Hkv} KV heads")
+    out = torch.zeros_like(q)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"varlen_reference: cu_q has {len(cq)} entries, cu_k {len(ck)}: one per sequence + 1 each")
+    for a, b, c, d in zip(cq, cq[1:], ck, ck[1:]):
+        if b <= a:
+            continue
+        if d - c < b - a:
+            raise ValueError(f"varlen_reference: a sequence has {b - a} queries but only {d - c} keys")
+        qi, ki, vi = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
+        if Hkv != H:
+            ki, vi = ki.repeat_interleave(H // Hkv, 0), vi.repeat_interleave(H // Hkv, 0)
+        mask = _bottom_right_causal(b - a, d - c, q.device)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """``(varlen_attn, its keyword names)`` when torch has it, else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def kernel_available(device) -> bool:
+    """Whether ``paged_varlen_attention`` runs torch's varlen kernel on ``device`` (else the reference)."""
+    return torch.device(device).type == "cuda" and _kernel() is not None
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal variable-length attention (the contract of ``varlen_reference``): torch's kernel on CUDA, the
+    reference elsewhere."""
+    got = _kernel() if q.is_cuda else None
+    if got is None:
+        return varlen_reference(q, k, v, cu_q, cu_k, scale)
+    fn, params = got
+    kw = {"scale": scale}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal, aligned to the end of the keys
+    elif "is_causal" in params:
+        kw["is_causal"] = True
+    else:  # a torch whose kernel cannot be made causal
+        return varlen_reference(q, k, v, cu_q, cu_k, scale)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return fn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), **kw)
+
+
+def paged_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                           **kwargs):
+    """transformers' attention-function contract (``query``: (1, H, T, D); ``key`` / ``value``: (1, Hkv, T, D);
+    returns ``(output (1, T, H, D) or (T, H, D), None)``) for continuous batching's packed steps; plain SDPA
+    when the call carries no paged cache."""
+    cache = kwargs.get("cache")
+    if cache is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if getattr(module, "sliding_window", None):  # transformers' cache reads those layers' keys differently
+        raise NotImplementedError(f"{NAME}: sliding-window layers ({type(module).__name__}) are not supported; "
+                                  f"use transformers' paged|sdpa for this model")
+    return _paged_step(module, query, key, value, scaling, kwargs), None
+
+
+# eager under torch.compile: the step's lengths stay Python ints (no guard on them, so no recompile per padded
+# length); a CUDA graph captures and replays it with the rest of the step
+@torch.compiler.disable
+def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if isinstance(cu_k, dict):
+        cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
+    k, v = cache_update(kwargs["cache"], module, key, value, kwargs)
+    q = query.transpose(1, 2).squeeze(0).contiguous()
+    return varlen_attention(q, k.contiguous(), v.contiguous(), kwargs["cu_seq_lens_q"], cu_k, kwargs["max_seqlen_q"],
+                            max_k, scaling)
+
+
+def cache_update(cache, module, key, value, kwargs):
+    """Write the step's keys / values into the paged cache and read back every sequence's, as transformers'
+    paged paths do: (Tk, Hkv, D) each, sequence by sequence in ``cu_seq_lens_k`` order."""
+    return cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+
+
+@functools.lru_cache(maxsize=None)
+def unsupported() -> Optional[str]:
+    """Why the installed transformers cannot run ``paged_varlen_attention`` in continuous batching, or None.
+
+    It needs the paged-attention interface of transformers 5.17 (the GPU image's): continuous batching
+    hands the attention function the paged cache and the step's ``cu_seq_lens``, and accepts any
+    registered ``paged|`` implementation. Later releases update the cache in the model and accept only
+    their own implementations (5.25: "paged|eager", "sdpa" or flash), so there the engine keeps theirs.
+    Probed, not read from the version: transformers' own ``paged|sdpa`` function updates the cache."""
+    import transformers
+
+    try:
+        from transformers.integrations import sdpa_paged
+
+        src = inspect.getsource(sdpa_paged.sdpa_attention_paged_forward)
+    except (ImportError, AttributeError, OSError):
+        src = ""
+    if "cache.update(" in src:
+        return None
+    return (f"transformers {transformers.__version__} updates the paged cache outside the attention function and "
+            f"takes no custom paged attention in continuous batching; {NAME} needs the interface of "
+            f"transformers 5.17")
+
+
+def register() -> str:
+    """Register ``paged_varlen_attention`` with transformers under ``NAME`` (idempotent); returns ``NAME``.
+    ``RuntimeError`` (saying why) where the installed transformers cannot run it (``unsupported``)."""
+    from transformers import AttentionInterface
+
+    why = unsupported()
+    if why is not None:
+        raise RuntimeError(f"attention='varlen': {why}")
+    AttentionInterface.register(NAME, paged_varlen_attention)
+    return NAME
+
+
+__all__ = ["NAME", "kernel_available", "paged_varlen_attention", "register", "unsupported", "varlen_attention",
+           "varlen_reference"]
