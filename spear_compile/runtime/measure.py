@@ -66,9 +66,10 @@ def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: 
     This is how the serving engine runs the ops (its steps are CUDA-graph replays), so the op tables
     carry no host launch cost: timed with ``time_ms`` instead, the op tables of a Llama-2-7B-shaped W4
     model summed to 71 ms for a batch-1 decode step that the engine ran in 29 ms (H100, 2026-12-05,
-    ``benchmarks/results/serving/2026-12-05_h100_llama2_partial``). The warm-up runs outside the capture
-    (first-use allocations, layouts, autotuning). Where ``fn`` cannot be captured (a host synchronise, a
-    CPU tensor), the same calls run back to back between events instead, launch gaps included."""
+    ``benchmarks/results/serving/2026-12-05_h100_llama2_partial``); timed so, the op tables alone predicted
+    the engine's served steps within 10-15 % median on an H100 (``.../2026-12-05_h100_varlen_kv256``). The
+    warm-up runs outside the capture (first-use allocations, layouts, autotuning). ``fn`` must be
+    capturable: a failed capture leaves torch's CUDA generator unusable, so none is attempted twice."""
     torch = _torch()
     dev = torch.device(device)
     for _ in range(warmup):
@@ -81,18 +82,10 @@ def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: 
     torch.cuda.current_stream(dev).wait_stream(side)
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        run = graph.replay
-    except Exception:  # noqa: BLE001 - an uncapturable op is timed eagerly (the docstring says how)
-        graph = None
-        torch.cuda.synchronize(dev)
-
-        def run():
-            for _ in range(calls):
-                fn()
+    with torch.cuda.graph(graph):  # fn must be capturable (the engine captures the same ops)
+        for _ in range(calls):
+            fn()
+    run = graph.replay
     run()
     torch.cuda.synchronize(dev)
     ts = []
