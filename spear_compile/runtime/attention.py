@@ -128,17 +128,13 @@ def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
-    k, v = cache_update(kwargs["cache"], module, key, value, kwargs)
+    # the paged cache written and read back as transformers' paged paths do: (Tk, Hkv, D) each, sequence by
+    # sequence in cu_seq_lens_k order
+    k, v = kwargs["cache"].update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     q = query.transpose(1, 2).squeeze(0).contiguous()
     return varlen_attention(q, k.contiguous(), v.contiguous(), kwargs["cu_seq_lens_q"], cu_k, kwargs["max_seqlen_q"],
                             max_k, scaling)
-
-
-def cache_update(cache, module, key, value, kwargs):
-    """Write the step's keys / values into the paged cache and read back every sequence's, as transformers'
-    paged paths do: (Tk, Hkv, D) each, sequence by sequence in ``cu_seq_lens_k`` order."""
-    return cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
 
 
 @functools.lru_cache(maxsize=None)

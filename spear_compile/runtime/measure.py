@@ -68,36 +68,14 @@ def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: 
     model summed to 71 ms for a batch-1 decode step that the engine ran in 29 ms (H100, 2026-12-05,
     ``benchmarks/results/serving/2026-12-05_h100_llama2_partial``); timed so, the op tables alone predicted
     the engine's served steps within 10-15 % median on an H100 (``.../2026-12-05_h100_varlen_kv256``). The
-    warm-up runs outside the capture (first-use allocations, layouts, autotuning). ``fn`` must be
-    capturable: a failed capture leaves torch's CUDA generator unusable, so none is attempted twice."""
+    warm-up runs outside the capture (first-use allocations, layouts, autotuning). The timing is the
+    kernel tuner's (``dispatch.tuning.bench_graph``). ``fn`` must be capturable: a failed capture raises
+    (it would leave torch's CUDA generator unusable, so there is no eager retry)."""
     torch = _torch()
-    dev = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize(dev)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):  # a capture warms up on a side stream (what torch.cuda.graphs does)
-        fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # fn must be capturable (the engine captures the same ops)
-        for _ in range(calls):
-            fn()
-    run = graph.replay
-    run()
-    torch.cuda.synchronize(dev)
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / calls)
-    del graph
-    return statistics.median(ts)
+    from ..dispatch.tuning import bench_graph
+
+    with torch.cuda.device(torch.device(device)):
+        return bench_graph(lambda i: fn(), copies=1, calls=calls, replays=reps, warmup=warmup) / 1e3
 
 
 def part_time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5) -> float:
