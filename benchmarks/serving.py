@@ -19,7 +19,8 @@ Per (policy, chunk or "dynamic", ec_density, slo_ms, rate) a row holds p50 / p99
 (generated tokens / makespan), the policy's planning cost per step (p99 microseconds, and its share
 of the mean step), and the latency model's error on that run's steps: each engine step's wall time (the
 gap between two successive calls of the policy) against ``predict_step_ms`` for what it ran (median
-and p90 of the absolute relative error). The dynamic policy's latency model is the op tables with the
+and p90 of the absolute relative error; ``steady_*``: the same over the steps that captured or compiled
+no graph, ``first_use.FirstUseMarker``). The dynamic policy's latency model is the op tables with the
 step overhead calibrated on the engine's own steps (``runtime.calibrate``, as ``Engine(slo_itl_ms=...)``
 does when it starts); rows also give the error of the op tables alone (``prediction_op_tables_only``),
 and the record the calibration's held-out error per density. Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
@@ -65,6 +66,7 @@ unshadow()  # before transformers is imported (benchmarks/kernels.py would shado
 import spear_compile as spear  # noqa: E402
 from spear_compile import QuantConfig, runtime  # noqa: E402
 from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
+from spear_compile.runtime.first_use import FirstUseMarker, cuda_graph_count  # noqa: E402
 from spear_compile.serve.loadgen import pct, send_at_arrivals  # noqa: E402
 
 from benchmarks._meta import run_meta  # noqa: E402
@@ -140,10 +142,11 @@ class TimedPolicy:
     benchmark's streaming threads run); ``cpu_us``: the generation thread's own CPU time in it (what
     planning costs, without those waits)."""
 
-    def __init__(self, inner):
-        self.inner, self.us, self.cpu_us, self.steps = inner, [], [], []
+    def __init__(self, inner, marker=None):
+        self.inner, self.marker, self.us, self.cpu_us, self.steps = inner, marker, [], [], []
 
     def plan(self, state):
+        mark = self.marker() if self.marker is not None else None  # before the clock: not planning time
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         p = self.inner.plan(state)
@@ -152,51 +155,37 @@ class TimedPolicy:
         ctx = {d.request_id: d.context_len for d in state.decodes}
         done = {w.request_id: w.prefilled for w in state.waiting}
         self.steps.append((t0 / 1e6, tuple(ctx[r] for r in p.decode_ids),
-                           tuple((c, done.get(r, 0)) for r, c in p.prefill)))
+                           tuple((c, done.get(r, 0)) for r, c in p.prefill), mark))
         return p
 
 
 def prediction_error(steps: list, latency_model) -> dict:
     """|predicted - measured| / measured over the steps that ran work and were followed by another call
-    at once (an idle engine waits between calls, which is not step time)."""
-    errs, pts = [], []
-    for (t, dec, pre), (t2, _, _) in zip(steps, steps[1:]):
+    at once (an idle engine waits between calls, which is not step time); and the same over the steps that
+    captured or compiled no graph (``steady_*``: what the latency model describes)."""
+    errs, steady, pts = [], [], []
+    for (t, dec, pre, mark), (t2, _, _, mark2) in zip(steps, steps[1:]):
         if not dec and not pre:
             continue
         measured = t2 - t
         pred = latency_model.predict_step_ms(dec, pre)
         errs.append(abs(pred - measured) / measured)
-        pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3)))
+        if mark2 == mark:
+            steady.append(errs[-1])
+        pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), mark2 != mark))
     if not errs:
         return {}
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
-            "sample": pts[:: max(1, len(pts) // 40)]}
-
-
-def graph_count(eng) -> int:
-    """CUDA graphs transformers' continuous batching holds for ``eng`` (its ``CudaGraphBuffer``s, found by
-    type under the manager: their place differs between transformers versions); 0 without graphs."""
-    seen, todo, n = set(), [(getattr(eng, "_manager", None), 0)], 0
-    while todo:
-        obj, depth = todo.pop()
-        if obj is None or id(obj) in seen or depth > 4 or isinstance(obj, (str, bytes, int, float, torch.Tensor)):
-            continue
-        seen.add(id(obj))
-        if type(obj).__name__ == "CudaGraphBuffer":
-            n += len(getattr(obj, "_storage", {}))
-            continue
-        kids = (list(obj.values()) if isinstance(obj, dict) else list(obj) if isinstance(obj, (list, tuple)) else
-                list(vars(obj).values()) if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) else [])
-        todo += [(k, depth + 1) for k in kids]
-    return n
+            "steady_median_abs_err": pct(steady, 50), "steady_p90_abs_err": pct(steady, 90),
+            "steady_steps": len(steady), "sample": pts[:: max(1, len(pts) // 40)]}
 
 
 def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     """Serve ``reqs`` on the started engine ``eng`` with ``policy``; token arrival times per request. Requests
     still running at the timeout are cancelled, so the next run starts on an idle engine."""
-    timed = TimedPolicy(policy)
+    timed = TimedPolicy(policy, FirstUseMarker(eng))
     eng.set_policy(timed)
-    graphs0 = graph_count(eng)
+    graphs0 = cuda_graph_count(eng)
     times = [[] for _ in reqs]
     rids = [None] * len(reqs)
     t0 = time.perf_counter()
@@ -217,7 +206,7 @@ def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     cut = sum(eng.cancel(r) for r in rids if r is not None)
     return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us,
             "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
-            "graph_captures": graph_count(eng) - graphs0}
+            "graph_captures": cuda_graph_count(eng) - graphs0}
 
 
 def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
@@ -439,7 +428,10 @@ def main(argv=None) -> None:
                         print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                         if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
                                                  "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed",
-                                                 "graph_captures")}, flush=True)
+                                                 "graph_captures")},
+                              "prediction |err| median (steps without a capture):",
+                              {k: row[k].get("steady_median_abs_err") for k in ("prediction", "prediction_op_tables_only")},
+                              flush=True)
                     with open(path, "w") as f:
                         json.dump(record, f, indent=1)
         finally:

@@ -6,14 +6,15 @@
   ``compiled``: ``plan_of(model)`` from what the spear backend recorded, and ``scheduler_for(compiled,
   slo_itl_ms)``, the SLO policy on the plan's latency model (cached, measured on first use).
 * ``latency``: per-linear tables by M bucket, attention by (new tokens, cached tokens), the head and a
-  per-step overhead composed into ``LatencyModel.predict_step_ms``; ``check`` / ``fit_overhead`` against
-  measured whole steps. ``latency_cache``: the JSON cache keyed by GPU, model, config hash and version.
+  per-step overhead composed into ``LatencyModel.predict_step_ms``. ``fit``: ``check`` / ``fit_overhead`` /
+  ``fit_scaled`` (robust to one-off slow steps) against measured whole steps. ``latency_cache``: the JSON cache keyed by GPU, model, config hash and version.
   ``measure``: timing those parts on this device (imports torch only when called).
 * ``policy``: ``SloChunkPolicy`` (dynamic chunks under an ITL SLO) and ``StaticChunkPolicy``;
   ``sched_cost``: the per-step planning cost.
 * ``calibrate``: the step overhead refitted on the serving engine's own steps (what the op tables
   cannot see: batch preparation, sampling, the engine's attention), cached per plan and engine
-  configuration; the engine runs it when it starts with ``slo_itl_ms``.
+  configuration; the engine runs it when it starts with ``slo_itl_ms``. ``first_use``: the counters
+  (CUDA graphs captured, graphs compiled) by which it leaves out steps that paid a one-off cost.
 * ``engine``: ``Engine``, serving on transformers' continuous batching with a policy plugged into its
   scheduler (``hf_scheduler``) and the spear backend in its compile config. Imported on first use of
   ``Engine`` (it imports transformers).
@@ -22,7 +23,8 @@ Importing this package imports neither torch.compile machinery nor torch itself 
 parent package already imported. Kernel-level measurements that drive compilation live elsewhere
 (``benchmarks/kernels.py`` writes the tuned tables the dispatch layer reads).
 """
-from .latency import AttentionCost, FitReport, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, check, fit_overhead
+from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
+from .fit import FitReport, StepSample, check, fit_overhead, fit_scaled
 from .latency_cache import CacheKey, load, load_or_measure, save
 from .compiled import PlanError, plan_of, scheduler_for
 from .calibrate import calibrate
@@ -33,7 +35,7 @@ from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequ
 __all__ = [
     "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
     "Plan", "PlanError", "PlannedLinear", "PlannedOp", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
-    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "calibrate", "check", "fit_overhead", "load",
+    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "calibrate", "check", "fit_overhead", "fit_scaled", "load",
     "load_or_measure", "plan_of", "save", "scheduler_for", "Engine",
 ]
 

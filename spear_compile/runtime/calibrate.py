@@ -18,8 +18,15 @@ whose shape in M and context is kept, and the overhead terms):
 * every step's wall time is the gap between two successive calls of the policy inside a phase (the
   engine calls it once per step while it has work; the last step of a phase is dropped, since the gap
   after it includes the idle wait for the next phase);
-* the fit is made on every other step and checked on the rest (the held-out ``FitReport``), then
-  made on all of them for the returned model.
+* a step during which the engine captured a CUDA graph or torch.compile compiled a graph
+  (``first_use.FirstUseMarker`` moved between its call and the next) is dropped: it paid a one-off
+  cost of 10-30x the step, and the engine's KV padding makes new shapes appear long after a warm-up.
+  On an H100 (2026-12-05) such steps were most of the calibration and the fit put 22.6 ms of fixed
+  overhead on a 7 ms step;
+* the fit (``fit.fit_scaled`` with ``trim``: relative error, outliers beyond 3 robust deviations
+  dropped, for what the counters do not see: a collection, another process) is made on every other
+  step and checked on all the rest (the held-out ``FitReport``), then made on all steps for the
+  returned model.
 
 ``engine_key`` names the cache entry: the plan's key plus a fingerprint of the engine's configuration
 (transformers version, block size, step token budget, request cap, compile backend), so a latency model
@@ -32,43 +39,60 @@ import json
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .latency import FitReport, LatencyModel, StepSample, check, fit_scaled
+from .first_use import FirstUseMarker
+from .fit import FitReport, StepSample, check, fit_scaled
+from .latency import LatencyModel
 from .latency_cache import CacheKey
 from .policy import StaticChunkPolicy
 
 
+TRIM = 3.0  # robust standard deviations beyond which a calibration step is an outlier (fit.outliers)
+
+
 class CyclingChunkPolicy:
     """A static chunk policy whose prefill budget cycles over ``chunks``, one per step, that records each
-    call: ``(perf_counter seconds, decode contexts, prefill (tokens, prefilled) pieces)``."""
+    call: ``(perf_counter seconds before the marker, after it, the marker, decode contexts, prefill (tokens,
+    prefilled) pieces)``. ``marker``: a callable whose value changes when a step pays a first-use cost
+    (``first_use.FirstUseMarker``); its own time is left out of the steps."""
 
-    def __init__(self, chunks: Sequence[int]) -> None:
+    def __init__(self, chunks: Sequence[int], marker: Optional[Callable[[], object]] = None) -> None:
         if not chunks:
             raise ValueError("CyclingChunkPolicy: chunks must not be empty")
         self.policies = [StaticChunkPolicy(int(c)) for c in chunks]
+        self.marker = marker
         self.calls = 0
-        self.records: List[Tuple[float, Tuple[int, ...], Tuple[Tuple[int, int], ...]]] = []
+        self.records: List[Tuple[float, float, object, Tuple[int, ...], Tuple[Tuple[int, int], ...]]] = []
 
     def __repr__(self) -> str:
         return f"CyclingChunkPolicy(chunks={[p.chunk for p in self.policies]})"
 
     def plan(self, state):
+        t0 = time.perf_counter()
+        mark = self.marker() if self.marker is not None else None
+        t1 = time.perf_counter()
         plan = self.policies[self.calls % len(self.policies)].plan(state)
         self.calls += 1
         ctx = {d.request_id: d.context_len for d in state.decodes}
         done = {w.request_id: w.prefilled for w in state.waiting}
-        self.records.append((time.perf_counter(), tuple(ctx[r] for r in plan.decode_ids),
+        self.records.append((t0, t1, mark, tuple(ctx[r] for r in plan.decode_ids),
                              tuple((c, done.get(r, 0)) for r, c in plan.prefill)))
         return plan
 
 
-def step_samples(records: Sequence[tuple]) -> List[StepSample]:
-    """Whole steps from consecutive policy calls of one busy phase: each call's work, timed by the gap to
-    the next call. Calls that planned nothing are skipped; the last call has no gap and is dropped."""
-    out = []
-    for (t, dec, pre), (t2, _, _) in zip(records, records[1:]):
-        if (dec or pre) and t2 > t:
-            out.append(StepSample(dec, pre, (t2 - t) * 1e3))
-    return out
+def step_samples(records: Sequence[tuple]) -> Tuple[List[StepSample], int]:
+    """Whole steps from consecutive policy calls of one busy phase, and how many were dropped as first-use
+    steps: each call's work, timed from after its marker to before the next call's. Calls that planned
+    nothing are skipped; the last call has no gap and is dropped; so is a step across which the marker
+    changed (it captured or compiled a graph)."""
+    out, first_use = [], 0
+    for (_, t, mark, dec, pre), (t2, _, mark2, _, _) in zip(records, records[1:]):
+        if not (dec or pre) or t2 <= t:
+            continue
+        if mark2 != mark:
+            first_use += 1
+            continue
+        out.append(StepSample(dec, pre, (t2 - t) * 1e3))
+    return out, first_use
 
 
 def default_chunks(max_tokens: int) -> Tuple[int, ...]:
@@ -85,9 +109,9 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
               decode_tail: int = 6, warmup: bool = True, vocab: Optional[int] = None, timeout_s: float = 600.0,
               log: Callable[[str], None] = print) -> Tuple[LatencyModel, FitReport, List[StepSample]]:
     """``latency_model`` refitted (parts factor and overhead) on the steps of ``engine`` (started, idle), the
-    held-out report, and the samples. ``warmup``: run the workload once unrecorded first, so that no
-    first-use cost (allocations, new shapes, graph captures) is timed. The engine's policy is restored
-    afterwards."""
+    held-out report, and the samples (first-use steps dropped, outliers kept). ``warmup``: run the workload
+    once unrecorded first, so that fewer steps meet a shape for the first time. The engine's policy is
+    restored afterwards."""
     if not engine.running:
         raise RuntimeError("calibrate: the engine must be started (Engine.start())")
     budget = int(engine.max_batch_tokens)
@@ -108,7 +132,7 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     def ids(n: int, seed: int) -> list:
         return [10 + (seed * 7919 + 31 * i) % max(1, vocab - 20) for i in range(n)]
 
-    def phase(b: int) -> List[StepSample]:
+    def phase(b: int) -> Tuple[List[StepSample], int]:
         policy.records.clear()
         steps = len(chunks) * reps + decode_tail
         short = [ids(decode_prompt, s) for s in range(b)]
@@ -130,7 +154,7 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
             engine.result(rid)
         return step_samples(policy.records)
 
-    saved, policy = engine.policy, CyclingChunkPolicy(chunks)
+    saved, policy = engine.policy, CyclingChunkPolicy(chunks, marker=FirstUseMarker(engine))
     engine.set_policy(policy)
     samples: List[StepSample] = []
     deadline = time.perf_counter() + timeout_s
@@ -138,15 +162,20 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
         for b in batches if warmup else ():  # first runs of each shape (allocations, graph captures)
             phase(b)
         for b in batches:
-            got = phase(b)
+            got, dropped = phase(b)
             samples += got
-            log(f"spear_compile: calibration, decode batch {b}: {len(got)} steps")
+            log(f"spear_compile: calibration, decode batch {b}: {len(got)} steps"
+                + (f" ({dropped} more captured or compiled a graph: left out)" if dropped else ""))
     finally:
         engine.set_policy(saved)
-    if len(samples) < 4:
-        raise RuntimeError(f"calibrate: only {len(samples)} steps were measured; need at least 4")
-    report = check(fit_scaled(latency_model, samples[0::2]), samples[1::2])
-    return fit_scaled(latency_model, samples), report, samples
+    if len(samples) < 8:
+        raise RuntimeError(f"calibrate: only {len(samples)} steps were measured without a graph capture or "
+                           f"compile; need at least 8 (more reps, or a longer warm-up)")
+    report = check(fit_scaled(latency_model, samples[0::2], trim=TRIM)[0], samples[1::2])
+    fitted, kept = fit_scaled(latency_model, samples, trim=TRIM)
+    if not kept.all():
+        log(f"spear_compile: calibration: {int((~kept).sum())} of {len(samples)} steps left out of the fit as outliers")
+    return fitted, report, samples
 
 
 def engine_fingerprint(engine) -> str:

@@ -22,9 +22,7 @@ linearly between them and extended linearly above the top bucket (large-M GEMMs 
 time grows linearly in M there). Tables are made non-decreasing when built from measurements (a
 running maximum), since a faster bigger M is timing noise and would break the monotone search.
 
-``check`` compares predictions with measured whole steps and reports the median and p90 absolute
-relative error; ``fit_overhead`` fits the overhead terms on such measurements, ``fit_scaled`` a factor on
-the measured parts together with them (for steps of the serving engine, ``calibrate``).
+The top-down side (measured whole steps, the prediction's error, fits on them) is ``fit``.
 """
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ def _nonneg(owner: str, name: str, v) -> float:
     return float(v)
 
 
-def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a few unknowns: every support of the columns is tried (columns
     scaled to unit range), the best feasible fit kept; exact for so few unknowns."""
     n = X.shape[1]
@@ -181,7 +179,7 @@ class AttentionCost:
         rows = [(cls.features(q, p), ms) for q, p, ms in samples]
         if not rows:
             raise ValueError("AttentionCost.fit: no samples")
-        c = _nnls(np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows], dtype=np.float64))
+        c = nnls(np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows], dtype=np.float64))
         return cls(*(float(v) for v in c))
 
     def to_dict(self) -> dict:
@@ -219,7 +217,7 @@ class LinearTable:
             raise ValueError(f"LinearTable {self.name!r}: count={self.count!r} must be a positive integer")
 
 
-def _check_chunks(decode_contexts, prefill_chunks) -> None:
+def check_chunks(decode_contexts, prefill_chunks) -> None:
     for i, c in enumerate(decode_contexts):
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             raise ValueError(f"predict_step_ms: decode_contexts[{i}]={c!r} must be an integer >= 0")
@@ -308,7 +306,7 @@ class LatencyModel:
         ``decode_contexts`` and a prefill piece for each ``(tokens, prefilled)`` in ``prefill_chunks``.
         An empty step costs 0."""
         decode_contexts, prefill_chunks = tuple(decode_contexts), tuple(tuple(p) for p in prefill_chunks)
-        _check_chunks(decode_contexts, prefill_chunks)
+        check_chunks(decode_contexts, prefill_chunks)
         attn = self.decode_attention_ms(decode_contexts)
         attn += sum(self.piece_attention_ms(t, p) for t, p in prefill_chunks)
         m = len(decode_contexts) + sum(t for t, _ in prefill_chunks)
@@ -346,88 +344,3 @@ class LatencyModel:
                        Overhead(**d.get("overhead", {})), d.get("head_rows", "last"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"LatencyModel.from_dict: malformed model ({type(e).__name__}: {e})") from None
-
-
-# ---------------------------------------------------------------- top-down check
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """A measured whole step: its decodes' contexts, its prefill ``(tokens, prefilled)`` pieces, its time."""
-
-    decode_contexts: Tuple[int, ...]
-    prefill_chunks: Tuple[Tuple[int, int], ...]
-    measured_ms: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "decode_contexts", tuple(self.decode_contexts))
-        object.__setattr__(self, "prefill_chunks", tuple(tuple(p) for p in self.prefill_chunks))
-        _check_chunks(self.decode_contexts, self.prefill_chunks)
-        if not self.decode_contexts and not self.prefill_chunks:
-            raise ValueError("StepSample: a step needs at least one decode or prefill piece")
-        v = _nonneg("StepSample", "measured_ms", self.measured_ms)
-        if v == 0:
-            raise ValueError("StepSample: measured_ms must be > 0")
-
-
-@dataclass(frozen=True)
-class FitReport:
-    """Absolute relative error |predicted - measured| / measured over the samples."""
-
-    n: int
-    median_abs_rel_err: float
-    p90_abs_rel_err: float
-    max_abs_rel_err: float
-    errors: Tuple[float, ...]
-
-    def __str__(self) -> str:
-        return (f"{self.n} steps: median |err| {100 * self.median_abs_rel_err:.1f} %, "
-                f"p90 {100 * self.p90_abs_rel_err:.1f} %, max {100 * self.max_abs_rel_err:.1f} %")
-
-
-def check(model: LatencyModel, samples: Sequence[StepSample]) -> FitReport:
-    """The prediction's error against measured whole steps (median and p90 by linear interpolation)."""
-    if not samples:
-        raise ValueError("check: no samples")
-    errs = np.array([abs(model.predict_step_ms(s.decode_contexts, s.prefill_chunks) - s.measured_ms) / s.measured_ms
-                     for s in samples])
-    return FitReport(len(errs), float(np.median(errs)), float(np.percentile(errs, 90)), float(errs.max()),
-                     tuple(float(e) for e in errs))
-
-
-def fit_overhead(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
-    """The model with its ``Overhead`` refitted (non-negative least squares of the residual
-    measured - predicted-without-overhead on 1, tokens, sequences) on measured whole steps."""
-    if not samples:
-        raise ValueError("fit_overhead: no samples")
-    X, y = _overhead_features(model, samples)
-    c = _nnls(X, y)
-    return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))
-
-
-def _overhead_features(model: LatencyModel, samples: Sequence[StepSample]):
-    """Per sample: (1, tokens, sequences) and measured minus the prediction without overhead."""
-    bare = model.with_overhead(Overhead())
-    X, y = [], []
-    for s in samples:
-        X.append((1.0, len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks),
-                  len(s.decode_contexts) + len(s.prefill_chunks)))
-        y.append(s.measured_ms - bare.predict_step_ms(s.decode_contexts, s.prefill_chunks))
-    return np.array(X, dtype=np.float64), np.array(y, dtype=np.float64)
-
-
-def fit_scaled(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
-    """The model with its measured parts (linear and head tables, attention) scaled by one factor ``k``
-    and its ``Overhead`` refitted, jointly by non-negative least squares of measured on (parts, 1, tokens,
-    sequences). For steps run somewhere the parts were not timed (the serving engine: other threads,
-    other caches, its own attention kernel), where the parts' times can be off by a factor that no
-    additive overhead corrects. A model whose fit leaves the parts out (``k = 0``) keeps ``k = 1`` and
-    only the overhead is refitted (``fit_overhead``): the parts' shape in M stays what was measured."""
-    if not samples:
-        raise ValueError("fit_scaled: no samples")
-    X0, resid = _overhead_features(model, samples)
-    parts = np.array([s.measured_ms for s in samples]) - resid
-    c = _nnls(np.column_stack([parts, X0]), parts + resid)
-    if c[0] <= 0:
-        return fit_overhead(model, samples)
-    return model.scaled_parts(float(c[0])).with_overhead(Overhead(float(c[1]), float(c[2]), float(c[3])))

@@ -3,7 +3,7 @@
 ``measure_latency_model(plan)`` times, on this device, every planned linear at each M bucket with the
 route the plan says it takes there, the LM head, and attention over a coarse (new tokens, cached
 tokens) grid, and composes them into a ``LatencyModel``. ``measure_steps(step_fn, grid)`` times whole
-steps for the top-down check (``latency.check``) and the overhead fit (``latency.fit_overhead``).
+steps for the top-down check (``fit.check``) and the overhead fit (``fit.fit_overhead``).
 
 A route is measured by a runner: ``runner(linear, m, device, dtype) -> zero-argument callable`` that
 runs that linear once on ``m`` rows. The ``"reference"`` runner is dense ``F.linear`` plus, with an
@@ -25,7 +25,8 @@ import statistics
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample, fit_overhead
+from .fit import StepSample, fit_overhead
+from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
 from .op_runner import op_runner
 from .plan import Plan, PlannedLinear
 

@@ -16,10 +16,21 @@ from spear_compile.runtime.calibrate import (CyclingChunkPolicy, calibrate, defa
 
 
 def test_step_samples_time_each_call_by_the_gap_to_the_next_and_skip_idle_calls():
-    recs = [(1.000, (5,), ((16, 0),)), (1.010, (6,), ()), (1.013, (), ()), (1.020, (7,), ()), (1.050, (8,), ())]
-    got = step_samples(recs)
+    # (before the marker, after it, marker, decodes, prefill): a step runs from after its marker to the next call
+    recs = [(0.999, 1.000, 0, (5,), ((16, 0),)), (1.010, 1.0105, 0, (6,), ()), (1.013, 1.014, 0, (), ()),
+            (1.020, 1.021, 0, (7,), ()), (1.050, 1.051, 0, (8,), ())]
+    got, first_use = step_samples(recs)
     assert [(s.decode_contexts, s.prefill_chunks) for s in got] == [((5,), ((16, 0),)), ((6,), ()), ((7,), ())]
-    assert [round(s.measured_ms, 6) for s in got] == [10.0, 3.0, 30.0]  # the last call has no gap: dropped
+    assert [round(s.measured_ms, 6) for s in got] == [10.0, 2.5, 29.0]  # the last call has no gap: dropped
+    assert first_use == 0
+
+
+def test_step_samples_drop_a_step_across_which_the_marker_moved():
+    """The marker moves between a call and the next when the step captured or compiled a graph."""
+    recs = [(1.0, 1.0, (0, 0), (5,), ()), (1.2, 1.2, (1, 0), (6,), ()), (1.21, 1.21, (1, 0), (7,), ()),
+            (1.5, 1.5, (1, 1), (8,), ()), (1.51, 1.51, (1, 1), (9,), ())]
+    got, first_use = step_samples(recs)
+    assert [s.decode_contexts for s in got] == [(6,), (8,)] and first_use == 2
 
 
 def test_default_chunks_grow_by_four_up_to_the_budget():
@@ -29,7 +40,7 @@ def test_default_chunks_grow_by_four_up_to_the_budget():
 
 def test_cycling_policy_cycles_the_budget_per_step():
     pol = CyclingChunkPolicy((2, 5))
-    assert [p.chunk for p in pol.policies] == [2, 5] and "2, 5" in repr(pol)
+    assert [p.chunk for p in pol.policies] == [2, 5] and "2, 5" in repr(pol) and pol.marker is None
     with pytest.raises(ValueError, match="chunks"):
         CyclingChunkPolicy(())
 
@@ -95,3 +106,30 @@ def test_engine_with_an_slo_calibrates_once_and_then_loads_it(tiny, tmp_path, mo
     with Engine(tiny, log=logs.append, **{**kw, "max_batch_tokens": 48}) as eng3:
         assert engine_key(lc.CacheKey.for_plan(plan, "cpu"), eng3) != key
     assert any("calibrating the step overhead" in m for m in logs)
+
+
+def test_calibration_leaves_out_steps_that_captured_or_compiled_a_graph(tiny, monkeypatch):
+    """A marker that moves every fifth call (as a graph capture would): those steps are not samples, and the
+    log says how many were left out."""
+    import sys
+
+    cal = sys.modules["spear_compile.runtime.calibrate"]  # the package attribute is the function
+
+    class Every5th:
+        def __init__(self, engine):
+            self.calls = 0
+
+        def __call__(self):
+            self.calls += 1
+            return self.calls // 5
+
+    logs = []
+    with Engine(tiny, policy=StaticChunkPolicy(64), block_size=16, num_blocks=64, max_batch_tokens=96,
+                max_queue=32, log=lambda m: None) as eng:
+        _, _, plain = calibrate(eng, _bare(), chunks=(16, 64), decode_batches=(1, 4), reps=1, warmup=False,
+                                log=lambda m: None)
+        monkeypatch.setattr(cal, "FirstUseMarker", Every5th)
+        _, _, marked = calibrate(eng, _bare(), chunks=(16, 64), decode_batches=(1, 4), reps=1, warmup=False,
+                                 log=logs.append)
+    dropped = sum(int(m.split("(")[1].split()[0]) for m in logs if "left out" in m and "captured" in m)
+    assert dropped >= len(plain) // 6 and len(marked) + dropped == len(plain)

@@ -1,4 +1,4 @@
-"""The latency model: tables, the composition against a hand-computed case, the fits and the check."""
+"""The latency model: tables, the composition against a hand-computed case (the fits: test_fit)."""
 import math
 import re
 
@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spear_compile.runtime.latency import (AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead, StepSample,
-                                           check, fit_overhead)
+from spear_compile.runtime.latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
 
 
 def test_table_interpolates_and_extends_linearly():
@@ -112,60 +111,3 @@ def test_attention_fit_recovers_the_coefficients():
     # a negative trend is not followed (coefficients stay >= 0, the model stays monotone)
     neg = AttentionCost.fit([(1, 0, 1.0), (1, 100, 0.5), (1, 1000, 0.1)])
     assert min(neg.to_dict().values()) >= 0
-
-
-def test_check_reports_median_and_p90_of_the_relative_error():
-    m = hand_model()
-    samples = []
-    for i, f in enumerate((1.0, 1.1, 0.8, 1.25, 1.0)):   # prediction / measured ratios chosen by hand
-        dec = [10 + i]
-        samples.append(StepSample(tuple(dec), (), m.predict_step_ms(dec) / f))
-    rep = check(m, samples)
-    errs = sorted(abs(f - 1) for f in (1.0, 1.1, 0.8, 1.25, 1.0))   # |pred - meas| / meas = |f - 1|
-    assert rep.n == 5
-    assert rep.median_abs_rel_err == pytest.approx(errs[2])
-    assert rep.p90_abs_rel_err == pytest.approx(errs[3] + 0.6 * (errs[4] - errs[3]))  # linear interpolation
-    assert rep.max_abs_rel_err == pytest.approx(0.25)
-    assert "median" in str(rep)
-
-
-def test_fit_overhead_recovers_a_known_overhead():
-    m = hand_model()
-    true = m.with_overhead(Overhead(0.7, 0.01, 0.03))
-    grid = [([c] * b, [(t, c)] if t else []) for b in (0, 1, 4) for t in (0, 5, 50) for c in (8, 64) if b or t]
-    samples = [StepSample(tuple(d), tuple(p), true.predict_step_ms(d, p)) for d, p in grid]
-    got = fit_overhead(m, samples)
-    assert got.overhead.fixed_ms == pytest.approx(0.7, rel=1e-6)
-    assert got.overhead.per_token_ms == pytest.approx(0.01, rel=1e-6)
-    assert got.overhead.per_seq_ms == pytest.approx(0.03, rel=1e-6)
-    assert check(got, samples).max_abs_rel_err < 1e-9
-
-
-def test_step_sample_and_overhead_validate():
-    with pytest.raises(ValueError, match="measured_ms"):
-        StepSample((1,), (), 0.0)
-    with pytest.raises(ValueError, match="at least one"):
-        StepSample((), (), 1.0)
-    with pytest.raises(ValueError, match="fixed_ms"):
-        Overhead(fixed_ms=-1)
-    with pytest.raises(ValueError, match="n_layers"):
-        LatencyModel((), None, AttentionCost(), 0)
-    assert math.isfinite(hand_model().max_bucket)
-
-
-def test_fit_scaled_recovers_a_factor_on_the_parts_and_the_overhead():
-    """Steps that cost 3x the measured parts plus 2 ms + 0.01 ms per token: the fit finds both, which no
-    additive overhead alone can (fit_overhead leaves the 3x as an error growing with the step)."""
-    from spear_compile.runtime import StepSample, check, fit_overhead
-    from spear_compile.runtime.latency import fit_scaled
-
-    t = LatencyTable((1, 64, 256), (0.1, 0.5, 2.0))
-    lm = LatencyModel((LinearTable("all", 4, t),), t, AttentionCost(0.001, 0.0001), 2)
-    shapes = [((), ((c, 0),)) for c in (8, 32, 64, 128, 256)] + [((64,) * b, ()) for b in (1, 4, 16)]
-    truth = lm.scaled_parts(3.0).with_overhead(Overhead(2.0, 0.01, 0.0))
-    samples = [StepSample(d, p, truth.predict_step_ms(d, p)) for d, p in shapes]
-    got = fit_scaled(lm, samples)
-    assert check(got, samples).max_abs_rel_err < 1e-6
-    assert got.overhead.fixed_ms == pytest.approx(2.0, rel=1e-6)
-    assert got.linears[0].table.ms == pytest.approx(tuple(3 * v for v in t.ms), rel=1e-6)
-    assert check(fit_overhead(lm, samples), samples).max_abs_rel_err > 0.05

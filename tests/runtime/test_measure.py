@@ -2,7 +2,7 @@
 import pytest
 
 from spear_compile.runtime import latency_cache as lc
-from spear_compile.runtime.latency import check
+from spear_compile.runtime.fit import check
 from spear_compile.runtime.measure import (SyntheticStep, default_buckets, default_step_grid, measure_and_fit,
                                            measure_latency_model, measure_steps)
 from spear_compile.runtime.plan import Plan, PlannedLinear

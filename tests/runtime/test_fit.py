@@ -1,0 +1,132 @@
+"""The top-down side of the latency model: the error report, the overhead fits, and the robust fit that
+ignores one-off slow steps (graph captures, recompiles, a busy CPU)."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spear_compile.runtime.fit import StepSample, check, fit_overhead, fit_scaled, outliers
+from spear_compile.runtime.latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
+
+from .test_latency import hand_model
+
+
+def test_check_reports_median_and_p90_of_the_relative_error():
+    m = hand_model()
+    samples = []
+    for i, f in enumerate((1.0, 1.1, 0.8, 1.25, 1.0)):   # prediction / measured ratios chosen by hand
+        dec = [10 + i]
+        samples.append(StepSample(tuple(dec), (), m.predict_step_ms(dec) / f))
+    rep = check(m, samples)
+    errs = sorted(abs(f - 1) for f in (1.0, 1.1, 0.8, 1.25, 1.0))   # |pred - meas| / meas = |f - 1|
+    assert rep.n == 5
+    assert rep.median_abs_rel_err == pytest.approx(errs[2])
+    assert rep.p90_abs_rel_err == pytest.approx(errs[3] + 0.6 * (errs[4] - errs[3]))  # linear interpolation
+    assert rep.max_abs_rel_err == pytest.approx(0.25)
+    assert "median" in str(rep)
+
+
+def test_fit_overhead_recovers_a_known_overhead():
+    m = hand_model()
+    true = m.with_overhead(Overhead(0.7, 0.01, 0.03))
+    grid = [([c] * b, [(t, c)] if t else []) for b in (0, 1, 4) for t in (0, 5, 50) for c in (8, 64) if b or t]
+    samples = [StepSample(tuple(d), tuple(p), true.predict_step_ms(d, p)) for d, p in grid]
+    got = fit_overhead(m, samples)
+    assert got.overhead.fixed_ms == pytest.approx(0.7, rel=1e-6)
+    assert got.overhead.per_token_ms == pytest.approx(0.01, rel=1e-6)
+    assert got.overhead.per_seq_ms == pytest.approx(0.03, rel=1e-6)
+    assert check(got, samples).max_abs_rel_err < 1e-9
+
+
+def test_step_sample_and_overhead_validate():
+    with pytest.raises(ValueError, match="measured_ms"):
+        StepSample((1,), (), 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        StepSample((), (), 1.0)
+    with pytest.raises(ValueError, match="fixed_ms"):
+        Overhead(fixed_ms=-1)
+    with pytest.raises(ValueError, match="n_layers"):
+        LatencyModel((), None, AttentionCost(), 0)
+    assert math.isfinite(hand_model().max_bucket)
+
+
+def test_fit_scaled_recovers_a_factor_on_the_parts_and_the_overhead():
+    """Steps that cost 3x the measured parts plus 2 ms + 0.01 ms per token: the fit finds both, which no
+    additive overhead alone can (fit_overhead leaves the 3x as an error growing with the step)."""
+
+    t = LatencyTable((1, 64, 256), (0.1, 0.5, 2.0))
+    lm = LatencyModel((LinearTable("all", 4, t),), t, AttentionCost(0.001, 0.0001), 2)
+    shapes = [((), ((c, 0),)) for c in (8, 32, 64, 128, 256)] + [((64,) * b, ()) for b in (1, 4, 16)]
+    truth = lm.scaled_parts(3.0).with_overhead(Overhead(2.0, 0.01, 0.0))
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p)) for d, p in shapes]
+    got, kept = fit_scaled(lm, samples)
+    assert kept.all()
+    assert check(got, samples).max_abs_rel_err < 1e-6
+    assert got.overhead.fixed_ms == pytest.approx(2.0, rel=1e-6)
+    assert got.linears[0].table.ms == pytest.approx(tuple(3 * v for v in t.ms), rel=1e-6)
+    assert check(fit_overhead(lm, samples), samples).max_abs_rel_err > 0.02  # 3.3 %: no overhead absorbs the 3x
+
+
+def engine_like():
+    """A served model's shape: a per-M table, attention, 32 layers; its 'engine' costs 1.3x the parts
+    plus 1.5 ms per step and 0.002 ms per token."""
+    t = LatencyTable((1, 16, 64, 256, 1024, 2048), (0.05, 0.06, 0.08, 0.25, 0.9, 1.8))
+    lm = LatencyModel((LinearTable("all", 7, t),), LatencyTable((1, 64), (0.2, 0.4)), AttentionCost(0.002, 1e-5, 1e-6, 1e-9), 32)
+    truth = lm.scaled_parts(1.3).with_overhead(Overhead(1.5, 0.002, 0.0))
+    shapes = ([((512,) * b, ()) for b in (1, 2, 4, 8, 16, 32)] +
+              [((600,) * b, ((c, p),)) for b in (1, 4, 16) for c in (16, 64, 256, 1024) for p in (0, 1024)])
+    return lm, truth, shapes
+
+
+def test_fit_weights_steps_by_their_relative_error():
+    """Noise proportional to the step: the relative fit keeps the short steps' error at the noise level,
+    where an absolute fit would trade them for the long ones."""
+    lm, truth, shapes = engine_like()
+    rng = np.random.default_rng(0)
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p) * float(rng.uniform(0.97, 1.03))) for d, p in shapes]
+    got, kept = fit_scaled(lm, samples)
+    rep = check(got, samples)
+    assert rep.max_abs_rel_err < 0.07 and rep.median_abs_rel_err < 0.03
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.floats(0.05, 0.35), st.floats(5.0, 40.0))
+def test_trimmed_fit_ignores_one_off_slow_steps(seed, share, slow):
+    """Up to 35 % of the steps pay a one-off cost of 5-40x (a CUDA-graph capture): the trimmed fit recovers
+    the steady model within the noise and flags exactly those steps; the untrimmed fit does not."""
+    lm, truth, shapes = engine_like()
+    rng = np.random.default_rng(seed)
+    shapes = shapes * 2
+    bad = rng.random(len(shapes)) < share
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p) * float(rng.uniform(0.98, 1.02)) * (slow if b else 1.0))
+               for (d, p), b in zip(shapes, bad)]
+    got, kept = fit_scaled(lm, samples, trim=3.0)
+    assert np.array_equal(kept, ~bad)
+    steady = [s for s, b in zip(samples, bad) if not b]
+    assert check(got, steady).max_abs_rel_err < 0.05
+
+
+def test_untrimmed_fit_is_pulled_by_capture_steps():
+    """The case the trimming exists for, by hand: a quarter of the steps 20x slow, no noise. The relative fit
+    already down-weights them (a row is divided by its own measured time), but they still pull it a few
+    percent off; trimmed, the fit is exact on the steady steps."""
+    lm, truth, shapes = engine_like()
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p) * (20.0 if i % 4 == 0 else 1.0))
+               for i, (d, p) in enumerate(shapes)]
+    steady = [s for i, s in enumerate(samples) if i % 4]
+    plain, kept = fit_scaled(lm, samples)
+    assert kept.all() and check(plain, steady).max_abs_rel_err > 0.02
+    trimmed, kept = fit_scaled(lm, samples, trim=3.0)
+    assert kept.sum() == len(steady) and check(trimmed, steady).max_abs_rel_err < 1e-6
+
+
+def test_outliers_never_trims_within_the_floor():
+    """Steps all within a few percent of the fit: nothing is an outlier, however small the spread."""
+    lm, truth, shapes = engine_like()
+    samples = [StepSample(d, p, truth.predict_step_ms(d, p) * (1.0 + 0.001 * (i % 3))) for i, (d, p) in enumerate(shapes)]
+    samples[0] = StepSample(samples[0].decode_contexts, (), samples[0].measured_ms * 1.1)  # 10 %: inside the floor
+    assert not outliers(truth, samples, 3.0).any()
+    with pytest.raises(ValueError, match="trim"):
+        fit_scaled(lm, samples, trim=0)
