@@ -1,0 +1,93 @@
+"""Refit a serving record's step samples offline: how the calibration's fit objective changes its error.
+
+A serving record (``benchmarks/serving.py``) keeps, per run, a sample of the engine's steps as
+(decodes, prefill tokens, op-table prediction ms, measured ms). This script pools one run per
+(policy, rate), splits the steps into even (fit) and odd (held out), and fits
+
+    measured ~ k * op_tables + fixed + per_token * tokens + per_seq * sequences
+
+three ways, as ``runtime.calibrate`` could: non-negative least squares of the absolute error (what
+``fit_scaled`` did before 2026-12-05), of the relative error, and of the relative error with the robust
+trimming of ``runtime.fit`` (3 robust deviations, ``TRIM_FLOOR``). It reports each fit's held-out median
+and p90 absolute relative error, beside the op tables alone. The sample has no context lengths, so the
+op-table prediction stands in for every measured part and ``sequences`` counts a step's prefill as one
+sequence; the numbers show the objectives' effect on real steps, not the engine's calibrated model.
+
+    python benchmarks/serving_refit.py RECORD.json [--out OUT.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spear_compile.runtime.fit import TRIM_FLOOR  # noqa: E402
+from spear_compile.runtime.latency import nnls  # noqa: E402
+
+
+def load_steps(path: str) -> np.ndarray:
+    """(decodes, prefill tokens, op-table ms, measured ms) of one run per (policy, rate) in the record."""
+    with open(path) as f:
+        rec = json.load(f)
+    seen, rows = set(), []
+    for r in rec["rows"]:
+        key = (r["policy_label"], r["rate"])
+        sample = (r.get("prediction_op_tables_only") or {}).get("sample") or []
+        if key in seen or not sample:
+            continue
+        seen.add(key)
+        rows += [tuple(s[:4]) for s in sample]
+    if len(rows) < 8:
+        raise SystemExit(f"{path}: only {len(rows)} sampled steps with an op-table prediction; need 8")
+    return np.array(rows, dtype=np.float64)
+
+
+def fit(X: np.ndarray, y: np.ndarray, relative: bool, trim: float = 0.0) -> tuple:
+    """Coefficients and the number of steps trimmed."""
+    w = 1.0 / y if relative else np.ones_like(y)
+    keep = np.ones(len(y), dtype=bool)
+    c = nnls(X * w[:, None], y * w)
+    for _ in range(10 if trim else 0):
+        z = np.log(y / np.maximum(X @ c, 1e-12))
+        dev = np.abs(z - np.median(z))
+        new = ~((dev > trim * 1.4826 * np.median(dev)) & (dev > np.log1p(TRIM_FLOOR)))
+        if new.sum() < 4 or np.array_equal(new, keep):
+            break
+        keep = new
+        c = nnls(X[keep] * w[keep, None], y[keep] * w[keep])
+    return c, int((~keep).sum())
+
+
+def errors(pred: np.ndarray, y: np.ndarray) -> dict:
+    e = np.abs(pred - y) / y
+    return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("record")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    n, t, tables, y = load_steps(args.record).T
+    X = np.column_stack([tables, np.ones_like(y), n + t, n + (t > 0)])
+    fit_i, held = np.arange(0, len(y), 2), np.arange(1, len(y), 2)
+    out = {"record": args.record, "steps": len(y), "held_out": len(held),
+           "op_tables_alone": errors(tables[held], y[held])}
+    for name, rel, trim in (("absolute", False, 0.0), ("relative", True, 0.0), ("relative_trimmed", True, 3.0)):
+        c, trimmed = fit(X[fit_i], y[fit_i], rel, trim)
+        out[name] = {**errors(X[held] @ c, y[held]), "trimmed": trimmed,
+                     "k": float(c[0]), "fixed_ms": float(c[1]), "per_token_ms": float(c[2]), "per_seq_ms": float(c[3])}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
