@@ -352,6 +352,8 @@ def main(argv=None) -> None:
     ap.add_argument("--attention", choices=("transformers", "varlen"), default="transformers",
                     help="the engine's attention: transformers' choice (paged|sdpa without flash-attn) or "
                          "runtime.attention's varlen kernel (Engine(attention='varlen'))")
+    ap.add_argument("--kv-padding", type=int, default=None,
+                    help="KV-read padding in tokens (cb_config kv_padding_interval_size; default: the engine's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -384,7 +386,8 @@ def main(argv=None) -> None:
     vocab = model.config.vocab_size
     engine_kw = dict(model=model, compile=args.compile, block_size=args.block_size, num_blocks=args.num_blocks,
                      max_batch_tokens=max(args.chunks) + 256, log=print,
-                     attention=None if args.attention == "transformers" else args.attention)
+                     attention=None if args.attention == "transformers" else args.attention,
+                     cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding})
     record = {"meta": meta(args), "rows": [], "latency_model": {}}
     for density in args.densities:
         names = set_ec_density(model, density, args.rank, args.seed)

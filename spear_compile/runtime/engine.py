@@ -120,6 +120,10 @@ class _Request:
         return True
 
 
+# KV-read padding (tokens) under attention="varlen": fewer CUDA-graph shapes for a bounded gather (_cb_defaults)
+VARLEN_KV_PADDING = 2048
+
+
 class Engine:
     """Continuous batching for a (quantized, EC-carrying, spear-compiled) causal LM (module docstring).
 
@@ -273,10 +277,19 @@ class Engine:
           in the engine's graphs on 4 layers), but compile and capture a graph per distinct token count:
           the 32-layer model did not finish its first 40 tokens in 280 s. (An earlier measurement of 0.49 ms
           per GEMV launch was the one-launch EC spinning on state clobbered by transformers' graph pool,
-          fixed in ``lowering/layout_cache.outside_pools``.)"""
+          fixed in ``lowering/layout_cache.outside_pools``.)
+        * With ``attention="varlen"`` the KV reads are padded to ``VARLEN_KV_PADDING`` tokens instead. That
+          attention reads only each sequence's own keys (``cu_seq_lens_k``), so a padded read costs only
+          transformers' gather of the padding rows (read from one trash slot, written once: at most 2047 rows x
+          16 KiB = 32 MiB a layer on Llama-2-7B, ~10 us at 3.3 TB/s). Padded to one page, every new total of
+          pages read across the batch captured a new CUDA graph: 55-83 captures of 100-500 ms each in a timed
+          32-request H100 run (``serving/2026-12-05_h100_varlen_kv256``), which set its p99 ITL."""
         if cc is None:
             return {}
-        out = {"kv_padding_interval_size": self.block_size or 256}
+        kv = self.block_size or 256
+        if self.attention == "varlen":
+            kv = max(kv, VARLEN_KV_PADDING)
+        out = {"kv_padding_interval_size": kv}
         if str(_device_of(self.model)).split(":")[0] == "cuda":
             out["use_cuda_graph"] = True
         return {k: v for k, v in out.items() if k not in self.extra_cb}

@@ -236,6 +236,13 @@ def test_compiled_engine_pads_kv_reads_to_one_block_unless_told():
     assert Engine(m, compile=True)._cb_defaults(cc) == {"kv_padding_interval_size": 256}
     told = Engine(m, compile=True, block_size=16, cb_config={"kv_padding_interval_size": 64})
     assert told._cb_defaults(cc) == {}
+    # varlen attention reads only each sequence's keys: coarser padding, fewer CUDA-graph shapes
+    from spear_compile.runtime.engine import VARLEN_KV_PADDING
+
+    assert Engine(m, compile=True, block_size=16, attention="varlen")._cb_defaults(cc) == {
+        "kv_padding_interval_size": VARLEN_KV_PADDING}
+    assert Engine(m, compile=True, block_size=4096, attention="varlen")._cb_defaults(cc) == {
+        "kv_padding_interval_size": 4096}
     assert Engine(m)._cb_defaults(Engine(m)._compile_config()) == {}  # eager: transformers pads nothing
 
 
