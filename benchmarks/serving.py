@@ -67,6 +67,8 @@ import spear_compile as spear  # noqa: E402
 from spear_compile import QuantConfig, runtime  # noqa: E402
 from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
 from spear_compile.runtime.first_use import FirstUseMarker, cuda_graph_count  # noqa: E402
+from spear_compile.runtime.calibrate import TRIM  # noqa: E402
+from spear_compile.runtime.fit import fit_scaled  # noqa: E402
 from spear_compile.serve.loadgen import pct, send_at_arrivals  # noqa: E402
 
 from benchmarks._meta import run_meta  # noqa: E402
@@ -178,6 +180,18 @@ def prediction_error(steps: list, latency_model) -> dict:
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
             "steady_median_abs_err": pct(steady, 50), "steady_p90_abs_err": pct(steady, 90),
             "steady_steps": len(steady), "sample": pts[:: max(1, len(pts) // 40)]}
+
+
+def sample_json(s) -> list:
+    """A ``StepSample`` as ``[decode contexts, prefill (tokens, prefilled) pieces, measured ms]``."""
+    return [list(s.decode_contexts), [list(p) for p in s.prefill_chunks], round(s.measured_ms, 4)]
+
+
+def served_json(steps: list) -> list:
+    """``TimedPolicy.steps`` as ``[decode contexts, prefill pieces, measured ms, first use]`` per step that ran
+    work and was followed by another call (the measured gap, as ``prediction_error`` takes it)."""
+    return [[list(dec), [list(p) for p in pre], round(t2 - t, 4), mark2 != mark]
+            for (t, dec, pre, mark), (t2, _, _, mark2) in zip(steps, steps[1:]) if dec or pre]
 
 
 def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
@@ -389,6 +403,9 @@ def main(argv=None) -> None:
                      attention=None if args.attention == "transformers" else args.attention,
                      cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding})
     record = {"meta": meta(args), "rows": [], "latency_model": {}}
+    # every calibration and served step, for offline refits (serving_refit.py)
+    steps_path = os.path.join(args.out, f"steps_{tag}.json")
+    steps_out = {"meta": record["meta"], "calibration": {}, "served": {}}
     for density in args.densities:
         names = set_ec_density(model, density, args.rank, args.seed)
         print(f"== EC density {density}%: {len(names)} linears carry an EC of rank {args.rank}", flush=True)
@@ -408,6 +425,11 @@ def main(argv=None) -> None:
             calibrated, held_out, cal_steps = runtime.calibrate(eng, tables, log=print)
             print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "
                   f"{runtime.check(tables, cal_steps)}", flush=True)
+            # the parts' factor held at 1 and fitted, on the same calibration steps: both are reported on the
+            # served steps beside the engine's default (calibrate's scale="auto")
+            variants = {f"prediction_scale_{name}": fit_scaled(tables, cal_steps, trim=TRIM, scale=k)[0]
+                        for name, k in (("held", 1.0), ("fitted", None))}
+            steps_out["calibration"][str(density)] = [sample_json(s) for s in cal_steps]
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             runs += [("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
                                                                    min_chunk=32), slo) for slo in slos]
@@ -426,17 +448,22 @@ def main(argv=None) -> None:
                         row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
                                "slo_ms": slo, "rate": rate, "decode_step_ms": step,
                                **score(res, reqs, slo, calibrated),
-                               "prediction_op_tables_only": prediction_error(res["steps"], tables)}
+                               "prediction_op_tables_only": prediction_error(res["steps"], tables),
+                               **{k: prediction_error(res["steps"], v) for k, v in variants.items()}}
                         record["rows"].append(row)
                         print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                         if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
                                                  "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed",
                                                  "graph_captures")},
                               "prediction |err| median (steps without a capture):",
-                              {k: row[k].get("steady_median_abs_err") for k in ("prediction", "prediction_op_tables_only")},
+                              {k: row[k].get("steady_median_abs_err") for k in ("prediction", "prediction_op_tables_only",
+                                                                                *variants)},
                               flush=True)
+                    steps_out["served"][f"{density}/{kind}/{chunk}/{own_slo}/{rate}"] = served_json(res["steps"])
                     with open(path, "w") as f:
                         json.dump(record, f, indent=1)
+                    with open(steps_path, "w") as f:
+                        json.dump(steps_out, f)
         finally:
             eng.stop(wait=False)
         record["latency_model"][str(density)] = {

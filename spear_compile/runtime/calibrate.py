@@ -9,12 +9,18 @@ engine (SmolLM2-135M, 2026-12-03) the synthetic fit underpredicted the engine's 
 dynamic policy on it broke the SLO it planned for (``benchmarks/results/serving/2026-12-03_cpu_smollm2_eager``).
 
 ``calibrate(engine, latency_model)`` therefore runs a short workload through the engine's own generation
-loop and refits the model on those steps (``latency.fit_scaled``: one factor on the measured parts,
-whose shape in M and context is kept, and the overhead terms):
+loop and refits the model on those steps (``fit.fit_scaled``: the overhead terms, and off CUDA one
+factor on the measured parts, whose shape in M and context is kept; on CUDA the parts are GPU time in
+CUDA graphs, as the engine replays them, and keep their factor of 1):
 
-* after one unrecorded pass (first-use costs), phases of decode batch ``b`` in ``decode_batches``: ``b`` requests with short prompts that keep
-  decoding while longer prompts are prefilled beside them, with the step's prefill budget cycling over
-  ``chunks`` (a static policy per step), then a few decode-only steps;
+* after one unrecorded pass (first-use costs), phases of decode batch ``b`` in ``decode_batches``: ``b``
+  requests that keep decoding while longer prompts are prefilled beside them, with the step's prefill
+  budget cycling over ``chunks`` (a static policy per step), then a few decode-only steps. The decodes'
+  prompts span 64 to 1024 tokens (``decode_prompt_lengths``): calibrated on 64-token decodes only, the fit
+  on an H100 (2026-12-06, ``benchmarks/results/serving/2026-12-06_h100_kv2048``) bent the parts' factor
+  so far toward the fixed overhead (7.1 ms of a 7.5 ms step) that served steps, whose decodes read
+  256-4096 tokens of context, were predicted with a 30 % median error (3.5 % on held-out calibration
+  steps; the op tables alone: 10 %);
 * every step's wall time is the gap between two successive calls of the policy inside a phase (the
   engine calls it once per step while it has work; the last step of a phase is dropped, since the gap
   after it includes the idle wait for the next phase);
@@ -37,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .first_use import FirstUseMarker
 from .fit import FitReport, StepSample, check, fit_scaled
@@ -47,6 +53,7 @@ from .policy import StaticChunkPolicy
 
 
 TRIM = 3.0  # robust standard deviations beyond which a calibration step is an outlier (fit.outliers)
+DECODE_PROMPT_MAX = 1024  # the longest decode prompt of the default calibration (decode_prompt_lengths)
 
 
 class CyclingChunkPolicy:
@@ -104,14 +111,36 @@ def default_chunks(max_tokens: int) -> Tuple[int, ...]:
     return tuple(out) + (max_tokens,)
 
 
+def _on_cuda(model) -> bool:
+    p = next(iter(model.parameters()), None)
+    return p is not None and p.device.type == "cuda"
+
+
+def decode_prompt_lengths(kv_tokens: int, batch: int, longest: int = DECODE_PROMPT_MAX) -> Tuple[int, ...]:
+    """The decodes' prompt lengths of a calibration phase of ``batch`` decodes: 64, 256, 1024, ... up to
+    ``longest`` and to a quarter of the KV cache shared by the batch (at least 64, the shortest)."""
+    cap = max(64, min(int(longest), kv_tokens // (4 * max(1, batch))))
+    out, n = [], 64
+    while n <= cap:
+        out.append(n)
+        n *= 4
+    return tuple(out)
+
+
 def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int]] = None,
-              decode_batches: Sequence[int] = (1, 4, 16), reps: int = 2, decode_prompt: int = 64,
-              decode_tail: int = 6, warmup: bool = True, vocab: Optional[int] = None, timeout_s: float = 600.0,
+              decode_batches: Sequence[int] = (1, 4, 16), reps: int = 2,
+              decode_prompt: Union[None, int, Sequence[int]] = None, decode_tail: int = 6, warmup: bool = True,
+              vocab: Optional[int] = None, timeout_s: float = 600.0, scale: Union[None, float, str] = "auto",
               log: Callable[[str], None] = print) -> Tuple[LatencyModel, FitReport, List[StepSample]]:
     """``latency_model`` refitted (parts factor and overhead) on the steps of ``engine`` (started, idle), the
     held-out report, and the samples (first-use steps dropped, outliers kept). ``warmup``: run the workload
-    once unrecorded first, so that fewer steps meet a shape for the first time. The engine's policy is
-    restored afterwards."""
+    once unrecorded first, so that fewer steps meet a shape for the first time. ``decode_prompt``: the
+    decodes' prompt length(s), cycled over a phase's decodes (None: ``decode_prompt_lengths`` up to two
+    steps' token budget, so the decodes' contexts span short to long and the fit sees the attention term
+    grow). ``scale``: hold the
+    parts' factor at this value, or fit it (None; ``fit_scaled``); ``"auto"``: 1 on CUDA, where the op tables
+    are GPU time inside CUDA graphs as the engine replays them, fitted elsewhere (wall-clock tables of one op
+    at a time). The engine's policy is restored afterwards."""
     if not engine.running:
         raise RuntimeError("calibrate: the engine must be started (Engine.start())")
     budget = int(engine.max_batch_tokens)
@@ -126,6 +155,8 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     if bad:
         raise ValueError(f"calibrate: chunks {bad} must be in [1, max_batch_tokens - decode batch = "
                          f"{budget - max(batches)}]")
+    if scale == "auto":
+        scale = 1.0 if _on_cuda(engine.model) else None
     vocab = int(vocab or getattr(engine.model.config, "vocab_size", 1000))
     kv_tokens = engine.kv_block_size * engine.kv_total_blocks
 
@@ -135,10 +166,14 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     def phase(b: int) -> Tuple[List[StepSample], int]:
         policy.records.clear()
         steps = len(chunks) * reps + decode_tail
-        short = [ids(decode_prompt, s) for s in range(b)]
+        if decode_prompt is None:
+            lens = decode_prompt_lengths(kv_tokens, b, min(DECODE_PROMPT_MAX, 2 * budget))
+        else:
+            lens = (int(decode_prompt),) if isinstance(decode_prompt, int) else tuple(int(n) for n in decode_prompt)
+        short = [ids(lens[s % len(lens)], s) for s in range(b)]
         long = [ids(c, 1000 + i) for i, c in enumerate(list(chunks) * reps)]
-        # the decodes outlive the prefills beside them: their own prompts take steps too
-        new = steps + -(-b * decode_prompt // min(chunks))
+        # the decodes outlive the prefills beside them: their own prompts take steps too (at the mean budget)
+        new = steps + -(-2 * sum(map(len, short)) * len(chunks) // sum(chunks))
         need = sum(len(p) + new + 2 for p in short) + sum(len(p) + 2 for p in long)
         if need > kv_tokens:  # keep the phase inside the cache: shorter prefills
             long = [p[: max(1, len(p) * kv_tokens // (2 * need))] for p in long]
@@ -171,8 +206,8 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     if len(samples) < 8:
         raise RuntimeError(f"calibrate: only {len(samples)} steps were measured without a graph capture or "
                            f"compile; need at least 8 (more reps, or a longer warm-up)")
-    report = check(fit_scaled(latency_model, samples[0::2], trim=TRIM)[0], samples[1::2])
-    fitted, kept = fit_scaled(latency_model, samples, trim=TRIM)
+    report = check(fit_scaled(latency_model, samples[0::2], trim=TRIM, scale=scale)[0], samples[1::2])
+    fitted, kept = fit_scaled(latency_model, samples, trim=TRIM, scale=scale)
     if not kept.all():
         log(f"spear_compile: calibration: {int((~kept).sum())} of {len(samples)} steps left out of the fit as outliers")
     return fitted, report, samples
@@ -198,4 +233,4 @@ def engine_key(plan_key: CacheKey, engine) -> CacheKey:
                     plan_key.version)
 
 
-__all__ = ["CyclingChunkPolicy", "calibrate", "default_chunks", "engine_fingerprint", "engine_key", "step_samples"]
+__all__ = ["CyclingChunkPolicy", "calibrate", "decode_prompt_lengths", "default_chunks", "engine_fingerprint", "engine_key", "step_samples"]

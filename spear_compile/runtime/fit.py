@@ -103,7 +103,9 @@ def fit_overhead(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyM
     return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))
 
 
-def _fit_scaled_once(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
+def _fit_scaled_once(model: LatencyModel, samples: Sequence[StepSample], scale: Optional[float]) -> LatencyModel:
+    if scale is not None:
+        return fit_overhead(model.scaled_parts(scale) if scale != 1.0 else model, samples)
     X0, resid = _overhead_features(model, samples)
     meas = _measured(samples)
     parts = meas - resid
@@ -125,7 +127,7 @@ def outliers(model: LatencyModel, samples: Sequence[StepSample], k: float) -> np
 
 
 def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optional[float] = None,
-               max_rounds: int = 10) -> Tuple[LatencyModel, np.ndarray]:
+               max_rounds: int = 10, scale: Optional[float] = None) -> Tuple[LatencyModel, np.ndarray]:
     """The model with its measured parts (linear and head tables, attention) scaled by one factor ``k`` and
     its ``Overhead`` refitted, jointly by non-negative least squares of the relative error of measured on
     (parts, 1, tokens, sequences); and the boolean mask of the steps the fit kept.
@@ -135,19 +137,24 @@ def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optiona
     corrects. A fit that leaves the parts out (``k = 0``) keeps ``k = 1`` and refits only the overhead
     (``fit_overhead``): the parts' shape in M stays what was measured. ``trim``: drop outlier steps
     (``outliers``, ``k = trim``) and refit, up to ``max_rounds`` times, until the kept set is stable
-    (module docstring); None keeps every step."""
+    (module docstring); None keeps every step. ``scale``: hold the factor at this value instead of fitting it
+    (only the overhead is fitted, with the same trimming): for parts timed as the engine runs them (GPU time
+    in CUDA graphs), whose factor a calibration sample that does not span the served steps' contexts
+    would otherwise bend (``calibrate``)."""
     if not samples:
         raise ValueError("fit_scaled: no samples")
     if trim is not None and not trim > 0:
         raise ValueError(f"fit_scaled: trim={trim!r} must be > 0 or None")
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
+        raise ValueError(f"fit_scaled: scale={scale!r} must be a number > 0 or None")
     keep = np.ones(len(samples), dtype=bool)
-    fitted = _fit_scaled_once(model, samples)
+    fitted = _fit_scaled_once(model, samples, scale)
     for _ in range(max_rounds if trim is not None else 0):
         new = ~outliers(fitted, samples, trim)
         if new.sum() < 4 or np.array_equal(new, keep):
             break
         keep = new
-        fitted = _fit_scaled_once(model, [s for s, k in zip(samples, keep) if k])
+        fitted = _fit_scaled_once(model, [s for s, k in zip(samples, keep) if k], scale)
     return fitted, keep
 
 

@@ -133,3 +133,12 @@ def test_calibration_leaves_out_steps_that_captured_or_compiled_a_graph(tiny, mo
                                  log=logs.append)
     dropped = sum(int(m.split("(")[1].split()[0]) for m in logs if "left out" in m and "captured" in m)
     assert dropped >= len(plain) // 6 and len(marked) + dropped == len(plain)
+
+
+def test_decode_prompts_span_short_to_long_contexts_within_the_cache():
+    from spear_compile.runtime.calibrate import decode_prompt_lengths
+
+    assert decode_prompt_lengths(131_328, 16) == (64, 256, 1024)        # the H100 engine: 513 blocks of 256
+    assert decode_prompt_lengths(131_328, 16, longest=4096) == (64, 256, 1024)  # a quarter of the cache / 16
+    assert decode_prompt_lengths(1024, 4) == (64,)                     # a small cache keeps the shortest
+    assert decode_prompt_lengths(10**7, 1, longest=5000) == (64, 256, 1024, 4096)

@@ -149,3 +149,24 @@ def test_refit_of_the_h100_record_prefers_the_trimmed_relative_fit(tmp_path):
     assert out["relative_trimmed"]["trimmed"] > 0
     assert out["relative_trimmed"]["median_abs_err"] < 0.5 * out["absolute"]["median_abs_err"]
     assert out["relative_trimmed"]["median_abs_err"] < out["op_tables_alone"]["median_abs_err"]
+
+
+def test_a_held_scale_keeps_the_parts_a_short_context_sample_would_bend():
+    """Steps that cost the parts (k = 1) plus an overhead that grows with tokens, sampled only at short
+    contexts: a free factor trades the parts for fixed overhead there and then misses long-context steps;
+    held at 1 (what GPU-timed parts are), the fit predicts them, and only the overhead moves."""
+    t = LatencyTable((1, 64, 256), (2.0, 2.2, 4.0))
+    lm = LatencyModel((LinearTable("all", 4, t),), None, AttentionCost(0.0, 0.0, 0.0005, 0.0), 2)
+    true = lm.with_overhead(Overhead(0.5, 0.004, 0.0))
+    noise = np.random.default_rng(0).normal(0, 0.03, 64)
+    short = [StepSample((64,) * b, ((c, 0),) if c else (), true.predict_step_ms((64,) * b, ((c, 0),) if c else ())
+                        * (1 + e)) for (b, c), e in zip([(b, c) for b in (1, 2, 4, 8) for c in (0, 16, 64, 200)] * 4,
+                                                        noise)]
+    long_ = [StepSample((4096,) * b, (), true.predict_step_ms((4096,) * b)) for b in (4, 8, 16)]
+    held, _ = fit_scaled(lm.with_overhead(Overhead()), short, trim=3.0, scale=1.0)
+    assert held.linears == lm.linears and held.attention == lm.attention   # the parts as measured
+    assert check(held, long_).median_abs_rel_err < 0.05
+    free, _ = fit_scaled(lm.with_overhead(Overhead()), short, trim=3.0)
+    assert check(free, long_).median_abs_rel_err > 10 * check(held, long_).median_abs_rel_err
+    with pytest.raises(ValueError, match="scale"):
+        fit_scaled(lm, short, scale=0)
