@@ -430,6 +430,8 @@ def main(argv=None) -> None:
             variants = {f"prediction_scale_{name}": fit_scaled(tables, cal_steps, trim=TRIM, scale=k)[0]
                         for name, k in (("held", 1.0), ("fitted", None))}
             steps_out["calibration"][str(density)] = [sample_json(s) for s in cal_steps]
+            steps_out.setdefault("models", {})[str(density)] = {"op_tables": tables.to_dict(),
+                                                                "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             runs += [("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
                                                                    min_chunk=32), slo) for slo in slos]
