@@ -24,7 +24,11 @@ no graph, ``first_use.FirstUseMarker``). The dynamic policy's latency model is t
 step overhead calibrated on the engine's own steps (``runtime.calibrate``, as ``Engine(slo_itl_ms=...)``
 does when it starts); rows also give the error of the op tables alone (``prediction_op_tables_only``),
 and the record the calibration's held-out error per density. Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
-the top, and ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density).
+the top, ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density), and
+``OUT/steps_<device>.json``: every calibration step and every served step (decode contexts, prefill pieces,
+measured ms, whether it captured or compiled a graph) with the op-table and calibrated models per density,
+for offline refits. Each row also reports the prediction with the parts' factor held at 1 and fitted on the
+same calibration steps (``prediction_scale_held`` / ``prediction_scale_fitted``).
 
 Models: ``--model smollm2`` (the real SmolLM2-135M, fp32 on CPU, SLO scaled to its measured decode
 step: ``--slo-ms auto`` = 1.5x and 2.5x the median batch-1 decode step through the engine) or
