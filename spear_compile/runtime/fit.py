@@ -138,9 +138,8 @@ def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optiona
     (``fit_overhead``): the parts' shape in M stays what was measured. ``trim``: drop outlier steps
     (``outliers``, ``k = trim``) and refit, up to ``max_rounds`` times, until the kept set is stable
     (module docstring); None keeps every step. ``scale``: hold the factor at this value instead of fitting it
-    (only the overhead is fitted, with the same trimming): for parts timed as the engine runs them (GPU time
-    in CUDA graphs), whose factor a calibration sample that does not span the served steps' contexts
-    would otherwise bend (``calibrate``)."""
+    (only the overhead is fitted, with the same trimming): for parts known to be timed as the engine runs
+    them, whose factor a sample that does not span the served steps (short contexts only) would bend."""
     if not samples:
         raise ValueError("fit_scaled: no samples")
     if trim is not None and not trim > 0:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .plan import HEAD_ROWS
 
-SCHEMA_VERSION = 2  # 2: on CUDA the parts are GPU time inside CUDA graphs (1 timed them by wall clock)
+SCHEMA_VERSION = 3  # 3: compiled linears timed over weight copies past the L2 cache; 2: GPU time in CUDA graphs; 1: wall clock
 
 
 def _nonneg(owner: str, name: str, v) -> float:

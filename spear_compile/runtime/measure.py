@@ -14,7 +14,8 @@ at every M), so the dispatch takes the route the compiled graph takes; other rou
 checks; an engine's real step function replaces it on a GPU.
 
 The parts are timed as the engine runs them: on CUDA the GPU time of each inside a CUDA graph
-(``gpu_time_ms``), on CPU the median wall time of ``reps`` runs after ``warmup`` (``time_ms``); whole
+(``gpu_time_ms``), a compiled linear's calls cycling over enough weight copies that they read HBM, not
+the L2 cache (``weight_copies``); on CPU the median wall time of ``reps`` runs after ``warmup`` (``time_ms``); whole
 steps are timed by wall clock. On CPU the defaults are coarse (M up to 256, a few attention points), so
 a small model measures in seconds.
 """
@@ -27,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .fit import StepSample, fit_overhead
 from .latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
-from .op_runner import op_runner
+from .op_runner import linear_bytes, op_runner
 from .plan import Plan, PlannedLinear
 
 Runner = Callable[..., Callable[[], object]]
@@ -79,13 +80,27 @@ def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: 
         return bench_graph(lambda i: fn(), copies=1, calls=calls, replays=reps, warmup=warmup) / 1e3
 
 
-def part_time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5) -> float:
+def part_time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: int = 5, calls: int = 10) -> float:
     """How a part of the step (one linear's ops, attention, the head) is timed for the tables: GPU time in
-    a CUDA graph on CUDA (``gpu_time_ms``), wall clock elsewhere (``time_ms``)."""
+    a CUDA graph of ``calls`` calls on CUDA (``gpu_time_ms``), wall clock elsewhere (``time_ms``)."""
     torch = _torch()
     if torch.device(device).type == "cuda":
-        return gpu_time_ms(fn, device, warmup, reps)
+        return gpu_time_ms(fn, device, warmup, reps, calls)
     return time_ms(fn, device, warmup, reps)
+
+
+def weight_copies(lin: PlannedLinear, m: int, device) -> int:
+    """Independent weight sets for timing ``lin`` at ``m`` rows: on CUDA enough that one sweep of them is
+    3x the L2 cache (``dispatch.tuning.copies_for``), so each call reads its weights from HBM as the
+    engine's step does (every layer's weights in turn); 1 elsewhere. Timed on one weight set, the op
+    tables of a Llama-2-7B-shaped W4 model summed to 0.59 ms for a batch-1 decode on an H200
+    (2026-12-06, ``benchmarks/results/serving/2026-12-06_h200_calibration``): 6.6 TB/s of weights, above
+    the 4.8 TB/s HBM, so the weights came from L2."""
+    if _torch().device(device).type != "cuda" or not lin.ops:
+        return 1
+    from ..dispatch.tuning import copies_for
+
+    return copies_for(linear_bytes(lin, m))
 
 
 def _dtype(plan: Plan, device, dtype):
@@ -183,9 +198,10 @@ def measure_latency_model(plan: Plan, device="cpu", dtype=None, max_m: Optional[
             for lin in plan.linears + (head_lin,):
                 ms, weights = [], {}  # a recorded linear's ops keep their weights across the buckets
                 for m in buckets:
-                    fn = (op_runner(lin, m, device, dtype, weights) if lin.ops else
+                    n = weight_copies(lin, m, device)
+                    fn = (op_runner(lin, m, device, dtype, weights, copies=n) if lin.ops else
                           runners[lin.route_at(m)](lin, m, device, dtype))
-                    ms.append(part_time_ms(fn, device, warmup, reps))
+                    ms.append(part_time_ms(fn, device, warmup, reps, calls=max(10, n)))
                     if bar is not None:
                         bar.update(1)
                 tables.append(LinearTable(lin.name, lin.count, LatencyTable.monotone(buckets, ms)))

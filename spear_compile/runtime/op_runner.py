@@ -10,6 +10,7 @@ quantized model gives them).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional
 
 from .plan import PlannedLinear, PlannedOp, ops_at
@@ -40,9 +41,25 @@ def _weights(op: PlannedOp, device, dtype):
     return out
 
 
-def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None) -> Callable[[], object]:
+def op_bytes(op: PlannedOp, dtype_bytes: int = 2) -> int:
+    """Bytes of ``op``'s weights (packed int4, group scales and zeros, bias, EC factors): what one call reads
+    from memory besides its activations."""
+    K, G = op.K, op.G
+    ng = 1 if G <= 0 or G >= K else K // G
+    total = 0
+    for rows, rank, gate in op.parts:
+        total += rows * K // 2 + rows * ng * dtype_bytes * (2 if op.has_zeros else 1)
+        total += rows * dtype_bytes if op.has_bias else 0
+        if rank:
+            D = gate or 16
+            total += (rank * K + rows * rank + 2 * D * rank + D + rank) * dtype_bytes
+    return total
+
+
+def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None, copy: int = 0) -> Callable[[], object]:
     """A zero-argument callable running ``op`` once on ``m`` rows. ``weights``: a dict that keeps each op's
-    random weights across calls (every M then runs on the same weights, as the compiled model does)."""
+    random weights across calls (every M then runs on the same weights, as the compiled model does);
+    ``copy``: which of several independent weight sets (kept apart in ``weights``)."""
     import torch
 
     if op.layout != "spear":
@@ -50,11 +67,11 @@ def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None
                          f"(write the plan's linear by hand to time it as dense F.linear)")
     ops = torch.ops.spear
     x = torch.randn(m, op.K, device=device, dtype=dtype)
-    w = weights.get(op) if weights is not None else None
+    w = weights.get((op, copy)) if weights is not None else None
     if w is None:
         w = _weights(op, device, dtype)
         if weights is not None:
-            weights[op] = w
+            weights[(op, copy)] = w
     qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [p[3] for p in w]
     G = op.G
     nw = torch.ones(op.K, device=device, dtype=dtype) if op.norm else None
@@ -74,18 +91,29 @@ def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None
     return lambda: ops.ec_linear_glu(x, qs, ss, zs, G, *ecs, op.act, op.layout, nw)
 
 
-def op_runner(lin: PlannedLinear, m: int, device, dtype, weights: Optional[dict] = None) -> Callable[[], object]:
+def linear_bytes(lin: PlannedLinear, m: int) -> int:
+    """Bytes of the weights of every op of ``lin`` that runs ``m`` rows (``op_bytes``)."""
+    return sum(op_bytes(o) for o in ops_at(lin.ops, m))
+
+
+def op_runner(lin: PlannedLinear, m: int, device, dtype, weights: Optional[dict] = None,
+              copies: int = 1) -> Callable[[], object]:
     """Run every op of ``lin`` that runs ``m`` rows (a measurement runner, ``measure.Runner``; ``weights``
-    as in ``op_call``)."""
+    as in ``op_call``). ``copies`` > 1: each call runs on the next of ``copies`` independent weight sets
+    in turn, so that calls captured back to back read their weights from memory, not from the cache the
+    previous call filled (``measure.gpu_time_ms``)."""
     if not lin.ops:
         raise ValueError(f"op_runner: {lin.name!r} has no compiled ops (a hand-written plan linear); "
                          f"time it with the reference runner")
-    calls = [op_call(o, m, device, dtype, weights) for o in ops_at(lin.ops, m)]
-    if len(calls) == 1:
-        return calls[0]
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"op_runner: copies={copies!r} must be an integer >= 1")
+    sets = [[op_call(o, m, device, dtype, weights, j) for o in ops_at(lin.ops, m)] for j in range(copies)]
+    if len(sets) == 1 and len(sets[0]) == 1:
+        return sets[0][0]
+    turn = itertools.cycle(sets)
 
     def run():
-        for c in calls:
+        for c in next(turn):
             c()
 
     return run

@@ -27,3 +27,19 @@ def test_part_time_takes_the_gpu_path_on_cuda_and_the_wall_clock_on_cpu():
     assert part_time_ms(lambda: x.add_(1.0), "cuda", reps=10) < time_ms(lambda: x.add_(1.0), "cuda", reps=10)
     y = torch.randn(64)
     assert part_time_ms(lambda: y.add_(1.0), "cpu", reps=3) > 0
+
+
+def test_compiled_linear_tables_read_their_weights_from_hbm():
+    """Timed over weight copies past the L2 cache, a W4 linear at M = 1 cannot beat the HBM (an H200's
+    4.8 TB/s): on one weight set the tables of a W4 Llama-2-7B summed to 6.6 TB/s of weights."""
+    import spear_compile  # noqa: F401  (registers torch.ops.spear)
+    from spear_compile.runtime.measure import weight_copies
+    from spear_compile.runtime.op_runner import linear_bytes, op_runner
+    from spear_compile.runtime.plan import PlannedLinear, PlannedOp
+
+    lin = PlannedLinear("q", 4096, 4096, ops=(PlannedOp("w4a16", ((4096, 0, 0),), 4096, 128),))
+    n = weight_copies(lin, 1, "cuda")
+    assert n > 1
+    with torch.inference_mode():
+        ms = part_time_ms(op_runner(lin, 1, "cuda", torch.bfloat16, {}, copies=n), "cuda", reps=10, calls=max(10, n))
+    assert linear_bytes(lin, 1) / (ms * 1e-3) / 1e12 < 5.5
