@@ -52,6 +52,7 @@ TTFT and ITL, ``/health`` during the load. Written to ``OUT/serving_http_<device
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -472,6 +473,10 @@ def main(argv=None) -> None:
                         json.dump(steps_out, f)
         finally:
             eng.stop(wait=False)
+            eng = None  # before the next density's engine starts: its KV cache and graphs go with it
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
         record["latency_model"][str(density)] = {
             "linears": [lin.name for lin in plan.linears], "routes": list(plan.routes),
             "calibration": {"steps": len(cal_steps), "held_out": str(held_out),

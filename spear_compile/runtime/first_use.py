@@ -9,6 +9,7 @@ captures each run paid and the latency model's error on the steps that paid none
 """
 from __future__ import annotations
 
+import weakref
 from typing import Tuple
 
 import torch
@@ -49,15 +50,19 @@ class FirstUseMarker:
     """``marker()`` -> (CUDA graphs held, graphs compiled) for ``engine``: a step during which this changed
     paid a first-use cost. The graph buffers are looked up once (then each call is a few attribute reads,
     cheap enough to run every step); while none is found (before the engine's first step, or without CUDA
-    graphs) each call looks again."""
+    graphs), or once the engine has dropped them, each call looks again. The buffers are held weakly: a
+    marker kept by a policy must not keep a stopped engine's graphs (and their memory pool) alive; on an
+    H200 a second engine then started with 126 GiB still allocated (2026-12-06)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self._buffers = engine, []
+        self.engine, self._refs = engine, []
 
     def __call__(self) -> Tuple[int, int]:
-        if not self._buffers:
-            self._buffers = _graph_buffers(self.engine)
-        return sum(len(getattr(b, "_storage", {})) for b in self._buffers), compiled_graph_count()
+        bufs = [r() for r in self._refs]
+        if not bufs or any(b is None for b in bufs):
+            bufs = _graph_buffers(self.engine)
+            self._refs = [weakref.ref(b) for b in bufs]
+        return sum(len(getattr(b, "_storage", {})) for b in bufs), compiled_graph_count()
 
 
 __all__ = ["FirstUseMarker", "compiled_graph_count", "cuda_graph_count"]

@@ -37,3 +37,19 @@ def test_a_compiled_graph_moves_the_marker():
     after = marker()
     assert after[1] > before[1] and after[1] == compiled_graph_count()
     assert after[0] == before[0] == 0
+
+
+def test_the_marker_does_not_keep_a_stopped_engines_graphs_alive():
+    import gc
+    import weakref
+
+    a = CudaGraphBuffer()
+    a._storage[(64, 256)] = object()
+    eng = _Holder(_manager=_Holder(graphs=a))
+    marker = FirstUseMarker(eng)
+    assert marker()[0] == 1
+    gone = weakref.ref(a)
+    eng._manager, a = None, None  # the engine stopped and dropped its manager
+    gc.collect()
+    assert gone() is None
+    assert marker()[0] == 0  # looks again, finds nothing
