@@ -14,6 +14,14 @@ op-table prediction stands in for every measured part and ``sequences`` counts a
 sequence; the numbers show the objectives' effect on real steps, not the engine's calibrated model.
 
     python benchmarks/serving_refit.py RECORD.json [--out OUT.json]
+
+With ``--steps STEPS.json`` (the ``steps_<device>.json`` a serving run writes since 2026-12-06: every
+calibration and served step with its decode contexts, and the op-table model per density) it refits the
+real latency model instead: per density, ``runtime.fit.fit_scaled`` on the calibration steps (trimmed as
+``runtime.calibrate`` trims) with the parts' factor held at 1 and fitted, each checked on every served step
+that captured or compiled no graph, pooled and per run, beside the op tables alone:
+
+    python benchmarks/serving_refit.py --steps STEPS.json [--out OUT.json]
 """
 from __future__ import annotations
 
@@ -68,11 +76,53 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
     return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
 
 
+def refit_steps(path: str) -> dict:
+    """The ``--steps`` mode (module docstring)."""
+    from spear_compile.runtime.calibrate import TRIM
+    from spear_compile.runtime.fit import StepSample, check, fit_scaled
+    from spear_compile.runtime.latency import LatencyModel
+
+    with open(path) as f:
+        rec = json.load(f)
+
+    def samples(rows, keep=lambda r: True):
+        return [StepSample(tuple(r[0]), tuple(tuple(p) for p in r[1]), r[2]) for r in rows if keep(r)]
+
+    def report(r) -> dict:
+        return {"median_abs_err": r.median_abs_rel_err, "p90_abs_err": r.p90_abs_rel_err, "steps": r.n}
+
+    out = {"steps_file": path, "densities": {}}
+    for dens, d in rec["models"].items():
+        tables = LatencyModel.from_dict(d["op_tables"])
+        cal = samples(rec["calibration"][dens])
+        runs = {k: samples(v, lambda r: not r[3]) for k, v in rec["served"].items() if k.split("/")[0] == dens}
+        served = [s for v in runs.values() for s in v]
+        models = {"op_tables_alone": tables}
+        for name, k in (("scale_held", 1.0), ("scale_fitted", None)):
+            models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k)[0]
+        out["densities"][dens] = {
+            "calibration_steps": len(cal),
+            "served_pooled": {n: report(check(m, served)) for n, m in models.items()},
+            "per_run": {run: {n: report(check(m, v)) for n, m in models.items()} for run, v in runs.items() if v},
+            "overhead": {n: m.overhead.to_dict() for n, m in models.items()}}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("record")
+    ap.add_argument("record", nargs="?")
+    ap.add_argument("--steps", help="a serving run's steps_<device>.json: refit the real latency model")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if (args.record is None) == (args.steps is None):
+        ap.error("give a RECORD.json or --steps STEPS.json (one of them)")
+    if args.steps:
+        out = refit_steps(args.steps)
+        print(json.dumps(out["densities"], indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        return out
     n, t, tables, y = load_steps(args.record).T
     X = np.column_stack([tables, np.ones_like(y), n + t, n + (t > 0)])
     fit_i, held = np.arange(0, len(y), 2), np.arange(1, len(y), 2)

@@ -151,10 +151,31 @@ def test_refit_of_the_h100_record_prefers_the_trimmed_relative_fit(tmp_path):
     assert out["relative_trimmed"]["median_abs_err"] < out["op_tables_alone"]["median_abs_err"]
 
 
+def test_refit_of_the_h200_steps_file_reproduces_the_recorded_errors(tmp_path):
+    """``serving_refit.py --steps`` on the committed H200 run: the latency model refitted on its calibration
+    steps and checked on its served steps gives the errors its record states (README, pooled medians)."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("serving_refit", root / "benchmarks/serving_refit.py")
+    serving_refit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving_refit)
+    run = root / "benchmarks/results/serving/2026-12-06_h200_calibration"
+    out = serving_refit.main(["--steps", str(run / "steps_h200.json")])
+    pooled = {d: {k: round(100 * v["median_abs_err"], 1) for k, v in r["served_pooled"].items()}
+              for d, r in out["densities"].items()}
+    assert pooled == {"25": {"op_tables_alone": 12.2, "scale_held": 16.8, "scale_fitted": 15.9},
+                      "100": {"op_tables_alone": 18.9, "scale_held": 14.2, "scale_fitted": 13.9}}
+    import json
+
+    assert json.loads((run / "refit.json").read_text())["densities"] == json.loads(json.dumps(out["densities"]))
+
+
 def test_a_held_scale_keeps_the_parts_a_short_context_sample_would_bend():
     """Steps that cost the parts (k = 1) plus an overhead that grows with tokens, sampled only at short
     contexts: a free factor trades the parts for fixed overhead there and then misses long-context steps;
-    held at 1 (what GPU-timed parts are), the fit predicts them, and only the overhead moves."""
+    held at 1 (parts timed as the engine runs them), the fit predicts them, and only the overhead moves."""
     t = LatencyTable((1, 64, 256), (2.0, 2.2, 4.0))
     lm = LatencyModel((LinearTable("all", 4, t),), None, AttentionCost(0.0, 0.0, 0.0005, 0.0), 2)
     true = lm.with_overhead(Overhead(0.5, 0.004, 0.0))
