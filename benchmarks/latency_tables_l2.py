@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from _meta import run_meta
 from _syspath import unshadow
 
 unshadow()
@@ -30,8 +31,6 @@ import spear_compile  # noqa: E402,F401  (registers torch.ops.spear)
 from spear_compile.runtime.measure import part_time_ms, weight_copies  # noqa: E402
 from spear_compile.runtime.op_runner import linear_bytes, op_runner  # noqa: E402
 from spear_compile.runtime.plan import PlannedLinear, PlannedOp  # noqa: E402
-
-from _meta import run_meta  # noqa: E402
 
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (12288, 4096))  # (N, K): o, up, down, q/k/v concatenated
 
