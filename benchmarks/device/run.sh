@@ -31,6 +31,8 @@
 #                  (default --models qwen2.5-7b llama3-8b --ms 1 16 64 256)
 #   small-m        benchmarks/small_m_gemm.py: the register-operand GEMM's small tiles at M = 2..128 against the route's
 #                  shipped choice and cuBLAS, W4 + EC after (default: the benchmark and Qwen2.5-7B shapes)
+#   l2-tables      benchmarks/latency_tables_l2.py: a compiled W4 linear timed as the serving latency tables
+#                  time it, on one weight set against weight copies past L2 (default --ms 1 16 64 256)
 #   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
 #                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)
 #   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
@@ -41,9 +43,9 @@
 # With PACK=1 in the environment the folder ends packed as OUT_DIR.tgz (pack.sh), for a transfer
 # that returns a limited number of files. TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,30p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,44p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m e2e-hf ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables e2e-hf ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -134,6 +136,7 @@ case "$topic" in
   read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
   untuned)      bench benchmarks/untuned_shapes.py --out "$out" "$@"; rc=$? ;;
   small-m)      bench benchmarks/small_m_gemm.py --out "$out" "$@"; rc=$? ;;
+  l2-tables)    bench benchmarks/latency_tables_l2.py --out "$out" "$@"; rc=$? ;;
   serving)      bench benchmarks/serving.py --out "$out" ${@:---device cuda --model llama2-7b}; rc=$? ;;
   engine-profile) bench benchmarks/engine_profile.py --out "$out" ${@:---device cuda --model llama2-7b --batch 1 16}
                 rc=$? ;;
