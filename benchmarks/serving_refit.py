@@ -19,9 +19,11 @@ With ``--steps STEPS.json`` (the ``steps_<device>.json`` a serving run writes si
 calibration and served step with its decode contexts, and the op-table model per density) it refits the
 real latency model instead: per density, ``runtime.fit.fit_scaled`` on the calibration steps (trimmed as
 ``runtime.calibrate`` trims) with the parts' factor held at 1 and fitted, each checked on every served step
-that captured or compiled no graph, pooled and per run, beside the op tables alone:
+that captured or compiled no graph, pooled and per run, beside the op tables alone; ``--token-pad 64``
+predicts with the step's tokens padded as the engine pads them (runs recorded before the latency model
+knew the padding):
 
-    python benchmarks/serving_refit.py --steps STEPS.json [--out OUT.json]
+    python benchmarks/serving_refit.py --steps STEPS.json [--token-pad 64] [--out OUT.json]
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import argparse
 import json
 import os
 import sys
+
+from typing import Optional
 
 import numpy as np
 
@@ -76,8 +80,9 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
     return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
 
 
-def refit_steps(path: str) -> dict:
-    """The ``--steps`` mode (module docstring)."""
+def refit_steps(path: str, token_pad: Optional[int] = None) -> dict:
+    """The ``--steps`` mode (module docstring); ``token_pad``: predict with the step's tokens padded to it
+    (``LatencyModel.token_pad``), instead of what the recorded model says."""
     from spear_compile.runtime.calibrate import TRIM
     from spear_compile.runtime.fit import StepSample, check, fit_scaled
     from spear_compile.runtime.latency import LatencyModel
@@ -91,9 +96,11 @@ def refit_steps(path: str) -> dict:
     def report(r) -> dict:
         return {"median_abs_err": r.median_abs_rel_err, "p90_abs_err": r.p90_abs_rel_err, "steps": r.n}
 
-    out = {"steps_file": path, "densities": {}}
+    out = {"steps_file": path, "token_pad": token_pad, "densities": {}}
     for dens, d in rec["models"].items():
         tables = LatencyModel.from_dict(d["op_tables"])
+        if token_pad is not None:
+            tables = tables.with_token_pad(token_pad)
         cal = samples(rec["calibration"][dens])
         runs = {k: samples(v, lambda r: not r[3]) for k, v in rec["served"].items() if k.split("/")[0] == dens}
         served = [s for v in runs.values() for s in v]
@@ -112,12 +119,14 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("record", nargs="?")
     ap.add_argument("--steps", help="a serving run's steps_<device>.json: refit the real latency model")
+    ap.add_argument("--token-pad", type=int, default=None,
+                    help="--steps: predict with the step's tokens padded to this multiple (the engine's)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if (args.record is None) == (args.steps is None):
         ap.error("give a RECORD.json or --steps STEPS.json (one of them)")
     if args.steps:
-        out = refit_steps(args.steps)
+        out = refit_steps(args.steps, args.token_pad)
         print(json.dumps(out["densities"], indent=1))
         if args.out:
             with open(args.out, "w") as f:

@@ -9,8 +9,8 @@ engine (SmolLM2-135M, 2026-12-03) the synthetic fit underpredicted the engine's 
 dynamic policy on it broke the SLO it planned for (``benchmarks/results/serving/2026-12-03_cpu_smollm2_eager``).
 
 ``calibrate(engine, latency_model)`` therefore runs a short workload through the engine's own generation
-loop and refits the model on those steps (``fit.fit_scaled``: one factor on the measured parts, whose
-shape in M and context is kept, and the overhead terms):
+loop and refits the model's overhead terms on those steps (``fit.fit_scaled``; the measured parts keep
+their shape in M and context and, by default, their size):
 
 * after one unrecorded pass (first-use costs), phases of decode batch ``b`` in ``decode_batches``: ``b``
   requests that keep decoding while longer prompts are prefilled beside them, with the step's prefill
@@ -20,6 +20,8 @@ shape in M and context is kept, and the overhead terms):
   so far toward the fixed overhead (7.1 ms of a 7.5 ms step) that served steps, whose decodes read
   256-4096 tokens of context, were predicted with a 30 % median error (3.5 % on held-out calibration
   steps; the op tables alone: 10 %);
+* every request's stream is read on a thread of its own (``_read_streams``), as a server's clients read
+  them, so the steps pay the host work that served steps pay;
 * every step's wall time is the gap between two successive calls of the policy inside a phase (the
   engine calls it once per step while it has work; the last step of a phase is dropped, since the gap
   after it includes the idle wait for the next phase);
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -101,6 +104,32 @@ def step_samples(records: Sequence[tuple]) -> Tuple[List[StepSample], int]:
     return out, first_use
 
 
+def _read_streams(engine, rids: Sequence[str], deadline: float, timeout_s: float) -> None:
+    """Read every request's stream to its end, each on a thread of its own, as a server's clients read
+    them: the engine's steps then pay the host work of waking readers per token that served steps pay.
+    Calibrated with one reader (``result`` of each request in turn), an H200 engine's decode-only steps
+    in serving measured 1.12-1.22x its prediction, while its calibration's own were 0.89-1.15x
+    (2026-12-06, ``benchmarks/results/serving/2026-12-06_h200_calibration``)."""
+    errors: List[BaseException] = []
+
+    def read(rid):
+        try:
+            for _ in engine.stream(rid):
+                pass
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(rid,), daemon=True, name=f"calibrate-{rid}") for rid in rids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()))
+        if t.is_alive():
+            raise TimeoutError(f"calibrate: the calibration workload took more than {timeout_s} s")
+    if errors:
+        raise errors[0]
+
+
 def default_chunks(max_tokens: int) -> Tuple[int, ...]:
     """Prefill budgets for the calibration: 16, 64, 256, ... below ``max_tokens``, and ``max_tokens``."""
     out, c = [], 16
@@ -124,7 +153,7 @@ def decode_prompt_lengths(kv_tokens: int, batch: int, longest: int = DECODE_PROM
 def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int]] = None,
               decode_batches: Sequence[int] = (1, 4, 16), reps: int = 2,
               decode_prompt: Union[None, int, Sequence[int]] = None, decode_tail: int = 6, warmup: bool = True,
-              vocab: Optional[int] = None, timeout_s: float = 600.0, scale: Optional[float] = None,
+              vocab: Optional[int] = None, timeout_s: float = 600.0, scale: Optional[float] = 1.0,
               log: Callable[[str], None] = print) -> Tuple[LatencyModel, FitReport, List[StepSample]]:
     """``latency_model`` refitted (parts factor and overhead) on the steps of ``engine`` (started, idle), the
     held-out report, and the samples (first-use steps dropped, outliers kept). ``warmup``: run the workload
@@ -132,9 +161,11 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     decodes' prompt length(s), cycled over a phase's decodes (None: ``decode_prompt_lengths`` up to two
     steps' token budget, so the decodes' contexts span short to long and the fit sees the attention term
     grow). ``scale``: hold the
-    parts' factor at this value instead of fitting it (``fit_scaled``; on an H200, 2026-12-06, held at 1
-    and fitted predicted the served steps alike: 16.8 / 15.9 % and 14.2 / 13.9 % median at two EC
-    densities). The engine's policy is restored afterwards."""
+    parts' factor at this value (default 1: only the overhead is fitted), or fit it too (None;
+    ``fit_scaled``). On an H200 (2026-12-06, with the model's token padding) held at 1 and fitted predicted
+    the served steps alike (15.2 / 15.3 % and 13.6 / 13.6 % median at two EC densities; 16.9 / 17.1 % on
+    the 2-core CPU engine); held, the parts keep the size they were measured at. The engine's policy is
+    restored afterwards."""
     if not engine.running:
         raise RuntimeError("calibrate: the engine must be started (Engine.start())")
     budget = int(engine.max_batch_tokens)
@@ -175,10 +206,7 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
             long = [flat[i * len(flat) // k:(i + 1) * len(flat) // k] for i in range(k)]
         rids = [engine.add_request(p, max_new_tokens=new, eos_token_id=-1) for p in short]
         rids += [engine.add_request(p, max_new_tokens=1, eos_token_id=-1) for p in long]
-        for rid in rids:
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"calibrate: the calibration workload took more than {timeout_s} s")
-            engine.result(rid)
+        _read_streams(engine, rids, deadline, timeout_s)
         return step_samples(policy.records)
 
     saved, policy = engine.policy, CyclingChunkPolicy(chunks, marker=FirstUseMarker(engine))
@@ -215,7 +243,8 @@ def engine_fingerprint(engine) -> str:
         tv = "none"
     cfg = {"transformers": tv, "block_size": engine.kv_block_size, "max_batch_tokens": engine.max_batch_tokens,
            "max_requests_per_batch": engine.max_requests_per_batch, "backend": engine.backend,
-           "compile_options": engine.compile_options, "attention": getattr(engine, "attention", None)}
+           "compile_options": engine.compile_options, "attention": getattr(engine, "attention", None),
+           "token_pad": getattr(engine, "token_pad", 1)}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

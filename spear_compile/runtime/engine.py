@@ -122,6 +122,9 @@ class _Request:
 
 # KV-read padding (tokens) under attention="varlen": fewer CUDA-graph shapes for a bounded gather (_cb_defaults)
 VARLEN_KV_PADDING = 2048
+# transformers' padding of a compiled (or CUDA-graphed) step's tokens when cb_config does not set
+# q_padding_interval_size (5.17: continuous_batching/initialization.py's fallback)
+TRANSFORMERS_Q_PADDING = 64
 
 
 class Engine:
@@ -231,8 +234,10 @@ class Engine:
         if self.slo_itl_ms is not None and isinstance(self.policy, StaticChunkPolicy) and not self._user_policy:
             plan = _plan(self.model, self.backend == "spear", self.log)
             self._plan_key = CacheKey.for_plan(plan, _device_of(self.model))
-            self.set_policy(scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
-                                          min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan))
+            pol = scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
+                                min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan)
+            self.set_policy(SloChunkPolicy(pol.model.with_token_pad(self.token_pad), pol.slo,
+                                           max_chunk=pol.max_chunk, min_chunk=pol.min_chunk))
 
     def _calibrate(self) -> None:
         """Refit the SLO policy's step overhead on the engine's own steps (``calibrate.calibrate``), or load
@@ -255,6 +260,15 @@ class Engine:
         if why is not None:  # a clear word at start rather than a queue that silently grows
             logger.warning("spear_compile: %s", why)
             self.log(f"spear_compile: warning: {why}")
+
+    @property
+    def token_pad(self) -> int:
+        """The multiple transformers pads a step's token count to, which the latency model must predict
+        with (``LatencyModel.token_pad``): compiled or CUDA-graphed, ``q_padding_interval_size`` of
+        ``cb_config`` or transformers' default (``TRANSFORMERS_Q_PADDING``); eager, 1 (no padding)."""
+        if self.backend is None and not self.extra_cb.get("use_cuda_graph"):
+            return 1
+        return int(self.extra_cb.get("q_padding_interval_size") or TRANSFORMERS_Q_PADDING)
 
     def _cb_defaults(self, cc) -> dict:
         """Compiled: the step shapes transformers pads to, and on CUDA its CUDA graphs on, unless ``cb_config``

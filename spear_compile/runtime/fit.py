@@ -85,9 +85,10 @@ def check(model: LatencyModel, samples: Sequence[StepSample]) -> FitReport:
 
 
 def _overhead_features(model: LatencyModel, samples: Sequence[StepSample]):
-    """Per sample: (1, tokens, sequences) and measured minus the prediction without overhead."""
+    """Per sample: (1, tokens as the step runs them (``padded``), sequences) and measured minus the prediction
+    without overhead."""
     bare = model.with_overhead(Overhead())
-    X = np.array([(1.0, len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks),
+    X = np.array([(1.0, model.padded(len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks)),
                    len(s.decode_contexts) + len(s.prefill_chunks)) for s in samples], dtype=np.float64)
     return X, _measured(samples) - _predict(bare, samples)
 

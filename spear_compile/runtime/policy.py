@@ -204,6 +204,8 @@ class SloChunkPolicy:
         solve that piece's quadratic in closed form and correct the rounding by a step."""
         if hi <= 0:
             return 0
+        if self.model.token_pad > 1:
+            return self._largest_padded(hi, tokens, seqs, attn, prefilled)
         base, k1, k2, per_m = self.model.piece_terms(tokens, seqs, attn, prefilled)
         slo = self.slo
 
@@ -241,6 +243,36 @@ class SloChunkPolicy:
         while c > 0 and T(c) > slo:
             c -= 1
         return c
+
+    def _largest_padded(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int) -> int:
+        """``_largest`` for a model whose steps run on tokens padded to ``token_pad``: the step costs the
+        same linears for every piece that ends in one pad unit, so the search bisects over the units' ends
+        (the largest piece of each unit), then over the pieces of the first unit whose end does not fit."""
+        m, slo, pad = self.model, self.slo, self.model.token_pad
+
+        def T(c):
+            return m.step_ms(tokens + c, seqs + 1, attn + m.piece_attention_ms(c, prefilled))
+
+        if T(hi) <= slo:
+            return hi
+        if T(1) > slo:
+            return 0
+        lo, top = 1, hi  # T(lo) fits, T(top) does not
+        u_lo, u_hi = (tokens + 1) // pad + 1, (tokens + hi - 1) // pad  # units ending strictly inside (1, hi)
+        while u_lo <= u_hi:
+            u = (u_lo + u_hi) // 2
+            c = u * pad - tokens
+            if T(c) <= slo:
+                lo, u_lo = c, u + 1
+            else:
+                top, u_hi = c, u - 1
+        while top - lo > 1:  # inside one unit: only the attention grows with c
+            c = (lo + top) // 2
+            if T(c) <= slo:
+                lo = c
+            else:
+                top = c
+        return lo
 
     def _shape(self, c: int, remaining: int) -> int:
         """The no-tiny-tail rule on the largest fitting piece ``c`` of a ``remaining`` prompt."""

@@ -142,3 +142,31 @@ def test_decode_prompts_span_short_to_long_contexts_within_the_cache():
     assert decode_prompt_lengths(131_328, 16, longest=4096) == (64, 256, 1024)  # a quarter of the cache / 16
     assert decode_prompt_lengths(1024, 4) == (64,)                     # a small cache keeps the shortest
     assert decode_prompt_lengths(10**7, 1, longest=5000) == (64, 256, 1024, 4096)
+
+
+def test_streams_are_read_concurrently_and_their_errors_and_timeouts_surface():
+    import threading
+    import time
+
+    from spear_compile.runtime.calibrate import _read_streams
+
+    class Fake:
+        def __init__(self):
+            self.readers, self.barrier = set(), threading.Barrier(3, timeout=5)
+
+        def stream(self, rid):
+            self.readers.add(threading.current_thread().name)
+            self.barrier.wait()  # passes only when all three are read at once
+            if rid == "bad":
+                raise RuntimeError("request bad failed")
+            if rid == "slow":
+                time.sleep(1.0)
+            yield 1
+
+    eng = Fake()
+    _read_streams(eng, ["a", "b", "c"], time.perf_counter() + 10, 10)
+    assert len(eng.readers) == 3
+    with pytest.raises(RuntimeError, match="bad failed"):
+        _read_streams(Fake(), ["a", "bad", "c"], time.perf_counter() + 10, 10)
+    with pytest.raises(TimeoutError, match="calibration workload"):
+        _read_streams(Fake(), ["a", "slow", "c"], time.perf_counter() + 0.3, 0.3)

@@ -246,6 +246,22 @@ def test_compiled_engine_pads_kv_reads_to_one_block_unless_told():
     assert Engine(m)._cb_defaults(Engine(m)._compile_config()) == {}  # eager: transformers pads nothing
 
 
+def test_the_latency_model_pads_tokens_as_the_engine_does():
+    """Compiled, transformers pads a step's tokens to 64 (or the cb_config's interval): the engine says so,
+    and its calibration key changes with it."""
+    from spear_compile.models.tiny import tiny_llama
+    from spear_compile.runtime.calibrate import engine_fingerprint
+    from spear_compile.runtime.engine import TRANSFORMERS_Q_PADDING
+
+    m = tiny_llama()
+    assert Engine(m).token_pad == 1
+    assert Engine(m, compile=True).token_pad == TRANSFORMERS_Q_PADDING == 64
+    assert Engine(m, compile=True, cb_config={"q_padding_interval_size": 16}).token_pad == 16
+    assert Engine(m, cb_config={"use_cuda_graph": True}).token_pad == 64
+    assert engine_fingerprint(Engine(m, compile=True)) != engine_fingerprint(
+        Engine(m, compile=True, cb_config={"q_padding_interval_size": 16}))
+
+
 @pytest.mark.slow
 def test_slo_without_a_policy_builds_the_slo_policy_from_the_cached_latency_model(smol, tmp_path, monkeypatch):
     from spear_compile.runtime import plan_of

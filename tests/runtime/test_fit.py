@@ -170,6 +170,11 @@ def test_refit_of_the_h200_steps_file_reproduces_the_recorded_errors(tmp_path):
     import json
 
     assert json.loads((run / "refit.json").read_text())["densities"] == json.loads(json.dumps(out["densities"]))
+    padded = serving_refit.main(["--steps", str(run / "steps_h200.json"), "--token-pad", "64"])
+    pooled = {d: {k: round(100 * v["median_abs_err"], 1) for k, v in r["served_pooled"].items()}
+              for d, r in padded["densities"].items()}
+    assert pooled == {"25": {"op_tables_alone": 13.0, "scale_held": 15.2, "scale_fitted": 15.3},
+                      "100": {"op_tables_alone": 17.6, "scale_held": 13.6, "scale_fitted": 13.6}}
 
 
 def test_a_held_scale_keeps_the_parts_a_short_context_sample_would_bend():

@@ -111,3 +111,20 @@ def test_attention_fit_recovers_the_coefficients():
     # a negative trend is not followed (coefficients stay >= 0, the model stays monotone)
     neg = AttentionCost.fit([(1, 0, 1.0), (1, 100, 0.5), (1, 1000, 0.1)])
     assert min(neg.to_dict().values()) >= 0
+
+
+def test_token_padding_runs_the_linears_and_per_token_overhead_on_the_padded_rows():
+    """An engine that pads a step's tokens to a multiple of 64 runs its linears at the padded M: a step of
+    65 tokens costs what one of 128 costs, less the attention of the rows that are padding."""
+    m = hand_model()
+    p = m.with_token_pad(64)
+    assert p.padded(1) == 64 and p.padded(64) == 64 and p.padded(65) == 128 and m.padded(65) == 65
+    dec = [10] * 65
+    assert p.predict_step_ms(dec) == pytest.approx(
+        m.step_ms(128, 65, m.decode_attention_ms(dec)))
+    assert p.predict_step_ms([10] * 128) == pytest.approx(m.predict_step_ms([10] * 128))
+    assert p.predict_step_ms(dec) > m.predict_step_ms(dec)
+    assert LatencyModel.from_dict(p.to_dict()) == p
+    assert LatencyModel.from_dict({k: v for k, v in m.to_dict().items() if k != "token_pad"}).token_pad == 1
+    with pytest.raises(ValueError, match="token_pad"):
+        m.with_token_pad(0)

@@ -28,7 +28,7 @@ def models(draw):
     attn = AttentionCost(*[draw(st.floats(0, c)) for c in (0.05, 0.01, 0.001, 1e-4)])
     over = Overhead(draw(st.floats(0, 2)), draw(st.floats(0, 0.01)), draw(st.floats(0, 0.05)))
     return LatencyModel((LinearTable("all", 1, lin),), head, attn, draw(st.integers(1, 4)), over,
-                        draw(st.sampled_from(["last", "all"])))
+                        draw(st.sampled_from(["last", "all"])), draw(st.sampled_from([1, 1, 8, 64])))
 
 
 @st.composite
