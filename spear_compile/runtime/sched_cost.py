@@ -91,7 +91,9 @@ if __name__ == "__main__":  # pragma: no cover
     args = ap.parse_args()
     states = example_states()
     rows = []
-    for pol in (SloChunkPolicy(example_model(), 16.0, 2048, 32), StaticChunkPolicy(512)):
+    # the dynamic policy on an unpadded model and on one padded as a compiled engine pads (64 tokens)
+    for pol in (SloChunkPolicy(example_model(), 16.0, 2048, 32),
+                SloChunkPolicy(example_model().with_token_pad(64), 16.0, 2048, 32), StaticChunkPolicy(512)):
         for cold in (False, True):
             r = {"policy": repr(pol), **plan_cost_us(pol, states, cold=cold)}
             rows.append(r)
