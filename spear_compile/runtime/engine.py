@@ -297,7 +297,9 @@ class Engine:
           transformers' gather of the padding rows (read from one trash slot, written once: at most 2047 rows x
           16 KiB = 32 MiB a layer on Llama-2-7B, ~10 us at 3.3 TB/s). Padded to one page, every new total of
           pages read across the batch captured a new CUDA graph: 55-83 captures of 100-500 ms each in a timed
-          32-request H100 run (``serving/2026-12-05_h100_varlen_kv256``), which set its p99 ITL."""
+          32-request H100 run (``serving/2026-12-05_h100_varlen_kv256``), which set its p99 ITL. Padded to
+          2048 the same run captured 48 graphs in its timed runs against 148, and its mean TTFT fell 1.6-8x
+          (``serving/2026-12-06_h100_kv2048``); the captures left still set its p99 ITL."""
         if cc is None:
             return {}
         kv = self.block_size or 256
