@@ -425,8 +425,8 @@ def main(argv=None) -> None:
                           | ({round(1.5 * step, 1), round(2.5 * step, 1)} if "auto" in asked else set()))
             print(f"   batch-1 decode step {step:.2f} ms; SLOs {slos}", flush=True)
             plan = runtime.plan_of(model, eager=not args.compile)
-            tables = runtime.scheduler_for(model, slos[0], max_chunk=max(args.chunks), plan=plan,
-                                           progress=False).model.with_token_pad(eng.token_pad)
+            tables = runtime.scheduler_for(model, slos[0], max_chunk=max(args.chunks), plan=plan, progress=False,
+                                           token_pad=eng.token_pad).model
             # the step overhead on the engine's own steps (what Engine(slo_itl_ms=...) does when it starts)
             calibrated, held_out, cal_steps = runtime.calibrate(eng, tables, log=print)
             print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "

@@ -234,10 +234,9 @@ class Engine:
         if self.slo_itl_ms is not None and isinstance(self.policy, StaticChunkPolicy) and not self._user_policy:
             plan = _plan(self.model, self.backend == "spear", self.log)
             self._plan_key = CacheKey.for_plan(plan, _device_of(self.model))
-            pol = scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
-                                min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan)
-            self.set_policy(SloChunkPolicy(pol.model.with_token_pad(self.token_pad), pol.slo,
-                                           max_chunk=pol.max_chunk, min_chunk=pol.min_chunk))
+            self.set_policy(scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
+                                          min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan,
+                                          token_pad=self.token_pad))
 
     def _calibrate(self) -> None:
         """Refit the SLO policy's step overhead on the engine's own steps (``calibrate.calibrate``), or load

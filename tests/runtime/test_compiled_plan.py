@@ -106,6 +106,9 @@ def test_scheduler_for_measures_once_then_reads_the_cache(cache_dir):
     again = runtime.scheduler_for(c, slo_itl_ms=1000.0, max_chunk=32, min_chunk=8, progress=False, log=logs.append)
     assert not any("measuring" in s for s in logs)
     assert again.model.to_dict() == policy.model.to_dict()
+    padded = runtime.scheduler_for(c, slo_itl_ms=1000.0, max_chunk=32, min_chunk=8, progress=False,
+                                   log=logs.append, token_pad=16)
+    assert padded.model == policy.model.with_token_pad(16) and policy.model.token_pad == 1  # the cache unpadded
     state = SchedulerState(decodes=(RunningDecode("d", 40),), waiting=(WaitingRequest("w", 1, 100),),
                            kv=KVCache(block_size=16, free_blocks=64))
     plan = policy.plan(state)
