@@ -307,16 +307,22 @@ class LatencyModel:
     def piece_terms(self, n_tokens: int, n_seqs: int, attention_ms: float, prefilled: int) -> Tuple[float, float, float, LatencyTable]:
         """The step of the current totals plus one prefill piece of ``c`` tokens after ``prefilled``
         cached ones costs ``base + k1 * c + k2 * c**2 + per_m(n_tokens + c)``; returns
-        ``(base, k1, k2, per_m)`` so a policy can search ``c`` (or solve for it per table segment)."""
+        ``(base, k1, k2, per_m)`` so a policy can search ``c`` (or solve for it per table segment). Unpadded
+        (``token_pad`` 1) only: padded, ``per_m`` and the per-token overhead step with the pad units."""
         o, a, L = self.overhead, self.attention, self.n_layers
         s = n_seqs + 1
         base = (o.fixed_ms + o.per_token_ms * n_tokens + o.per_seq_ms * s + attention_ms
                 + L * (a.per_seq_ms + a.per_key_ms * prefilled))
         if self._per_s is not None:
             base += self._per_s(s)
-        k1 = o.per_token_ms + L * (a.per_query_ms + a.per_key_ms + a.per_pair_ms * (prefilled + 0.5))
-        k2 = 0.5 * L * a.per_pair_ms
-        return base, k1, k2, self._per_m
+        k1, k2 = self.piece_attention_slopes(prefilled)
+        return base, o.per_token_ms + k1, k2, self._per_m
+
+    def piece_attention_slopes(self, prefilled: int) -> Tuple[float, float]:
+        """``(k1, k2)``: a prefill piece of ``c`` tokens after ``prefilled`` cached ones has attention
+        ``piece_attention_ms(0, prefilled) + k1 * c + k2 * c**2`` (all layers)."""
+        a, L = self.attention, self.n_layers
+        return L * (a.per_query_ms + a.per_key_ms + a.per_pair_ms * (prefilled + 0.5)), 0.5 * L * a.per_pair_ms
 
     # ---- the public prediction
 

@@ -273,9 +273,7 @@ class SloChunkPolicy:
             return lo
         # (lo, top] lies in one unit: the linears and overhead are fixed there and T is the piece's
         # attention quadratic on top of them, base + k1 c + k2 c^2; solve it, then step to the exact edge
-        a, L = m.attention, m.n_layers
-        k1 = L * (a.per_query_ms + a.per_key_ms + a.per_pair_ms * (prefilled + 0.5))
-        k2 = 0.5 * L * a.per_pair_ms
+        k1, k2 = m.piece_attention_slopes(prefilled)
         base = T(top) - (k1 + k2 * top) * top
         if k2 > 0:
             disc = k1 * k1 - 4 * k2 * (base - slo)
