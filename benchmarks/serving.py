@@ -166,20 +166,25 @@ class TimedPolicy:
         return p
 
 
-def prediction_error(steps: list, latency_model) -> dict:
-    """|predicted - measured| / measured over the steps that ran work and were followed by another call
-    at once (an idle engine waits between calls, which is not step time); and the same over the steps that
-    captured or compiled no graph (``steady_*``: what the latency model describes)."""
-    errs, steady, pts = [], [], []
+def measured_steps(steps: list):
+    """``(decode contexts, prefill pieces, measured ms, first use)`` for each of ``TimedPolicy.steps`` that ran
+    work and was followed by another call at once (the gap to that call is its time; an idle engine waits
+    between calls, which is not step time); first use: it captured or compiled a graph."""
     for (t, dec, pre, mark), (t2, _, _, mark2) in zip(steps, steps[1:]):
-        if not dec and not pre:
-            continue
-        measured = t2 - t
+        if dec or pre:
+            yield dec, pre, t2 - t, mark2 != mark
+
+
+def prediction_error(steps: list, latency_model) -> dict:
+    """|predicted - measured| / measured over ``measured_steps``; and the same over the steps that captured or
+    compiled no graph (``steady_*``: what the latency model describes)."""
+    errs, steady, pts = [], [], []
+    for dec, pre, measured, first_use in measured_steps(steps):
         pred = latency_model.predict_step_ms(dec, pre)
         errs.append(abs(pred - measured) / measured)
-        if mark2 == mark:
+        if not first_use:
             steady.append(errs[-1])
-        pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), mark2 != mark))
+        pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), first_use))
     if not errs:
         return {}
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
@@ -193,10 +198,9 @@ def sample_json(s) -> list:
 
 
 def served_json(steps: list) -> list:
-    """``TimedPolicy.steps`` as ``[decode contexts, prefill pieces, measured ms, first use]`` per step that ran
-    work and was followed by another call (the measured gap, as ``prediction_error`` takes it)."""
-    return [[list(dec), [list(p) for p in pre], round(t2 - t, 4), mark2 != mark]
-            for (t, dec, pre, mark), (t2, _, _, mark2) in zip(steps, steps[1:]) if dec or pre]
+    """``measured_steps`` as ``[decode contexts, prefill pieces, measured ms, first use]`` lists."""
+    return [[list(dec), [list(p) for p in pre], round(ms, 4), first_use]
+            for dec, pre, ms, first_use in measured_steps(steps)]
 
 
 def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
