@@ -27,8 +27,8 @@ and the record the calibration's held-out error per density. Written to ``OUT/se
 the top, ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density), and
 ``OUT/steps_<device>.json``: every calibration step and every served step (decode contexts, prefill pieces,
 measured ms, whether it captured or compiled a graph) with the op-table and calibrated models per density,
-for offline refits. Each row also reports the prediction with the parts' factor held at 1 and fitted on the
-same calibration steps (``prediction_scale_held`` / ``prediction_scale_fitted``).
+for offline refits. A row's ``prediction`` is the calibrated model's (the parts' factor held at 1,
+``calibrate``'s default); ``prediction_scale_fitted`` fits that factor on the same calibration steps.
 
 Models: ``--model smollm2`` (the real SmolLM2-135M, fp32 on CPU, SLO scaled to its measured decode
 step: ``--slo-ms auto`` = 1.5x and 2.5x the median batch-1 decode step through the engine) or
@@ -435,10 +435,9 @@ def main(argv=None) -> None:
             calibrated, held_out, cal_steps = runtime.calibrate(eng, tables, log=print)
             print(f"   calibration: {len(cal_steps)} steps, held out {held_out}; op tables alone on those steps: "
                   f"{runtime.check(tables, cal_steps)}", flush=True)
-            # the parts' factor held at 1 and fitted, on the same calibration steps: both are reported on the
-            # served steps beside the engine's default (calibrate's scale="auto")
-            variants = {f"prediction_scale_{name}": fit_scaled(tables, cal_steps, trim=TRIM, scale=k)[0]
-                        for name, k in (("held", 1.0), ("fitted", None))}
+            # the calibrated model holds the parts' factor at 1 (calibrate's default); the same calibration
+            # steps with the factor fitted are reported on the served steps beside it
+            variants = {"prediction_scale_fitted": fit_scaled(tables, cal_steps, trim=TRIM, scale=None)[0]}
             steps_out["calibration"][str(density)] = [sample_json(s) for s in cal_steps]
             steps_out.setdefault("models", {})[str(density)] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
