@@ -155,7 +155,8 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
               decode_prompt: Union[None, int, Sequence[int]] = None, decode_tail: int = 6, warmup: bool = True,
               vocab: Optional[int] = None, timeout_s: float = 600.0, scale: Optional[float] = 1.0,
               log: Callable[[str], None] = print) -> Tuple[LatencyModel, FitReport, List[StepSample]]:
-    """``latency_model`` refitted (parts factor and overhead) on the steps of ``engine`` (started, idle), the
+    """``latency_model`` with its overhead (and, with ``scale=None``, its parts' factor) refitted on the steps
+    of ``engine`` (started, idle), the
     held-out report, and the samples (first-use steps dropped, outliers kept). ``warmup``: run the workload
     once unrecorded first, so that fewer steps meet a shape for the first time. ``decode_prompt``: the
     decodes' prompt length(s), cycled over a phase's decodes (None: ``decode_prompt_lengths`` up to two
