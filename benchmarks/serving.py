@@ -10,7 +10,9 @@ run, ``graph_captures``). Poisson arrivals at ``--rates`` requests per
 second, prompt and output lengths drawn from the stated distributions (seeded, the same workload for
 every policy), ECs on ``--densities`` percent of the linears (random EC weights of rank ``--rank``:
 the latency does not depend on their values). Policies: ``dynamic`` (``scheduler_for(model, slo)``:
-the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO, and
+the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO, planned
+against the latency model corrected online by the engine's measured steps (``runtime.online``; label
+``dynamic``) and, with ``--correction on off``, also without that correction (``dynamic_uncorrected``), and
 static chunks (``StaticChunkPolicy``, Sarathi / vLLM's fixed token budget) of ``--chunks`` tokens,
 each run once and scored against every SLO.
 
@@ -20,13 +22,14 @@ Per (policy, chunk or "dynamic", ec_density, slo_ms, rate) a row holds p50 / p99
 of the mean step), and the latency model's error on that run's steps: each engine step's wall time (the
 gap between two successive calls of the policy) against ``predict_step_ms`` for what it ran (median
 and p90 of the absolute relative error; ``steady_*``: the same over the steps that captured or compiled
-no graph, ``first_use.FirstUseMarker``). The dynamic policy's latency model is the op tables with the
+no graph, ``first_use.FirstUseMarker``; ``steady_online_*``: the same model corrected online,
+``online.replay`` over the run's steps in order, whatever the policy). The dynamic policy's latency model is the op tables with the
 step overhead calibrated on the engine's own steps (``runtime.calibrate``, as ``Engine(slo_itl_ms=...)``
 does when it starts); rows also give the error of the op tables alone (``prediction_op_tables_only``),
 and the record the calibration's held-out error per density. Written to ``OUT/serving_<device>.json`` with the GPU, versions, date and commit at
 the top, ``OUT/serving_<device>.svg`` (p99 ITL and mean TTFT per policy and density), and
 ``OUT/steps_<device>.json``: every calibration step and every served step (decode contexts, prefill pieces,
-measured ms, whether it captured or compiled a graph) with the op-table and calibrated models per density,
+measured ms, whether it captured or compiled a graph, the online offset the policy planned with) with the op-table and calibrated models per density,
 for offline refits. A row's ``prediction`` is the calibrated model's (the parts' factor held at 1,
 ``calibrate``'s default); ``prediction_scale_fitted`` fits that factor on the same calibration steps.
 
@@ -74,6 +77,7 @@ from spear_compile.runtime import Engine, StaticChunkPolicy  # noqa: E402
 from spear_compile.runtime.first_use import FirstUseMarker, cuda_graph_count  # noqa: E402
 from spear_compile.runtime.calibrate import TRIM  # noqa: E402
 from spear_compile.runtime.fit import fit_scaled  # noqa: E402
+from spear_compile.runtime.online import replay  # noqa: E402
 from spear_compile.serve.loadgen import pct, send_at_arrivals  # noqa: E402
 
 from benchmarks._meta import run_meta  # noqa: E402
@@ -154,6 +158,8 @@ class TimedPolicy:
 
     def plan(self, state):
         mark = self.marker() if self.marker is not None else None  # before the clock: not planning time
+        corr = getattr(self.inner, "correction", None)
+        offset = corr.offset_ms if corr is not None else None
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         p = self.inner.plan(state)
@@ -162,33 +168,38 @@ class TimedPolicy:
         ctx = {d.request_id: d.context_len for d in state.decodes}
         done = {w.request_id: w.prefilled for w in state.waiting}
         self.steps.append((t0 / 1e6, tuple(ctx[r] for r in p.decode_ids),
-                           tuple((c, done.get(r, 0)) for r, c in p.prefill), mark))
+                           tuple((c, done.get(r, 0)) for r, c in p.prefill), mark, offset))
         return p
 
 
 def measured_steps(steps: list):
-    """``(decode contexts, prefill pieces, measured ms, first use)`` for each of ``TimedPolicy.steps`` that ran
-    work and was followed by another call at once (the gap to that call is its time; an idle engine waits
-    between calls, which is not step time); first use: it captured or compiled a graph."""
-    for (t, dec, pre, mark), (t2, _, _, mark2) in zip(steps, steps[1:]):
+    """``(decode contexts, prefill pieces, measured ms, first use, online offset)`` for each of
+    ``TimedPolicy.steps`` that ran work and was followed by another call at once (the gap to that call is its
+    time; an idle engine waits between calls, which is not step time); first use: it captured or compiled a
+    graph; online offset: the policy's online correction when it planned the step (None without one)."""
+    for (t, dec, pre, mark, off), (t2, _, _, mark2, _) in zip(steps, steps[1:]):
         if dec or pre:
-            yield dec, pre, t2 - t, mark2 != mark
+            yield dec, pre, t2 - t, mark2 != mark, off
 
 
 def prediction_error(steps: list, latency_model) -> dict:
     """|predicted - measured| / measured over ``measured_steps``; and the same over the steps that captured or
     compiled no graph (``steady_*``: what the latency model describes)."""
-    errs, steady, pts = [], [], []
-    for dec, pre, measured, first_use in measured_steps(steps):
+    errs, steady, pts, rows = [], [], [], []
+    for dec, pre, measured, first_use, _ in measured_steps(steps):
         pred = latency_model.predict_step_ms(dec, pre)
         errs.append(abs(pred - measured) / measured)
         if not first_use:
             steady.append(errs[-1])
+        rows.append((pred, measured, first_use))
         pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), first_use))
     if not errs:
         return {}
+    # the same model corrected online (runtime.online), replayed over the run's steps in order
+    online = [abs(c - m) / m for c, (_, m, first) in zip(replay(rows), rows) if not first]
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
             "steady_median_abs_err": pct(steady, 50), "steady_p90_abs_err": pct(steady, 90),
+            "steady_online_median_abs_err": pct(online, 50), "steady_online_p90_abs_err": pct(online, 90),
             "steady_steps": len(steady), "sample": pts[:: max(1, len(pts) // 40)]}
 
 
@@ -198,15 +209,18 @@ def sample_json(s) -> list:
 
 
 def served_json(steps: list) -> list:
-    """``measured_steps`` as ``[decode contexts, prefill pieces, measured ms, first use]`` lists."""
-    return [[list(dec), [list(p) for p in pre], round(ms, 4), first_use]
-            for dec, pre, ms, first_use in measured_steps(steps)]
+    """``measured_steps`` as ``[decode contexts, prefill pieces, measured ms, first use, online offset]``
+    lists."""
+    return [[list(dec), [list(p) for p in pre], round(ms, 4), first_use, None if off is None else round(off, 4)]
+            for dec, pre, ms, first_use, off in measured_steps(steps)]
 
 
 def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     """Serve ``reqs`` on the started engine ``eng`` with ``policy``; token arrival times per request. Requests
     still running at the timeout are cancelled, so the next run starts on an idle engine."""
     timed = TimedPolicy(policy, FirstUseMarker(eng))
+    if eng.correction is not None:
+        eng.correction.reset()  # each run starts without the last run's history
     eng.set_policy(timed)
     graphs0 = cuda_graph_count(eng)
     times = [[] for _ in reqs]
@@ -283,7 +297,7 @@ def svg(rows: list, path: str) -> None:
         for i, (k, v) in enumerate(zip(keys, vals)):
             x = pad + i * 28
             h = (H - 60) * v / top
-            color = "#1f77b4" if k[1] == "dynamic" else "#aaaaaa"
+            color = "#1f77b4" if k[1] == "dynamic" else "#9ecae1" if k[1].startswith("dynamic") else "#aaaaaa"
             out.append(f'<rect x="{x}" y="{y0 + H - 60 - h:.1f}" width="20" height="{h:.1f}" fill="{color}"/>')
             out.append(f'<text x="{x}" y="{y0 + H - 45}" transform="rotate(60 {x},{y0 + H - 45})">'
                        f'{k[0]}% {k[1]}</text>')
@@ -377,6 +391,9 @@ def main(argv=None) -> None:
                          "runtime.attention's varlen kernel (Engine(attention='varlen'))")
     ap.add_argument("--kv-padding", type=int, default=None,
                     help="KV-read padding in tokens (cb_config kv_padding_interval_size; default: the engine's)")
+    ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["on"],
+                    help="dynamic runs with the engine's online correction of the latency model (on), "
+                         "without it (off), or both, each its own run")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -442,8 +459,10 @@ def main(argv=None) -> None:
             steps_out.setdefault("models", {})[str(density)] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
-            runs += [("dynamic", "dynamic", runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks),
-                                                                   min_chunk=32), slo) for slo in slos]
+            runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
+                                                               correction=eng.correction if on else None), slo)
+                     for slo in slos for on, label in (("on", "dynamic"), ("off", "dynamic_uncorrected"))
+                     if on in args.correction]
             if args.warmup_requests:
                 warm = workload(args.warmup_requests, max(args.rates), args.prompt, args.output, vocab, args.seed + 1)
                 for kind, chunk, pol, own_slo in runs:
@@ -456,7 +475,9 @@ def main(argv=None) -> None:
                     print(f"   rate {rate}/s {kind} {chunk} (slo {own_slo})", flush=True)
                     res = serve(eng, pol, reqs, args.timeout)
                     for slo in ([own_slo] if own_slo is not None else slos):
-                        row = {"policy": kind, "chunk": chunk, "policy_label": str(chunk), "ec_density": density,
+                        row = {"policy": kind, "chunk": "dynamic" if kind == "dynamic" else chunk,
+                               "policy_label": str(chunk), "ec_density": density,
+                               "online_correction": kind == "dynamic" and pol.correction is not None,
                                "slo_ms": slo, "rate": rate, "decode_step_ms": step,
                                **score(res, reqs, slo, calibrated),
                                "prediction_op_tables_only": prediction_error(res["steps"], tables),
@@ -469,6 +490,7 @@ def main(argv=None) -> None:
                               "prediction |err| median (steps without a capture):",
                               {k: row[k].get("steady_median_abs_err") for k in ("prediction", "prediction_op_tables_only",
                                                                                 *variants)},
+                              "online:", row["prediction"].get("steady_online_median_abs_err"),
                               flush=True)
                     steps_out["served"][f"{density}/{kind}/{chunk}/{own_slo}/{rate}"] = served_json(res["steps"])
                     with open(path, "w") as f:

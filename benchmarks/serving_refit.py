@@ -19,7 +19,9 @@ With ``--steps STEPS.json`` (the ``steps_<device>.json`` a serving run writes si
 calibration and served step with its decode contexts, and the op-table model per density) it refits the
 real latency model instead: per density, ``runtime.fit.fit_scaled`` on the calibration steps (trimmed as
 ``runtime.calibrate`` trims) with the parts' factor held at 1 and fitted, each checked on every served step
-that captured or compiled no graph, pooled and per run, beside the op tables alone; ``--token-pad 64``
+that captured or compiled no graph, pooled and per run, beside the op tables alone, and the held model
+corrected online (``runtime.online.replay`` over each run's steps in order: each step corrected by the
+steady steps before it, as the engine's ``StepTimeCorrection`` does; ``online_window``); ``--token-pad 64``
 predicts with the step's tokens padded as the engine pads them (runs recorded before the latency model
 knew the padding):
 
@@ -80,12 +82,13 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
     return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
 
 
-def refit_steps(path: str, token_pad: Optional[int] = None) -> dict:
+def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8) -> dict:
     """The ``--steps`` mode (module docstring); ``token_pad``: predict with the step's tokens padded to it
     (``LatencyModel.token_pad``), instead of what the recorded model says."""
     from spear_compile.runtime.calibrate import TRIM
     from spear_compile.runtime.fit import StepSample, check, fit_scaled
     from spear_compile.runtime.latency import LatencyModel
+    from spear_compile.runtime.online import replay
 
     with open(path) as f:
         rec = json.load(f)
@@ -96,7 +99,17 @@ def refit_steps(path: str, token_pad: Optional[int] = None) -> dict:
     def report(r) -> dict:
         return {"median_abs_err": r.median_abs_rel_err, "p90_abs_err": r.p90_abs_rel_err, "steps": r.n}
 
-    out = {"steps_file": path, "token_pad": token_pad, "densities": {}}
+    def online_errors(model, rows) -> list:
+        """|corrected - measured| / measured of the run's steady steps, the corrections replayed in order."""
+        preds = [model.predict_step_ms(tuple(r[0]), tuple(tuple(p) for p in r[1])) for r in rows]
+        corr = replay([(p, r[2], bool(r[3])) for p, r in zip(preds, rows)], window=window)
+        return [abs(c - r[2]) / r[2] for c, r in zip(corr, rows) if not r[3]]
+
+    def online_report(errs) -> dict:
+        return ({"median_abs_err": float(np.median(errs)), "p90_abs_err": float(np.percentile(errs, 90)),
+                 "steps": len(errs)} if errs else {})
+
+    out = {"steps_file": path, "token_pad": token_pad, "online_window": window, "densities": {}}
     for dens, d in rec["models"].items():
         tables = LatencyModel.from_dict(d["op_tables"])
         if token_pad is not None:
@@ -107,10 +120,13 @@ def refit_steps(path: str, token_pad: Optional[int] = None) -> dict:
         models = {"op_tables_alone": tables}
         for name, k in (("scale_held", 1.0), ("scale_fitted", None)):
             models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k)[0]
+        online = {k: online_errors(models["scale_held"], v) for k, v in rec["served"].items() if k.split("/")[0] == dens}
         out["densities"][dens] = {
             "calibration_steps": len(cal),
-            "served_pooled": {n: report(check(m, served)) for n, m in models.items()},
-            "per_run": {run: {n: report(check(m, v)) for n, m in models.items()} for run, v in runs.items() if v},
+            "served_pooled": {**{n: report(check(m, served)) for n, m in models.items()},
+                              "scale_held_online": online_report([e for v in online.values() for e in v])},
+            "per_run": {run: {**{n: report(check(m, v)) for n, m in models.items()},
+                              "scale_held_online": online_report(online[run])} for run, v in runs.items() if v},
             "overhead": {n: m.overhead.to_dict() for n, m in models.items()}}
     return out
 
@@ -121,12 +137,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", help="a serving run's steps_<device>.json: refit the real latency model")
     ap.add_argument("--token-pad", type=int, default=None,
                     help="--steps: predict with the step's tokens padded to this multiple (the engine's)")
+    ap.add_argument("--online-window", type=int, default=8,
+                    help="--steps: the online correction's window (runtime.online.StepTimeCorrection)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if (args.record is None) == (args.steps is None):
         ap.error("give a RECORD.json or --steps STEPS.json (one of them)")
     if args.steps:
-        out = refit_steps(args.steps, args.token_pad)
+        out = refit_steps(args.steps, args.token_pad, args.online_window)
         print(json.dumps(out["densities"], indent=1))
         if args.out:
             with open(args.out, "w") as f:

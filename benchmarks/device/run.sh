@@ -113,8 +113,9 @@ case "$topic" in
                   pids=()
                   for ((i = 0; i < SHARDS; i++)); do
                     awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$out/ids.txt" > "$out/ids_$i.txt"
+                    mapfile -t ids < "$out/ids_$i.txt"  # one argument per test id (ids may hold spaces)
                     timeout "$limit" python -m pytest -q -p no:cacheprovider -rf --junitxml="$out/junit_$i.xml" \
-                      $(cat "$out/ids_$i.txt") > "$out/${topic}_$i.log" 2>&1 &
+                      "${ids[@]}" > "$out/${topic}_$i.log" 2>&1 &
                     pids+=($!)
                   done
                   rc=0

@@ -11,6 +11,8 @@
   ``measure``: timing those parts on this device (imports torch only when called).
 * ``policy``: ``SloChunkPolicy`` (dynamic chunks under an ITL SLO) and ``StaticChunkPolicy``;
   ``sched_cost``: the per-step planning cost.
+* ``online``: ``StepTimeCorrection``, the running correction of the predictions from the engine's
+  measured steps, which the SLO policy plans against.
 * ``calibrate``: the step overhead refitted on the serving engine's own steps (what the op tables
   cannot see: batch preparation, sampling, the engine's attention), cached per plan and engine
   configuration; the engine runs it when it starts with ``slo_itl_ms``. ``first_use``: the counters
@@ -29,13 +31,14 @@ from .latency_cache import CacheKey, load, load_or_measure, save
 from .compiled import PlanError, plan_of, scheduler_for
 from .calibrate import calibrate
 from .plan import Plan, PlannedLinear, PlannedOp
+from .online import StepTimeCorrection
 from .policy import SchedulingError, SloChunkPolicy, StaticChunkPolicy
 from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest
 
 __all__ = [
     "AttentionCost", "CacheKey", "FitReport", "KVCache", "LatencyModel", "LatencyTable", "LinearTable", "Overhead",
     "Plan", "PlanError", "PlannedLinear", "PlannedOp", "RunningDecode", "SchedulerState", "SchedulingError", "SloChunkPolicy",
-    "StaticChunkPolicy", "StepPlan", "StepSample", "WaitingRequest", "calibrate", "check", "fit_overhead", "fit_scaled", "load",
+    "StaticChunkPolicy", "StepPlan", "StepSample", "StepTimeCorrection", "WaitingRequest", "calibrate", "check", "fit_overhead", "fit_scaled", "load",
     "load_or_measure", "plan_of", "save", "scheduler_for", "Engine",
 ]
 

@@ -198,13 +198,13 @@ def _device_of(model):
 
 def scheduler_for(compiled_model, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32, device=None,
                   step_fn: Optional[Callable] = None, log: Callable[[str], None] = print, plan: Optional[Plan] = None,
-                  eager: bool = False, token_pad: int = 1, **measure_kw) -> SloChunkPolicy:
+                  eager: bool = False, token_pad: int = 1, correction=None, **measure_kw) -> SloChunkPolicy:
     """The SLO chunk policy for ``compiled_model``: its plan (``plan_of``, or ``plan``), the latency model
     of that plan on this device (cached; measured on first use up to ``max_chunk`` rows, whole steps
     by ``step_fn`` or a synthetic step of the same ops), and ``SloChunkPolicy(model, slo_itl_ms, ...)``.
     ``eager=True``: for the model run without compiling (its ``QuantLinear``s' ops as they are).
     ``token_pad``: the multiple the serving engine pads a step's tokens to (``Engine.token_pad``;
-    ``LatencyModel.token_pad``)."""
+    ``LatencyModel.token_pad``); ``correction``: the policy's online correction (``SloChunkPolicy``)."""
     plan = plan or plan_of(compiled_model, eager=eager)
     device = device if device is not None else _device_of(compiled_model)
     key = CacheKey.for_plan(plan, device)
@@ -215,4 +215,5 @@ def scheduler_for(compiled_model, slo_itl_ms: float, max_chunk: int = 2048, min_
 
     latency = load_or_measure(key, measure, log=log, meta={"linears": [lin.name for lin in plan.linears],
                                                            "routes": list(plan.routes)})
-    return SloChunkPolicy(latency.with_token_pad(token_pad), slo_itl_ms, max_chunk=max_chunk, min_chunk=min_chunk)
+    return SloChunkPolicy(latency.with_token_pad(token_pad), slo_itl_ms, max_chunk=max_chunk, min_chunk=min_chunk,
+                          correction=correction)

@@ -55,6 +55,7 @@ from . import latency_cache
 from .calibrate import calibrate, engine_key
 from .compiled import PlanError, _device_of, plan_of, scheduler_for
 from .latency_cache import CacheKey
+from .online import StepTimeCorrection
 from .policy import SloChunkPolicy, StaticChunkPolicy
 from .state import blocks_for
 
@@ -141,7 +142,10 @@ class Engine:
     few dozen steps, cached per plan and engine configuration); ``attention``: None keeps transformers'
     choice (without flash-attn ``paged|sdpa``: one masked attention over the whole step), ``"varlen"``
     runs ``runtime.attention.paged_varlen_attention`` (each sequence against its own keys; the model's
-    attention implementation is restored when the engine stops)."""
+    attention implementation is restored when the engine stops); ``online_correction``: the SLO policy the
+    engine builds plans against its latency model corrected online by the engine's measured steps
+    (``online.StepTimeCorrection``, ``Engine.correction``; steps that captured or compiled a graph are
+    left out)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
@@ -149,7 +153,7 @@ class Engine:
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
                  recompile_limit: Optional[int] = None, calibrate: bool = True, attention: Optional[str] = None,
-                 log: Callable[[str], None] = logger.info) -> None:
+                 online_correction: bool = True, log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
         if slo_itl_ms is not None and (isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float))
@@ -187,6 +191,8 @@ class Engine:
         self._calibrate_on = calibrate
         self.calibration = None  # the calibrated LatencyModel, once made or loaded
         self._plan_key = None
+        self.correction = StepTimeCorrection() if online_correction else None
+        self._marker, self._tick_mark = None, None
 
     # -- configuration
 
@@ -236,7 +242,7 @@ class Engine:
             self._plan_key = CacheKey.for_plan(plan, _device_of(self.model))
             self.set_policy(scheduler_for(self.model, self.slo_itl_ms, max_chunk=self.max_batch_tokens or 2048,
                                           min_chunk=min(32, self.max_batch_tokens or 2048), log=self.log, plan=plan,
-                                          token_pad=self.token_pad))
+                                          token_pad=self.token_pad, correction=self.correction))
 
     def _calibrate(self) -> None:
         """Refit the SLO policy's step overhead on the engine's own steps (``calibrate.calibrate``), or load
@@ -254,7 +260,10 @@ class Engine:
             self.log(f"spear_compile: step overhead calibrated (held out: {report}); saved to {where}")
         self.calibration = model
         p = self.policy
-        self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk))
+        if self.correction is not None:
+            self.correction.reset()  # the calibration's steps ran under another model
+        self.set_policy(SloChunkPolicy(model, p.slo, max_chunk=p.max_chunk, min_chunk=p.min_chunk,
+                                       correction=self.correction))
         why = self.policy.infeasible()
         if why is not None:  # a clear word at start rather than a queue that silently grows
             logger.warning("spear_compile: %s", why)
@@ -336,7 +345,8 @@ class Engine:
 
         policy = self._resolve_policy()
         self.policy = policy
-        hooks = SchedulerHooks(on_start=self._on_start, on_fail=self._on_fail, on_step=self._on_step)
+        hooks = SchedulerHooks(on_start=self._on_start, on_fail=self._on_fail, on_step=self._on_step,
+                               on_tick=self._on_tick if self.correction is not None else None)
         self._scheduler_cls = make_scheduler_class(policy, hooks)
         self._scheduler_name = register_scheduler(self._scheduler_cls)
         cc = self._compile_config()
@@ -448,6 +458,33 @@ class Engine:
     def _on_step(self, state, plan, scheduled) -> None:
         if self.record_steps:
             self.steps.append((state, plan, scheduled))
+
+    def _first_use_mark(self):
+        """What moves when a step captures or compiles a graph (``first_use``): CUDA graphs held and graphs
+        compiled with CUDA graphs on, graphs compiled when compiled, nothing (None) in eager."""
+        if self._marker is None:
+            from .first_use import FirstUseMarker, compiled_graph_count
+
+            graphs = self.extra_cb.get("use_cuda_graph", self._cb_defaults(self._compile_config()).get("use_cuda_graph"))
+            self._marker = (FirstUseMarker(self) if graphs else compiled_graph_count if self.backend is not None
+                            else (lambda: None))
+        return self._marker()
+
+    def _on_tick(self, plan, ms: float) -> None:
+        """The last step's wall time (``SchedulerHooks.on_tick``) into the online correction, when the
+        planning policy reads this correction and the step captured or compiled no graph."""
+        mark = self._first_use_mark()
+        steady, self._tick_mark = mark == self._tick_mark, mark
+        if plan is not None and steady and getattr(self.policy_inner(), "correction", None) is self.correction:
+            self.correction.observe(plan.predicted_ms, ms)
+
+    def policy_inner(self):
+        """The policy that plans, under any wrappers (an object's ``inner`` attribute, as a timing wrapper
+        has)."""
+        p = self.policy
+        while hasattr(p, "inner"):
+            p = p.inner
+        return p
 
     def set_policy(self, policy) -> None:
         """Plan the following steps with ``policy`` (an object with ``plan(state) -> StepPlan``); takes effect

@@ -40,6 +40,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from transformers.generation.continuous_batching import FIFOScheduler, RequestStatus
@@ -99,11 +100,16 @@ class SchedulerHooks:
     ``on_fail(request_id, message)``: the policy found a request that can never be scheduled (it needs
     more KV than the cache has); the scheduler cancels it and the engine reports the message;
     ``on_step(state, plan, scheduled)``: every planned step, with what was scheduled as
-    ``((request_id, tokens), ...)`` in batch order (for tests and statistics)."""
+    ``((request_id, tokens), ...)`` in batch order (for tests and statistics);
+    ``on_tick(plan, ms)``: at every call of ``schedule_batch``, the plan of the previous call if it
+    scheduled work (else None) and the milliseconds since that call: transformers asks for the next
+    batch as soon as a step is done, so after a step with work this is that step's wall time (the
+    engine's online correction of the latency model reads it)."""
 
     on_start: Optional[Callable[[str], None]] = None
     on_fail: Optional[Callable[[str, str], None]] = None
     on_step: Optional[Callable[[SchedulerState, StepPlan, tuple], None]] = None
+    on_tick: Optional[Callable[[Optional[StepPlan], float], None]] = None
 
 
 class PolicyScheduler(FIFOScheduler):
@@ -124,6 +130,7 @@ class PolicyScheduler(FIFOScheduler):
         self._started: set = set()
         self.last_state: Optional[SchedulerState] = None
         self.last_plan: Optional[StepPlan] = None
+        self._tick_t, self._tick_plan = time.perf_counter(), None
 
     # -- translation
 
@@ -179,6 +186,10 @@ class PolicyScheduler(FIFOScheduler):
     # -- the one overridden method
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
+        now = time.perf_counter()
+        if self.hooks.on_tick is not None:
+            self.hooks.on_tick(self._tick_plan, (now - self._tick_t) * 1e3)
+        self._tick_t, self._tick_plan = now, None
         state, by_id = self.scheduler_state()
         if not state.decodes and not state.waiting:
             return [], False, 0, 0
@@ -227,6 +238,8 @@ class PolicyScheduler(FIFOScheduler):
                     self.hooks.on_start(rid)
         if not scheduled and failed:
             return None, fast_path, 0, 0
+        if scheduled:
+            self._tick_plan = plan
         return scheduled, fast_path, q_tokens, kv_read
 
     def _refuse(self, state: SchedulerState, message: str):

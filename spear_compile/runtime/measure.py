@@ -72,10 +72,13 @@ def gpu_time_ms(fn: Callable[[], object], device="cuda", warmup: int = 2, reps: 
     the engine's served steps within 10-15 % median on an H100 (``.../2026-12-05_h100_varlen_kv256``). The
     warm-up runs outside the capture (first-use allocations, layouts, autotuning). The timing is the
     kernel tuner's (``dispatch.tuning.bench_graph``). ``fn`` must be capturable: a failed capture raises
-    (it would leave torch's CUDA generator unusable, so there is no eager retry)."""
+    (it would leave torch's CUDA generator unusable, so there is no eager retry). A runner that cycles over
+    weight copies (``op_runner(copies=n)``, its ``copies`` attribute) is warmed up at least ``n`` times, so
+    every copy's first-use layouts are made before the capture."""
     torch = _torch()
     from ..dispatch.tuning import bench_graph
 
+    warmup = max(warmup, getattr(fn, "copies", 1))
     with torch.cuda.device(torch.device(device)):
         return bench_graph(lambda i: fn(), copies=1, calls=calls, replays=reps, warmup=warmup) / 1e3
 

@@ -101,7 +101,8 @@ def op_runner(lin: PlannedLinear, m: int, device, dtype, weights: Optional[dict]
     """Run every op of ``lin`` that runs ``m`` rows (a measurement runner, ``measure.Runner``; ``weights``
     as in ``op_call``). ``copies`` > 1: each call runs on the next of ``copies`` independent weight sets
     in turn, so that calls captured back to back read their weights from memory, not from the cache the
-    previous call filled (``measure.gpu_time_ms``)."""
+    previous call filled (``measure.gpu_time_ms``); the runner's ``copies`` attribute says how many calls
+    reach every set once (a warm-up must make each set's first-use weight layouts before a capture)."""
     if not lin.ops:
         raise ValueError(f"op_runner: {lin.name!r} has no compiled ops (a hand-written plan linear); "
                          f"time it with the reference runner")
@@ -116,4 +117,5 @@ def op_runner(lin: PlannedLinear, m: int, device, dtype, weights: Optional[dict]
         for c in next(turn):
             c()
 
+    run.copies = copies  # a timing's warm-up calls it at least this often (``measure.gpu_time_ms``)
     return run

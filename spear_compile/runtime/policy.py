@@ -25,7 +25,8 @@ Contract of ``SloChunkPolicy.plan`` (the Hypothesis tests check each point):
    at most one request is ever partly prefilled. The oldest progresses whenever its piece fits; when it
    does not fit beside the decodes, nothing is admitted, so the decodes drain and it fits later: no
    starvation.
-3. Each piece is the largest that keeps the predicted step time <= ``slo_itl_ms``, the KV blocks within
+3. Each piece is the largest that keeps the predicted step time <= ``slo_itl_ms`` (less the online
+   correction's offset when the policy has one: ``SloChunkPolicy``, ``online``), the KV blocks within
    the free ones, and the step's prefill tokens <= ``max_chunk`` (found by binary search over the
    prediction, which is monotone in the piece size).
 4. No tiny tail: a piece shorter than the request's remainder must leave at least ``min_chunk`` tokens;
@@ -164,9 +165,14 @@ class SloChunkPolicy:
     """Dynamic prefill chunks under an ITL SLO, from the compiled model's latency model (module docstring).
 
     ``max_chunk`` caps the step's prefill tokens (keep it within the latency model's measured M range);
-    ``min_chunk`` is the smallest partial piece worth a step (the no-tiny-tail rule)."""
+    ``min_chunk`` is the smallest partial piece worth a step (the no-tiny-tail rule); ``correction``: an
+    online correction of the predictions (``online.StepTimeCorrection``, fed by the engine with its
+    measured steps): each step is planned so that the prediction plus its ``offset_ms`` stays within the
+    SLO (every rule above reads ``slo - offset_ms`` for the SLO). ``StepPlan.predicted_ms`` stays the
+    model's own prediction, which the correction compares with the measured step."""
 
-    def __init__(self, latency_model: LatencyModel, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32) -> None:
+    def __init__(self, latency_model: LatencyModel, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32,
+                 correction=None) -> None:
         if not isinstance(latency_model, LatencyModel):
             raise ValueError(f"SloChunkPolicy: latency_model={latency_model!r} must be a LatencyModel")
         if isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float)) or not (0 < slo_itl_ms < math.inf):
@@ -175,7 +181,11 @@ class SloChunkPolicy:
         _check_pos("SloChunkPolicy", "min_chunk", min_chunk)
         if min_chunk > max_chunk:
             raise ValueError(f"SloChunkPolicy: min_chunk={min_chunk} must be <= max_chunk={max_chunk}")
+        if correction is not None and not hasattr(correction, "offset_ms"):
+            raise ValueError(f"SloChunkPolicy: correction={correction!r} must have an offset_ms "
+                             f"(an online.StepTimeCorrection) or be None")
         self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
+        self.correction = correction
 
     def __repr__(self) -> str:
         return f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk})"
@@ -198,18 +208,24 @@ class SloChunkPolicy:
                 f"decode): every step will miss it, and prefill runs in forced pieces of {self.min_chunk} tokens; "
                 f"raise the SLO above the batch-1 decode step")
 
-    def _largest(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int) -> int:
-        """The largest c in [0, hi] whose step (the current one plus a piece of c) fits the SLO.
+    def budget_ms(self) -> float:
+        """The predicted step time this step is planned within: the SLO less the online correction's offset."""
+        return self.slo - self.correction.offset_ms if self.correction is not None else self.slo
+
+    def _largest(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int,
+                 slo: Optional[float] = None) -> int:
+        """The largest c in [0, hi] whose step (the current one plus a piece of c) fits ``slo`` (default the
+        SLO).
 
         The step time is ``base + k1 c + k2 c^2 + per_m(tokens + c)`` with ``per_m`` piecewise linear:
         bisect over the table's buckets inside the range for the last piece that still fits, then
         solve that piece's quadratic in closed form and correct the rounding by a step."""
         if hi <= 0:
             return 0
+        slo = self.slo if slo is None else slo
         if self.model.token_pad > 1:
-            return self._largest_padded(hi, tokens, seqs, attn, prefilled)
+            return self._largest_padded(hi, tokens, seqs, attn, prefilled, slo)
         base, k1, k2, per_m = self.model.piece_terms(tokens, seqs, attn, prefilled)
-        slo = self.slo
 
         def T(c):
             return base + (k1 + k2 * c) * c + per_m(tokens + c)
@@ -246,12 +262,12 @@ class SloChunkPolicy:
             c -= 1
         return c
 
-    def _largest_padded(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int) -> int:
+    def _largest_padded(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int, slo: float) -> int:
         """``_largest`` for a model whose steps run on tokens padded to ``token_pad``: the step costs the
         same linears for every piece that ends in one pad unit, so the search bisects over the units' ends
         (the largest piece of each unit), then solves the piece's attention quadratic inside the first unit
         whose end does not fit."""
-        m, slo, pad = self.model, self.slo, self.model.token_pad
+        m, pad = self.model, self.model.token_pad
 
         def T(c):
             return m.step_ms(tokens + c, seqs + 1, attn + m.piece_attention_ms(c, prefilled))
@@ -314,6 +330,7 @@ class SloChunkPolicy:
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         tokens = seqs = len(run)
         attn = model.decodes_attention_ms(len(run), ctx)
+        slo = self.budget_ms()
         budget = self.max_chunk
         pieces: List[Tuple[object, int]] = []
         forced, reason = False, "no request waits"
@@ -323,10 +340,10 @@ class SloChunkPolicy:
             hi = min(R, budget, kv_cap)
             if i == 0 and kv_cap < R and _alone(state, w):
                 _stuck(state, w)
-            c = self._shape(self._largest(hi, tokens, seqs, attn, p), R)
+            c = self._shape(self._largest(hi, tokens, seqs, attn, p, slo), R)
             if c == 0 and i == 0:
                 f = self._minimal(R)
-                if f <= kv_cap and model.step_ms(f, 1, model.piece_attention_ms(f, p)) > self.slo:
+                if f <= kv_cap and model.step_ms(f, 1, model.piece_attention_ms(f, p)) > slo:
                     c, forced = f, True
             if c == 0:
                 reason = (f"{w.request_id!r} waits: " +

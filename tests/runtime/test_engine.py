@@ -149,6 +149,32 @@ def test_concurrent_requests_with_chunked_prefill_give_the_same_tokens(engine, s
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_online_correction_learns_from_the_engines_steps_and_keeps_the_tokens(engine, smol):
+    """An SLO policy that reads the engine's correction: the engine feeds it each step's wall time (its
+    1 ms-per-token model under-predicts CPU steps of tens of ms, so the offset grows positive and the
+    pieces shrink to forced minimal ones), and the tokens stay those of ``generate``. A policy that does not
+    read this correction leaves it untouched."""
+    eng, _ = engine
+    _, _, ids, refs = smol
+    lm = LatencyModel((LinearTable("all", 1, LatencyTable((1, 64), (1.0, 64.0))),),
+                      LatencyTable((1, 64), (0.0, 0.0)), AttentionCost(), 1)
+    assert eng.correction is not None
+    eng.correction.reset()
+    eng.set_policy(SloChunkPolicy(lm, 12.0, max_chunk=64, min_chunk=4))
+    try:
+        assert eng.generate(ids[:1], max_new_tokens=4) == [refs[0][:4]]
+        assert eng.correction.observed == 0
+        eng.set_policy(SloChunkPolicy(lm, 12.0, max_chunk=64, min_chunk=4, correction=eng.correction))
+        eng.steps.clear()
+        assert eng.generate(ids, max_new_tokens=NEW) == refs
+    finally:
+        eng.set_policy(StaticChunkPolicy(64))
+    assert eng.correction.observed >= 3 and eng.correction.offset_ms > 0
+    assert any(plan.forced for _, plan, _ in eng.steps)
+    _steps_match_plans(eng.steps)
+
+
 def test_streaming_yields_the_same_tokens_sync_and_async(engine, smol):
     eng, _ = engine
     _, _, ids, refs = smol
@@ -306,8 +332,8 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
     from transformers.generation.continuous_batching import RequestState, RequestStatus
 
     from spear_compile.models import load
-    from spear_compile.runtime.hf_scheduler import (PolicyScheduler, config_kwargs, make_scheduler_class,
-                                                    register_scheduler, unregister_scheduler)
+    from spear_compile.runtime.hf_scheduler import (PolicyScheduler, SchedulerHooks, config_kwargs,
+                                                    make_scheduler_class, register_scheduler, unregister_scheduler)
 
     class Scripted:
         def __init__(self, plans):
@@ -324,7 +350,8 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
         StepPlan(("a", "b"), (), preempt_ids=("c",)),       # c preempted
         StepPlan(("a", "b"), (("c", 10),)),                 # the token budget clips this piece
     ])
-    cls = make_scheduler_class(policy)
+    plans, ticks = list(policy.plans), []
+    cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))))
     name = register_scheduler(cls)
     model, _ = load("tiny-llama")
     try:
@@ -368,6 +395,8 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
         s = policy.states[4]
         assert [(w.request_id, w.arrival, w.prefilled) for w in s.waiting] == [("c", 2, 0)]
         assert s.kv.free_blocks == free_before + 1  # c's block came back
+        # every call reported the previous call's plan (it scheduled work) and the time since that call
+        assert [p for p, _ in ticks] == [None] + plans[:4] and all(ms >= 0 for _, ms in ticks)
         manager.destroy()
     finally:
         unregister_scheduler(name)

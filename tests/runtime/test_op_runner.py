@@ -39,3 +39,28 @@ def test_copies_cycle_over_independent_weight_sets():
 
 def test_weight_copies_only_on_cuda():
     assert weight_copies(_lin(), 4, "cpu") == 1
+
+
+def test_gpu_timing_warms_every_weight_copy_before_the_capture(monkeypatch):
+    """A copy first called inside the capture would make its weight layout there (the layout cache raises):
+    the timing's warm-up must reach every copy. The tuner's graph timing is replaced by one that records
+    its warm-up count (no GPU here)."""
+    import contextlib
+
+    from spear_compile.dispatch import tuning
+    from spear_compile.runtime.measure import gpu_time_ms
+
+    seen = {}
+
+    def fake_bench_graph(fn, copies=1, calls=20, replays=15, warmup=3):
+        seen["warmup"], seen["calls"] = warmup, calls
+        return 1.0
+
+    monkeypatch.setattr(tuning, "bench_graph", fake_bench_graph)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    run = op_runner(_lin(), 4, "cpu", torch.float32, {}, copies=7)
+    assert run.copies == 7
+    gpu_time_ms(run, "cpu", warmup=2, calls=10)
+    assert seen["warmup"] >= 7
+    gpu_time_ms(lambda: None, "cpu", warmup=2)                      # a plain callable: the warm-up asked for
+    assert seen["warmup"] == 2
