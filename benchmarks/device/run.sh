@@ -33,6 +33,8 @@
 #                  shipped choice and cuBLAS, W4 + EC after (default: the benchmark and Qwen2.5-7B shapes)
 #   l2-tables      benchmarks/latency_tables_l2.py: a compiled W4 linear timed as the serving latency tables
 #                  time it, on one weight set against weight copies past L2 (default --ms 1 16 64 256)
+#   between-buckets benchmarks/latency_between_buckets.py: the serving model's compiled linears timed at M
+#                  between the latency model's buckets (default --density 25 --ms 64 128 192 256 320 384)
 #   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
 #                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)
 #   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
@@ -43,9 +45,9 @@
 # With PACK=1 in the environment the folder ends packed as OUT_DIR.tgz (pack.sh), for a transfer
 # that returns a limited number of files. TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,44p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,46p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables e2e-hf ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -138,6 +140,7 @@ case "$topic" in
   untuned)      bench benchmarks/untuned_shapes.py --out "$out" "$@"; rc=$? ;;
   small-m)      bench benchmarks/small_m_gemm.py --out "$out" "$@"; rc=$? ;;
   l2-tables)    bench benchmarks/latency_tables_l2.py --out "$out" "$@"; rc=$? ;;
+  between-buckets) bench benchmarks/latency_between_buckets.py --out "$out" "$@"; rc=$? ;;
   serving)      bench benchmarks/serving.py --out "$out" ${@:---device cuda --model llama2-7b}; rc=$? ;;
   engine-profile) bench benchmarks/engine_profile.py --out "$out" ${@:---device cuda --model llama2-7b --batch 1 16}
                 rc=$? ;;
