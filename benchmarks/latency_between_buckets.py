@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--ms", type=int, nargs="+", default=[64, 128, 192, 256, 320, 384])
     args = ap.parse_args()
+    args.device = "cuda"  # for the record's meta (run_meta)
     if not torch.cuda.is_available():
         raise SystemExit("latency_between_buckets.py: needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

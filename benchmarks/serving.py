@@ -460,7 +460,7 @@ def main(argv=None) -> None:
                                                                 "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
-                                                               correction=eng.correction if on else None), slo)
+                                                               correction=eng.correction if on == "on" else None), slo)
                      for slo in slos for on, label in (("on", "dynamic"), ("off", "dynamic_uncorrected"))
                      if on in args.correction]
             if args.warmup_requests:
