@@ -10,9 +10,9 @@ run, ``graph_captures``). Poisson arrivals at ``--rates`` requests per
 second, prompt and output lengths drawn from the stated distributions (seeded, the same workload for
 every policy), ECs on ``--densities`` percent of the linears (random EC weights of rank ``--rank``:
 the latency does not depend on their values). Policies: ``dynamic`` (``scheduler_for(model, slo)``:
-the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO, planned
-against the latency model corrected online by the engine's measured steps (``runtime.online``; label
-``dynamic``) and, with ``--correction on off``, also without that correction (``dynamic_uncorrected``), and
+the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO (label
+``dynamic``) and, with ``--correction on`` (or ``off on``), planned against the latency model corrected
+online by the engine's measured steps (``runtime.online``; label ``dynamic_online``), and
 static chunks (``StaticChunkPolicy``, Sarathi / vLLM's fixed token budget) of ``--chunks`` tokens,
 each run once and scored against every SLO.
 
@@ -191,12 +191,12 @@ def prediction_error(steps: list, latency_model) -> dict:
         errs.append(abs(pred - measured) / measured)
         if not first_use:
             steady.append(errs[-1])
-        rows.append((pred, measured, first_use))
+        rows.append((pred, measured, first_use, bool(pre)))
         pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), first_use))
     if not errs:
         return {}
     # the same model corrected online (runtime.online), replayed over the run's steps in order
-    online = [abs(c - m) / m for c, (_, m, first) in zip(replay(rows), rows) if not first]
+    online = [abs(c - m) / m for c, (_, m, first, _) in zip(replay(rows), rows) if not first]
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
             "steady_median_abs_err": pct(steady, 50), "steady_p90_abs_err": pct(steady, 90),
             "steady_online_median_abs_err": pct(online, 50), "steady_online_p90_abs_err": pct(online, 90),
@@ -391,9 +391,9 @@ def main(argv=None) -> None:
                          "runtime.attention's varlen kernel (Engine(attention='varlen'))")
     ap.add_argument("--kv-padding", type=int, default=None,
                     help="KV-read padding in tokens (cb_config kv_padding_interval_size; default: the engine's)")
-    ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["on"],
-                    help="dynamic runs with the engine's online correction of the latency model (on), "
-                         "without it (off), or both, each its own run")
+    ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["off"],
+                    help="dynamic runs without the engine's online correction of the latency model (off, "
+                         "label 'dynamic'), with it (on, 'dynamic_online'), or both, each its own run")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -427,7 +427,8 @@ def main(argv=None) -> None:
     engine_kw = dict(model=model, compile=args.compile, block_size=args.block_size, num_blocks=args.num_blocks,
                      max_batch_tokens=max(args.chunks) + 256, log=print,
                      attention=None if args.attention == "transformers" else args.attention,
-                     cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding})
+                     cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding},
+                     online_correction="on" in args.correction)
     record = {"meta": meta(args), "rows": [], "latency_model": {}}
     # every calibration and served step, for offline refits (serving_refit.py)
     steps_path = os.path.join(args.out, f"steps_{tag}.json")
@@ -461,7 +462,7 @@ def main(argv=None) -> None:
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
                                                                correction=eng.correction if on == "on" else None), slo)
-                     for slo in slos for on, label in (("on", "dynamic"), ("off", "dynamic_uncorrected"))
+                     for slo in slos for on, label in (("off", "dynamic"), ("on", "dynamic_online"))
                      if on in args.correction]
             if args.warmup_requests:
                 warm = workload(args.warmup_requests, max(args.rates), args.prompt, args.output, vocab, args.seed + 1)

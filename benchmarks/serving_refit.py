@@ -21,7 +21,7 @@ real latency model instead: per density, ``runtime.fit.fit_scaled`` on the calib
 ``runtime.calibrate`` trims) with the parts' factor held at 1 and fitted, each checked on every served step
 that captured or compiled no graph, pooled and per run, beside the op tables alone, and the held model
 corrected online (``runtime.online.replay`` over each run's steps in order: each step corrected by the
-steady steps before it, as the engine's ``StepTimeCorrection`` does; ``online_window``); ``--token-pad 64``
+steady steps with prefill before it, as the engine's ``StepTimeCorrection`` learns; ``online_window``); ``--token-pad 64``
 predicts with the step's tokens padded as the engine pads them (runs recorded before the latency model
 knew the padding):
 
@@ -102,7 +102,7 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8) -> 
     def online_errors(model, rows) -> list:
         """|corrected - measured| / measured of the run's steady steps, the corrections replayed in order."""
         preds = [model.predict_step_ms(tuple(r[0]), tuple(tuple(p) for p in r[1])) for r in rows]
-        corr = replay([(p, r[2], bool(r[3])) for p, r in zip(preds, rows)], window=window)
+        corr = replay([(p, r[2], bool(r[3]), bool(r[1])) for p, r in zip(preds, rows)], window=window)
         return [abs(c - r[2]) / r[2] for c, r in zip(corr, rows) if not r[3]]
 
     def online_report(errs) -> dict:

@@ -144,8 +144,8 @@ class Engine:
     runs ``runtime.attention.paged_varlen_attention`` (each sequence against its own keys; the model's
     attention implementation is restored when the engine stops); ``online_correction``: the SLO policy the
     engine builds plans against its latency model corrected online by the engine's measured steps
-    (``online.StepTimeCorrection``, ``Engine.correction``; steps that captured or compiled a graph are
-    left out)."""
+    (``online.StepTimeCorrection``, ``Engine.correction``; steps that captured or compiled a graph
+    are left out). Off by default: its one closed-loop run lowered SLO attainment (``runtime.online``)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
@@ -153,7 +153,7 @@ class Engine:
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
                  recompile_limit: Optional[int] = None, calibrate: bool = True, attention: Optional[str] = None,
-                 online_correction: bool = True, log: Callable[[str], None] = logger.info) -> None:
+                 online_correction: bool = False, log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
         if slo_itl_ms is not None and (isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float))
@@ -346,7 +346,7 @@ class Engine:
         policy = self._resolve_policy()
         self.policy = policy
         hooks = SchedulerHooks(on_start=self._on_start, on_fail=self._on_fail, on_step=self._on_step,
-                               on_tick=self._on_tick if self.correction is not None else None)
+                               on_tick=self._on_tick)
         self._scheduler_cls = make_scheduler_class(policy, hooks)
         self._scheduler_name = register_scheduler(self._scheduler_cls)
         cc = self._compile_config()
@@ -473,10 +473,12 @@ class Engine:
     def _on_tick(self, plan, ms: float) -> None:
         """The last step's wall time (``SchedulerHooks.on_tick``) into the online correction, when the
         planning policy reads this correction and the step captured or compiled no graph."""
+        if self.correction is None:
+            return
         mark = self._first_use_mark()
         steady, self._tick_mark = mark == self._tick_mark, mark
         if plan is not None and steady and getattr(self.policy_inner(), "correction", None) is self.correction:
-            self.correction.observe(plan.predicted_ms, ms)
+            self.correction.observe(plan.predicted_ms, ms, prefill=bool(plan.prefill))
 
     def policy_inner(self):
         """The policy that plans, under any wrappers (an object's ``inner`` attribute, as a timing wrapper

@@ -5,7 +5,7 @@ what neither saw: the host threads of the requests being streamed, the allocator
 neighbours in the step. On an H200 (Llama-2-7B shape, ECs on 25 / 100 % of linears, 16 and 22 ms SLOs,
 ``benchmarks/results/serving/2026-12-06_h200_calibration``) the calibrated model missed the served steps
 by 8-20 % median (35-40 % on the dynamic policy's mixed steps), and its error was nearly constant from one
-step to the next. So the engine feeds every steady step's measured time back: ``offset_ms`` is the median
+step to the next. So the engine can feed each steady step's measured time back: ``offset_ms`` is the median
 of ``measured - predicted`` over the last ``window`` steps, and ``SloChunkPolicy`` plans each step against
 ``slo - offset_ms`` (the prediction plus the offset stays within the SLO). Replayed causally over those
 recorded steps (each step corrected only by the steps before it, the plans left as they were), the median
@@ -13,10 +13,17 @@ error fell from 6.8-20.0 % to 0.8-1.6 % on decode-only steps and 0.9-6.5 % on mi
 1.1-1.6 % and 1.3-6.6 % with 8; 1.3-2.1 % and 1.8-6.3 % with 16 (``replay``; ``benchmarks/serving_refit.py --steps``). The default window is 8: as close as 4, and a median of 8 needs five
 outliers to move.
 
-Steps that captured a CUDA graph or compiled one (``first_use``) are not observed: they are one-off costs,
-not the model's error. The correction is the median of an additive residual, so a step whose content
-differs from the recent ones (a long prefill after decodes) still gets its own prediction plus the recent
-host cost, not the recent steps' time.
+Steps with prefill and decode-only steps keep separate windows: the policy sizes prefill pieces with the
+first, and the two kinds err differently. In the first closed-loop run (H100, 2026-12-06,
+``serving/2026-12-06_h100_m256_table``), one window for every step, decode-only steps the model
+over-predicted pulled the offset to -1.4..-1.8 ms, and the mixed steps planned with it overshot the 16 ms
+SLO; the corrected policy reached attainment 0.78
+against 0.89 uncorrected and a 4.3x mean TTFT (1292 against 303 ms), with the same p99 ITL (19.6 / 18.5
+ms). So ``Engine`` leaves the correction off unless asked (``online_correction=True``); the two-window
+variant has not run in closed loop. Steps that captured a CUDA graph or compiled one (``first_use``) are
+not observed either: they are one-off costs, not the model's error. The correction is the median of an
+additive residual, so a step whose content differs from the recent ones still gets its own prediction plus
+the recent residual, not the recent steps' time.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ from typing import Deque, Iterable, List, Optional, Tuple
 class StepTimeCorrection:
     """The running additive correction of a latency model's step predictions (module docstring).
 
-    ``observe(predicted_ms, measured_ms)`` after each steady step; ``offset_ms``: the median residual of the
-    last ``window`` observed steps, 0 until ``min_steps`` have been observed. Used by one thread (the
-    engine's generation loop); ``reset()`` forgets the history (a new workload, a new policy)."""
+    Two windows, one per kind of step: with prefill (``prefill=True``, the steps whose size the policy
+    chooses) and decode-only. ``observe(predicted_ms, measured_ms, prefill)`` after each steady step;
+    ``offset_ms``: the median residual of the last ``window`` observed steps with prefill (what the SLO
+    policy plans with), ``offset_for(prefill)`` either kind's; 0 until ``min_steps`` of that kind have
+    been observed. Used by one thread (the engine's generation loop); ``reset()`` forgets the history."""
 
     def __init__(self, window: int = 8, min_steps: int = 3) -> None:
         for name, v in (("window", window), ("min_steps", min_steps)):
@@ -39,47 +48,56 @@ class StepTimeCorrection:
         if min_steps > window:
             raise ValueError(f"StepTimeCorrection: min_steps={min_steps} must be <= window={window}")
         self.window, self.min_steps = window, min_steps
-        self._residuals: Deque[float] = collections.deque(maxlen=window)
-        self._offset = 0.0
+        self._residuals: Tuple[Deque[float], Deque[float]] = (collections.deque(maxlen=window),
+                                                              collections.deque(maxlen=window))
+        self._offsets = [0.0, 0.0]  # [decode-only, with prefill]
         self.observed = 0
 
     def __repr__(self) -> str:
-        return f"StepTimeCorrection(window={self.window}, offset_ms={self._offset:.3f}, observed={self.observed})"
+        return (f"StepTimeCorrection(window={self.window}, offset_ms={self._offsets[1]:.3f} (prefill) / "
+                f"{self._offsets[0]:.3f} (decode-only), observed={self.observed})")
 
     @property
     def offset_ms(self) -> float:
-        """Milliseconds to add to a prediction (negative when the model over-predicts)."""
-        return self._offset
+        """Milliseconds to add to the prediction of a step with prefill (negative when the model
+        over-predicts them)."""
+        return self._offsets[1]
 
-    def observe(self, predicted_ms: Optional[float], measured_ms: float) -> None:
+    def offset_for(self, prefill: bool) -> float:
+        """The offset of steps with prefill (True) or of decode-only steps (False)."""
+        return self._offsets[bool(prefill)]
+
+    def observe(self, predicted_ms: Optional[float], measured_ms: float, prefill: bool = True) -> None:
         """Record one steady step. A step without a prediction (a policy without a latency model) or with
         a non-finite or non-positive time is ignored."""
         if predicted_ms is None or not (0.0 < measured_ms < float("inf")) or not (predicted_ms >= 0.0):
             return
-        self._residuals.append(measured_ms - predicted_ms)
+        k = bool(prefill)
+        self._residuals[k].append(measured_ms - predicted_ms)
         self.observed += 1
-        if len(self._residuals) >= self.min_steps:
-            self._offset = statistics.median(self._residuals)
+        if len(self._residuals[k]) >= self.min_steps:
+            self._offsets[k] = statistics.median(self._residuals[k])
 
-    def corrected_ms(self, predicted_ms: float) -> float:
-        """``predicted_ms`` plus the current offset."""
-        return predicted_ms + self._offset
+    def corrected_ms(self, predicted_ms: float, prefill: bool = True) -> float:
+        """``predicted_ms`` plus the offset of its kind of step."""
+        return predicted_ms + self._offsets[bool(prefill)]
 
     def reset(self) -> None:
-        self._residuals.clear()
-        self._offset, self.observed = 0.0, 0
+        for r in self._residuals:
+            r.clear()
+        self._offsets, self.observed = [0.0, 0.0], 0
 
 
-def replay(steps: Iterable[Tuple[float, float, bool]], window: int = 8, min_steps: int = 3) -> List[float]:
-    """The corrected prediction of each of ``steps`` (``(predicted ms, measured ms, first use)`` in the order
-    they ran) as the engine would have made it before the step ran: each step corrected by the steady steps
-    before it only; first-use steps are corrected but not observed. For offline evaluation of recorded
-    steps (``benchmarks/serving.py``, ``benchmarks/serving_refit.py``)."""
+def replay(steps: Iterable[Tuple[float, float, bool, bool]], window: int = 8, min_steps: int = 3) -> List[float]:
+    """The corrected prediction of each of ``steps`` (``(predicted ms, measured ms, first use, prefill)`` in
+    the order they ran) as the engine would have made it before the step ran: each step corrected by the
+    steady steps of its kind before it (first-use steps are corrected but not observed). For offline
+    evaluation of recorded steps (``benchmarks/serving.py``, ``benchmarks/serving_refit.py``)."""
     c, out = StepTimeCorrection(window, min_steps), []
-    for predicted, measured, first_use in steps:
-        out.append(c.corrected_ms(predicted))
+    for predicted, measured, first_use, prefill in steps:
+        out.append(c.corrected_ms(predicted, prefill))
         if not first_use:
-            c.observe(predicted, measured)
+            c.observe(predicted, measured, prefill)
     return out
 
 

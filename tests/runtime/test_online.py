@@ -25,6 +25,17 @@ def test_offset_is_the_median_residual_of_the_window_after_min_steps():
     assert c.offset_ms == 0.0 and c.observed == 0
 
 
+def test_decode_only_steps_have_their_own_window():
+    """The policy plans prefill with the prefill steps' offset; decode-only steps the model over-predicts
+    must not pull it down (they did in one window: H100, 2026-12-06)."""
+    c = StepTimeCorrection(window=4, min_steps=2)
+    for _ in range(4):
+        c.observe(10.0, 12.0, prefill=True)
+        c.observe(10.0, 8.0, prefill=False)
+    assert c.offset_ms == c.offset_for(True) == 2.0 and c.offset_for(False) == -2.0
+    assert c.corrected_ms(10.0, prefill=False) == 8.0 and c.corrected_ms(10.0) == 12.0
+
+
 def test_steps_without_a_prediction_or_a_time_are_ignored():
     c = StepTimeCorrection(window=2, min_steps=1)
     c.observe(None, 5.0)
@@ -39,12 +50,16 @@ def test_bad_arguments_are_named(kw):
         StepTimeCorrection(**kw)
 
 
-def test_replay_is_causal_and_skips_first_use_steps():
-    # a constant 2 ms under-prediction, one capture step of +100 ms in the middle
-    steps = [(10.0, 12.0, False)] * 3 + [(10.0, 110.0, True)] + [(10.0, 12.0, False)] * 3
+def test_replay_is_causal_skips_first_use_steps_and_keeps_the_kinds_apart():
+    # prefill steps under-predicted by 2 ms, one capture step of +100 ms in the middle, decode-only steps
+    # over-predicted by 3 ms between
+    steps = ([(10.0, 12.0, False, True)] * 3 + [(10.0, 110.0, True, True)] + [(10.0, 7.0, False, False)] * 5
+             + [(10.0, 12.0, False, True)] * 2)
     out = replay(steps, window=8, min_steps=3)
     assert out[:3] == [10.0, 10.0, 10.0]            # no history before them
-    assert out[3:] == [12.0] * 4                   # learnt from the steps before; the capture never counted
+    assert out[3] == 12.0                          # learnt from the steps before; the capture never counted
+    assert out[4:9] == [10.0, 10.0, 10.0, 7.0, 7.0]  # decode-only: their own window, from its third step
+    assert out[9:] == [12.0, 12.0]
 
 
 def _model(per_token=1.0, overhead=0.0):
