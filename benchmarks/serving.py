@@ -195,11 +195,15 @@ def prediction_error(steps: list, latency_model) -> dict:
         pts.append((len(dec), sum(c for c, _ in pre), round(pred, 3), round(measured, 3), first_use))
     if not errs:
         return {}
-    # the same model corrected online (runtime.online), replayed over the run's steps in order
-    online = [abs(c - m) / m for c, (_, m, first, _) in zip(replay(rows), rows) if not first]
+    # the same model corrected online (runtime.online), replayed over the run's steps in order: its
+    # accuracy with the median of 8 steps, and how often a steady step with prefill ran over its prediction
+    # plus the planning offset (the default upper quantile), what puts a step planned at the budget over it
+    online = [abs(c - m) / m for c, (_, m, first, _) in zip(replay(rows, window=8, quantile=0.5), rows) if not first]
+    over = [m > c for c, (_, m, first, pre) in zip(replay(rows), rows) if not first and pre]
     return {"median_abs_err": pct(errs, 50), "p90_abs_err": pct(errs, 90), "steps": len(errs),
             "steady_median_abs_err": pct(steady, 50), "steady_p90_abs_err": pct(steady, 90),
             "steady_online_median_abs_err": pct(online, 50), "steady_online_p90_abs_err": pct(online, 90),
+            "steady_prefill_over_planning_offset": sum(over) / len(over) if over else None,
             "steady_steps": len(steady), "sample": pts[:: max(1, len(pts) // 40)]}
 
 

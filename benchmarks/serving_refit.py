@@ -82,7 +82,7 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
     return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
 
 
-def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8) -> dict:
+def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, quantile: float = 0.5) -> dict:
     """The ``--steps`` mode (module docstring); ``token_pad``: predict with the step's tokens padded to it
     (``LatencyModel.token_pad``), instead of what the recorded model says."""
     from spear_compile.runtime.calibrate import TRIM
@@ -102,14 +102,16 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8) -> 
     def online_errors(model, rows) -> list:
         """|corrected - measured| / measured of the run's steady steps, the corrections replayed in order."""
         preds = [model.predict_step_ms(tuple(r[0]), tuple(tuple(p) for p in r[1])) for r in rows]
-        corr = replay([(p, r[2], bool(r[3]), bool(r[1])) for p, r in zip(preds, rows)], window=window)
+        corr = replay([(p, r[2], bool(r[3]), bool(r[1])) for p, r in zip(preds, rows)], window=window,
+                      quantile=quantile)
         return [abs(c - r[2]) / r[2] for c, r in zip(corr, rows) if not r[3]]
 
     def online_report(errs) -> dict:
         return ({"median_abs_err": float(np.median(errs)), "p90_abs_err": float(np.percentile(errs, 90)),
                  "steps": len(errs)} if errs else {})
 
-    out = {"steps_file": path, "token_pad": token_pad, "online_window": window, "densities": {}}
+    out = {"steps_file": path, "token_pad": token_pad, "online_window": window, "online_quantile": quantile,
+           "densities": {}}
     for dens, d in rec["models"].items():
         tables = LatencyModel.from_dict(d["op_tables"])
         if token_pad is not None:
@@ -139,12 +141,15 @@ def main(argv=None) -> dict:
                     help="--steps: predict with the step's tokens padded to this multiple (the engine's)")
     ap.add_argument("--online-window", type=int, default=8,
                     help="--steps: the online correction's window (runtime.online.StepTimeCorrection)")
+    ap.add_argument("--online-quantile", type=float, default=0.5,
+                    help="--steps: the quantile of its window (0.5: the median, the prediction's accuracy; the "
+                         "engine plans with 0.9)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if (args.record is None) == (args.steps is None):
         ap.error("give a RECORD.json or --steps STEPS.json (one of them)")
     if args.steps:
-        out = refit_steps(args.steps, args.token_pad, args.online_window)
+        out = refit_steps(args.steps, args.token_pad, args.online_window, args.online_quantile)
         print(json.dumps(out["densities"], indent=1))
         if args.out:
             with open(args.out, "w") as f:

@@ -22,7 +22,8 @@ to 15.2 / 13.6 %. For a sequence with q new tokens after p cached ones
 coefficients are non-negative least squares over a measured (q, p) grid, which keeps ``T`` monotone
 in every piece's size; the policy's binary search relies on that.
 
-A ``LatencyTable`` is measured at M buckets (powers of two from 1 to the largest chunk), interpolated
+A ``LatencyTable`` is measured at M buckets (``measure.default_buckets``: powers of two below 64, every
+multiple of 64 up to 512, then 1.5x steps to the largest chunk), interpolated
 linearly between them and extended linearly above the top bucket (large-M GEMMs are compute bound, so
 time grows linearly in M there). Tables are made non-decreasing when built from measurements (a
 running maximum), since a faster bigger M is timing noise and would break the monotone search.
@@ -40,7 +41,7 @@ import numpy as np
 
 from .plan import HEAD_ROWS
 
-SCHEMA_VERSION = 3  # 3: compiled linears timed over weight copies past the L2 cache; 2: GPU time in CUDA graphs; 1: wall clock
+SCHEMA_VERSION = 4  # 4: tables at every multiple of 64 rows up to 512 (default_buckets); 3: compiled linears timed over weight copies past the L2 cache; 2: GPU time in CUDA graphs; 1: wall clock
 
 
 def _nonneg(owner: str, name: str, v) -> float:

@@ -32,6 +32,7 @@ from .op_runner import linear_bytes, op_runner
 from .plan import Plan, PlannedLinear
 
 Runner = Callable[..., Callable[[], object]]
+DENSE_STEP, DENSE_TO = 64, 512  # default_buckets: every multiple of 64 rows up to 512
 
 
 def _torch():
@@ -131,14 +132,32 @@ def reference_runner(lin: PlannedLinear, m: int, device, dtype) -> Callable[[], 
 DEFAULT_RUNNERS: Dict[str, Runner] = {"reference": reference_runner}
 
 
-def default_buckets(max_m: int) -> Tuple[int, ...]:
-    """Powers of two from 1 up to ``max_m``, and ``max_m`` itself."""
-    out, m = [], 1
-    while m < max_m:
-        out.append(m)
+def default_buckets(max_m: int, step: int = DENSE_STEP, dense_to: int = DENSE_TO) -> Tuple[int, ...]:
+    """The M rows the linear tables are measured at, up to ``max_m`` (always included): powers of two
+    below ``step``, every multiple of ``step`` up to ``dense_to``, then powers of two and the midpoints
+    between them (768, 1024, 1536, 2048, ...).
+
+    Why dense from 64 to 512: the kernel route keys its configuration by the next power of two of M
+    (``dispatch.table.m_bucket``), so a step of 192 rows runs the 256-row kernel and costs close to it,
+    not the midpoint of 128 and 256. A compiled, CUDA-graphed engine pads a step's tokens to multiples of
+    64 (``LatencyModel.token_pad``), so those are the Ms its steps run at. With powers of two only, an H100
+    serving run (Llama-2-7B shape, ECs on 25 %; ``benchmarks/results/serving/2026-12-06_h100_m256_table``)
+    ran its steps padded to 192 tokens at a median 1.16x their prediction (64 and 128: 0.99 and 0.98x),
+    and those were most of the steps over its 16 ms SLO. Above 512 the GEMMs are compute bound and near
+    linear in M, so 1.5x steps suffice."""
+    if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1:
+        raise ValueError(f"default_buckets: max_m={max_m!r} must be a positive integer")
+    out, m = set(), 1
+    while m < min(step, max_m):
+        out.add(m)
         m *= 2
-    out.append(max_m)
-    return tuple(out)
+    out.update(range(step, min(dense_to, max_m) + 1, step))
+    m = dense_to
+    while m < max_m:
+        out.update(v for v in (m, m * 3 // 2) if v < max_m)
+        m *= 2
+    out.add(max_m)
+    return tuple(sorted(out))
 
 
 def default_attention_grid(max_m: int, max_context: int) -> Tuple[Tuple[int, int], ...]:

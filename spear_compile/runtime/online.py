@@ -5,30 +5,37 @@ what neither saw: the host threads of the requests being streamed, the allocator
 neighbours in the step. On an H200 (Llama-2-7B shape, ECs on 25 / 100 % of linears, 16 and 22 ms SLOs,
 ``benchmarks/results/serving/2026-12-06_h200_calibration``) the calibrated model missed the served steps
 by 8-20 % median (35-40 % on the dynamic policy's mixed steps), and its error was nearly constant from one
-step to the next. So the engine can feed each steady step's measured time back: ``offset_ms`` is the median
-of ``measured - predicted`` over the last ``window`` steps, and ``SloChunkPolicy`` plans each step against
-``slo - offset_ms`` (the prediction plus the offset stays within the SLO). Replayed causally over those
-recorded steps (each step corrected only by the steps before it, the plans left as they were), the median
-error fell from 6.8-20.0 % to 0.8-1.6 % on decode-only steps and 0.9-6.5 % on mixed ones with a window of 4;
-1.1-1.6 % and 1.3-6.6 % with 8; 1.3-2.1 % and 1.8-6.3 % with 16 (``replay``; ``benchmarks/serving_refit.py --steps``). The default window is 8: as close as 4, and a median of 8 needs five
-outliers to move.
+step to the next. So the engine can feed each steady step's measured time back: ``offset_ms`` is a
+quantile of ``measured - predicted`` over the last ``window`` steps, and ``SloChunkPolicy`` plans each step
+against ``slo - offset_ms`` (the prediction plus the offset stays within the SLO). Replayed causally over
+those recorded steps with the median (each step corrected only by the steps before it, the plans left as
+they were), the median error fell from 6.8-20.0 % to 0.8-1.6 % on decode-only steps and 0.9-6.5 % on mixed
+ones with a window of 4; 1.1-1.6 % and 1.3-6.6 % with 8; 1.3-2.1 % and 1.8-6.3 % with 16 (``replay``;
+``benchmarks/serving_refit.py --steps``).
 
 Steps with prefill and decode-only steps keep separate windows: the policy sizes prefill pieces with the
 first, and the two kinds err differently. In the first closed-loop run (H100, 2026-12-06,
-``serving/2026-12-06_h100_m256_table``), one window for every step, decode-only steps the model
-over-predicted pulled the offset to -1.4..-1.8 ms, and the mixed steps planned with it overshot the 16 ms
-SLO; the corrected policy reached attainment 0.78
-against 0.89 uncorrected and a 4.3x mean TTFT (1292 against 303 ms), with the same p99 ITL (19.6 / 18.5
-ms). So ``Engine`` leaves the correction off unless asked (``online_correction=True``); the two-window
-variant has not run in closed loop. Steps that captured a CUDA graph or compiled one (``first_use``) are
-not observed either: they are one-off costs, not the model's error. The correction is the median of an
-additive residual, so a step whose content differs from the recent ones still gets its own prediction plus
-the recent residual, not the recent steps' time.
+``serving/2026-12-06_h100_m256_table``), one window for every step and its median, decode-only steps the
+model over-predicted pulled the offset to -1.4..-1.8 ms, and the mixed steps planned with it overshot the
+16 ms SLO; the corrected policy reached attainment 0.78 against 0.89 uncorrected and a 4.3x mean TTFT
+(1292 against 303 ms), with the same p99 ITL (19.6 / 18.5 ms).
+
+The offset is an upper quantile of the residuals (``quantile`` 0.9 of a ``window`` of 32), not their
+median: the SLO is on the p99 inter-token latency, and a step planned right at the budget runs over it
+whenever its residual exceeds the offset. On that run's uncorrected steps with prefill of up to 128 rows
+(350 steps; the rows the tables then measured exactly), the residual was -12 / -1.5 / +3.3 / +15.7 % at
+p10 / 50 / 90 / 99: the model over-predicts the typical step and under-predicts a tail, so the median
+offset (-0.5 ms) made 49-53 % of the steps exceed their corrected prediction (9-21 % by more than 5 %),
+while the 0.9 quantile of 32 (+0.25 ms on average) made 18 % exceed it (4.6 % by more than 5 %).
+``Engine`` leaves the correction off unless asked (``online_correction=True``) until a closed-loop run
+shows it holds the SLO better than the uncorrected policy. Steps that captured a CUDA graph or compiled
+one (``first_use``) are not observed: they are one-off costs, not the model's error. The correction is a
+quantile of an additive residual, so a step whose content differs from the recent ones still gets its
+own prediction plus the recent residual, not the recent steps' time.
 """
 from __future__ import annotations
 
 import collections
-import statistics
 from typing import Deque, Iterable, List, Optional, Tuple
 
 
@@ -37,24 +44,27 @@ class StepTimeCorrection:
 
     Two windows, one per kind of step: with prefill (``prefill=True``, the steps whose size the policy
     chooses) and decode-only. ``observe(predicted_ms, measured_ms, prefill)`` after each steady step;
-    ``offset_ms``: the median residual of the last ``window`` observed steps with prefill (what the SLO
-    policy plans with), ``offset_for(prefill)`` either kind's; 0 until ``min_steps`` of that kind have
-    been observed. Used by one thread (the engine's generation loop); ``reset()`` forgets the history."""
+    ``offset_ms``: the ``quantile`` of the residuals (measured - predicted) of the last ``window`` observed
+    steps with prefill (what the SLO policy plans with; 0.5 is their median), ``offset_for(prefill)`` either
+    kind's; 0 until ``min_steps`` of that kind have been observed. Used by one thread (the engine's
+    generation loop); ``reset()`` forgets the history."""
 
-    def __init__(self, window: int = 8, min_steps: int = 3) -> None:
+    def __init__(self, window: int = 32, min_steps: int = 3, quantile: float = 0.9) -> None:
         for name, v in (("window", window), ("min_steps", min_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"StepTimeCorrection: {name}={v!r} must be a positive integer")
         if min_steps > window:
             raise ValueError(f"StepTimeCorrection: min_steps={min_steps} must be <= window={window}")
-        self.window, self.min_steps = window, min_steps
+        if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"StepTimeCorrection: quantile={quantile!r} must be a number in [0, 1]")
+        self.window, self.min_steps, self.quantile = window, min_steps, float(quantile)
         self._residuals: Tuple[Deque[float], Deque[float]] = (collections.deque(maxlen=window),
                                                               collections.deque(maxlen=window))
         self._offsets = [0.0, 0.0]  # [decode-only, with prefill]
         self.observed = 0
 
     def __repr__(self) -> str:
-        return (f"StepTimeCorrection(window={self.window}, offset_ms={self._offsets[1]:.3f} (prefill) / "
+        return (f"StepTimeCorrection(window={self.window}, quantile={self.quantile:g}, offset_ms={self._offsets[1]:.3f} (prefill) / "
                 f"{self._offsets[0]:.3f} (decode-only), observed={self.observed})")
 
     @property
@@ -76,7 +86,7 @@ class StepTimeCorrection:
         self._residuals[k].append(measured_ms - predicted_ms)
         self.observed += 1
         if len(self._residuals[k]) >= self.min_steps:
-            self._offsets[k] = statistics.median(self._residuals[k])
+            self._offsets[k] = _quantile(self._residuals[k], self.quantile)
 
     def corrected_ms(self, predicted_ms: float, prefill: bool = True) -> float:
         """``predicted_ms`` plus the offset of its kind of step."""
@@ -88,12 +98,21 @@ class StepTimeCorrection:
         self._offsets, self.observed = [0.0, 0.0], 0
 
 
-def replay(steps: Iterable[Tuple[float, float, bool, bool]], window: int = 8, min_steps: int = 3) -> List[float]:
+def _quantile(xs, q: float) -> float:
+    """The ``q`` quantile of ``xs``, linear between order statistics (numpy's default method)."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    i = int(pos)
+    return s[i] if i + 1 >= len(s) else s[i] + (s[i + 1] - s[i]) * (pos - i)
+
+
+def replay(steps: Iterable[Tuple[float, float, bool, bool]], window: int = 32, min_steps: int = 3,
+           quantile: float = 0.9) -> List[float]:
     """The corrected prediction of each of ``steps`` (``(predicted ms, measured ms, first use, prefill)`` in
     the order they ran) as the engine would have made it before the step ran: each step corrected by the
     steady steps of its kind before it (first-use steps are corrected but not observed). For offline
     evaluation of recorded steps (``benchmarks/serving.py``, ``benchmarks/serving_refit.py``)."""
-    c, out = StepTimeCorrection(window, min_steps), []
+    c, out = StepTimeCorrection(window, min_steps, quantile), []
     for predicted, measured, first_use, prefill in steps:
         out.append(c.corrected_ms(predicted, prefill))
         if not first_use:

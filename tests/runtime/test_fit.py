@@ -171,7 +171,15 @@ def test_refit_of_the_h200_steps_file_reproduces_the_recorded_errors(tmp_path):
                               "scale_held_online": 1.4}}
     import json
 
-    assert json.loads((run / "refit.json").read_text())["densities"] == json.loads(json.dumps(out["densities"]))
+    def rounded(o):  # the fits agree to ~1e-15 across numpy / BLAS builds, not bit for bit
+        if isinstance(o, dict):
+            return {k: rounded(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [rounded(v) for v in o]
+        return round(o, 9) if isinstance(o, float) else o
+
+    assert rounded(json.loads((run / "refit.json").read_text())["densities"]) == rounded(
+        json.loads(json.dumps(out["densities"])))
     padded = serving_refit.main(["--steps", str(run / "steps_h200.json"), "--token-pad", "64"])
     pooled = {d: {k: round(100 * v["median_abs_err"], 1) for k, v in r["served_pooled"].items()}
               for d, r in padded["densities"].items()}

@@ -17,6 +17,14 @@ def tiny_plan(ec_rank=0, routes=()):
 def test_default_buckets():
     assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    # every multiple of 64 to 512 (the padded Ms a graphed engine runs; the route keys configs by the next
+    # power of two, so 192 is not the midpoint of 128 and 256), then 1.5x steps, and max_m itself
+    assert default_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
+    assert default_buckets(2048) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1536,
+                                     2048)
+    assert default_buckets(1000)[-4:] == (448, 512, 768, 1000)
+    with pytest.raises(ValueError, match="max_m=0"):
+        default_buckets(0)
 
 
 def test_measure_on_cpu_is_quick_and_positive(capsys):

@@ -9,7 +9,7 @@ from spear_compile.runtime.online import replay
 
 
 def test_offset_is_the_median_residual_of_the_window_after_min_steps():
-    c = StepTimeCorrection(window=4, min_steps=3)
+    c = StepTimeCorrection(window=4, min_steps=3, quantile=0.5)
     assert c.offset_ms == 0.0
     c.observe(10.0, 12.0)
     c.observe(10.0, 11.0)
@@ -23,6 +23,19 @@ def test_offset_is_the_median_residual_of_the_window_after_min_steps():
     assert c.offset_ms == -1.0 and c.corrected_ms(20.0) == 19.0 and c.observed == 8
     c.reset()
     assert c.offset_ms == 0.0 and c.observed == 0
+
+
+def test_the_default_offset_is_the_upper_decile_of_32_steps():
+    """The SLO is on p99 ITL: the offset covers the residuals of 9 in 10 recent steps, not half of them."""
+    c = StepTimeCorrection()
+    assert (c.window, c.quantile) == (32, 0.9)
+    for r in range(40):                             # residuals 0..39 ms; the window keeps 8..39
+        c.observe(10.0, 10.0 + r)
+    assert c.offset_ms == pytest.approx(8 + 0.9 * 31)  # numpy's linear quantile of 8..39
+    q = StepTimeCorrection(window=5, min_steps=1, quantile=1.0)
+    for r in (3.0, -1.0, 7.0, 2.0):
+        q.observe(10.0, 10.0 + r)
+    assert q.offset_ms == 7.0                       # quantile 1: the window's largest residual
 
 
 def test_decode_only_steps_have_their_own_window():
@@ -44,7 +57,8 @@ def test_steps_without_a_prediction_or_a_time_are_ignored():
     assert c.observed == 0 and c.offset_ms == 0.0
 
 
-@pytest.mark.parametrize("kw", [dict(window=0), dict(min_steps=0), dict(window=2, min_steps=3), dict(window=True)])
+@pytest.mark.parametrize("kw", [dict(window=0), dict(min_steps=0), dict(window=2, min_steps=3), dict(window=True),
+                                dict(quantile=1.5), dict(quantile=True)])
 def test_bad_arguments_are_named(kw):
     with pytest.raises(ValueError, match=next(iter(kw)) if "min_steps" not in kw else "min_steps"):
         StepTimeCorrection(**kw)
@@ -55,7 +69,7 @@ def test_replay_is_causal_skips_first_use_steps_and_keeps_the_kinds_apart():
     # over-predicted by 3 ms between
     steps = ([(10.0, 12.0, False, True)] * 3 + [(10.0, 110.0, True, True)] + [(10.0, 7.0, False, False)] * 5
              + [(10.0, 12.0, False, True)] * 2)
-    out = replay(steps, window=8, min_steps=3)
+    out = replay(steps, window=8, min_steps=3, quantile=0.5)
     assert out[:3] == [10.0, 10.0, 10.0]            # no history before them
     assert out[3] == 12.0                          # learnt from the steps before; the capture never counted
     assert out[4:9] == [10.0, 10.0, 10.0, 7.0, 7.0]  # decode-only: their own window, from its third step
