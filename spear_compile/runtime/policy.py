@@ -53,10 +53,12 @@ The policy is stateless (state in, plan out): cancellation is the engine removin
 next state and adding its blocks back to ``free_blocks``. Cost: the step time of a piece of c tokens is a
 quadratic in c plus the combined per-M table, so a piece needs one prediction when the whole remainder
 fits, and otherwise a bisection over the table's buckets in range plus a closed-form root on one
-segment; with a padded model (``LatencyModel.token_pad``) a bisection over the pad units and a closed-form
-root inside one (2-core CPU, warm caches: p50 / p99 17.2 / 21.7 us against 11.7 / 14.2 unpadded over
-``sched_cost``'s states). In the engine the plan runs right after a forward pass, with the CPU's caches cold, which made
-it 3-8x its warm-cache time; so it walks the decodes once and builds its plan without re-checking what
+segment; with a padded model (``LatencyModel.token_pad``) a bisection over the pad units, on a list of
+the per-unit costs, and a closed-form root inside one (2-core CPU, ``sched_cost``'s states, the padded
+search before and after that list, in one process: p50 25-27 -> 17.5 us with warm caches, 76 -> 65 us
+planned 2 ms after the last plan). In the engine the plan runs right after a forward pass, with the CPU's
+caches cold, which made it 3-8x its warm-cache time (a 2 ms sleep between plans does the same: it is the
+CPU's idle state, not the policy's work, and the static policy pays it too, 54 us p50); so it walks the decodes once and builds its plan without re-checking what
 the checked state guarantees (``StepPlan.unchecked``). ``python -m spear_compile.runtime.sched_cost``
 measures it over states of up to 64 decodes and 8 waiting (records under
 ``benchmarks/results/serving/*_cpu_plan_*``).
@@ -186,6 +188,8 @@ class SloChunkPolicy:
                              f"(an online.StepTimeCorrection) or be None")
         self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
         self.correction = correction
+        self._units: List[float] = []
+        self._units_of: Optional[LatencyModel] = None
 
     def __repr__(self) -> str:
         return f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk})"
@@ -262,44 +266,71 @@ class SloChunkPolicy:
             c -= 1
         return c
 
+    def _unit_costs(self, units: int) -> List[float]:
+        """``U[u]``: the padded model's cost of running its linears, head rows and per-token overhead on
+        ``u`` pad units (``u * token_pad`` rows), for u up to at least ``units``; built once per latency
+        model and extended on demand, so the padded search indexes a list instead of composing the model."""
+        m = self.model
+        if self._units_of is not m:
+            self._units, self._units_of = [], m
+        U = self._units
+        if len(U) <= units:
+            o, pad, per_m = m.overhead, m.token_pad, m._per_m
+            U.extend(o.fixed_ms + o.per_token_ms * (u * pad) + per_m(u * pad)
+                     for u in range(len(U), max(units + 1, 2 * len(U), 64)))
+        return U
+
     def _largest_padded(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int, slo: float) -> int:
         """``_largest`` for a model whose steps run on tokens padded to ``token_pad``: the step costs the
         same linears for every piece that ends in one pad unit, so the search bisects over the units' ends
         (the largest piece of each unit), then solves the piece's attention quadratic inside the first unit
-        whose end does not fit."""
+        whose end does not fit.
+
+        The search runs on one flat expression, ``U[units(tokens + c)] + k1 c + k2 c^2 <= slo - rest``
+        (``_unit_costs``; everything else in the step is constant in c), because in the engine the plan
+        runs with cold CPU caches and every method call of the composed model costs there; the answer is
+        then checked against the model's own ``step_ms`` (the sums are ordered differently, so they can
+        differ in the last bits)."""
         m, pad = self.model, self.model.token_pad
-
-        def T(c):
-            return m.step_ms(tokens + c, seqs + 1, attn + m.piece_attention_ms(c, prefilled))
-
-        if T(hi) <= slo:
-            return hi
-        if T(1) > slo:
-            return 0
-        lo, top = 1, hi  # T(lo) fits, T(top) does not
-        u_lo, u_hi = (tokens + 1) // pad + 1, (tokens + hi - 1) // pad  # units ending strictly inside (1, hi)
-        while u_lo <= u_hi:
-            u = (u_lo + u_hi) // 2
-            c = u * pad - tokens
-            if T(c) <= slo:
-                lo, u_lo = c, u + 1
-            else:
-                top, u_hi = c, u - 1
-        if top - lo <= 1:
-            return lo
-        # (lo, top] lies in one unit: the linears and overhead are fixed there and T is the piece's
-        # attention quadratic on top of them, base + k1 c + k2 c^2; solve it, then step to the exact edge
+        o, a, L, s = m.overhead, m.attention, m.n_layers, seqs + 1
+        U = self._unit_costs(-(-(tokens + hi) // pad))
         k1, k2 = m.piece_attention_slopes(prefilled)
-        base = T(top) - (k1 + k2 * top) * top
-        if k2 > 0:
-            disc = k1 * k1 - 4 * k2 * (base - slo)
-            c = int((-k1 + math.sqrt(disc)) / (2 * k2)) if disc >= 0 else lo
+        rest = o.per_seq_ms * s + attn + L * (a.per_seq_ms + a.per_key_ms * prefilled)
+        if m._per_s is not None:
+            rest += m._per_s(s)
+        lim = slo - rest
+
+        if U[-(-(tokens + hi) // pad)] + (k1 + k2 * hi) * hi <= lim:
+            c = hi
+        elif U[-(-(tokens + 1) // pad)] + k1 + k2 > lim:
+            c = 0
         else:
-            c = int((slo - base) / k1) if k1 > 0 else top - 1
-        c = max(lo, min(c, top - 1))
-        while c + 1 < top and T(c + 1) <= slo:
+            lo, top = 1, hi  # lo fits, top does not
+            u_lo, u_hi = (tokens + 1) // pad + 1, (tokens + hi - 1) // pad  # units ending strictly inside (1, hi)
+            while u_lo <= u_hi:
+                u = (u_lo + u_hi) // 2
+                c = u * pad - tokens
+                if U[u] + (k1 + k2 * c) * c <= lim:
+                    lo, u_lo = c, u + 1
+                else:
+                    top, u_hi = c, u - 1
+            c = lo
+            if top - lo > 1:
+                # (lo, top] lies in one unit: its linears and overhead are fixed, T is the attention quadratic
+                base = U[-(-(tokens + top) // pad)] - lim
+                if k2 > 0:
+                    disc = k1 * k1 - 4 * k2 * base
+                    c = int((-k1 + math.sqrt(disc)) / (2 * k2)) if disc >= 0 else lo
+                else:
+                    c = int(-base / k1) if k1 > 0 else top - 1
+                c = max(lo, min(c, top - 1))
+
+        def T(c):  # the model's own prediction, to settle the last bits
+            return m.step_ms(tokens + c, s, attn + m.piece_attention_ms(c, prefilled))
+
+        while c < hi and T(c + 1) <= slo:
             c += 1
-        while c > lo and T(c) > slo:
+        while c > 0 and T(c) > slo:
             c -= 1
         return c
 
