@@ -326,3 +326,15 @@ def test_an_slo_below_the_cheapest_step_is_named_infeasible():
     # served all the same: the oldest request progresses in forced minimal pieces
     plan = policy.plan(SchedulerState((), (WaitingRequest("a", 0, 100),), KVCache(16, 100)))
     assert plan.forced and plan.prefill == (("a", 16),)
+
+
+def test_the_padded_search_follows_a_replaced_latency_model():
+    """``SloChunkPolicy`` keeps the padded model's per-unit costs in a list: a policy whose model is replaced
+    (a calibration refits the overhead) must plan with the new costs, not the list of the old model."""
+    t = LatencyTable((1, 2048), (0.01, 20.48))
+    cheap = LatencyModel((LinearTable("all", 1, t),), None, AttentionCost(), 1, token_pad=64)
+    pol = SloChunkPolicy(cheap, 10.0, max_chunk=2048, min_chunk=1)
+    state = SchedulerState((), (WaitingRequest("w", 0, 2000),), KVCache(16, 1000))
+    assert pol.plan(state).prefill == (("w", 960),)          # 960 rows: 9.6 ms, 1024 would be 10.24
+    pol.model = cheap.with_overhead(Overhead(fixed_ms=5.0))
+    assert pol.plan(state).prefill == (("w", 448),)          # 5 ms + 4.48 ms
