@@ -78,6 +78,7 @@ from spear_compile.runtime.first_use import FirstUseMarker, cuda_graph_count  # 
 from spear_compile.runtime.calibrate import TRIM  # noqa: E402
 from spear_compile.runtime.fit import fit_scaled  # noqa: E402
 from spear_compile.runtime.online import replay  # noqa: E402
+from spear_compile.runtime.step_gaps import attributed_gaps  # noqa: E402
 from spear_compile.serve.loadgen import pct, send_at_arrivals  # noqa: E402
 
 from benchmarks._meta import run_meta  # noqa: E402
@@ -172,21 +173,24 @@ class TimedPolicy:
         return p
 
 
-def measured_steps(steps: list):
+def measured_steps(steps: list, lag: int = 0):
     """``(decode contexts, prefill pieces, measured ms, first use, online offset)`` for each of
-    ``TimedPolicy.steps`` that ran work and was followed by another call at once (the gap to that call is its
-    time; an idle engine waits between calls, which is not step time); first use: it captured or compiled a
-    graph; online offset: the policy's online correction when it planned the step (None without one)."""
-    for (t, dec, pre, mark, off), (t2, _, _, mark2, _) in zip(steps, steps[1:]):
-        if dec or pre:
-            yield dec, pre, t2 - t, mark2 != mark, off
+    ``TimedPolicy.steps`` that ran work and is timed by a gap between two calls of a busy engine
+    (``runtime.step_gaps``: the gap after its call, or with asynchronous batching, ``lag`` 1, the one after
+    the next call; an idle engine waits between calls, which is not step time); first use: a graph was
+    captured or compiled in that gap; online offset: the policy's online correction when it planned the step
+    (None without one)."""
+    for p, g in attributed_gaps([bool(x[1] or x[2]) for x in steps], lag):
+        _, dec, pre, _, off = steps[p]
+        (t, _, _, mark, _), (t2, _, _, mark2, _) = steps[g], steps[g + 1]
+        yield dec, pre, t2 - t, mark2 != mark, off
 
 
-def prediction_error(steps: list, latency_model) -> dict:
+def prediction_error(steps: list, latency_model, lag: int = 0) -> dict:
     """|predicted - measured| / measured over ``measured_steps``; and the same over the steps that captured or
     compiled no graph (``steady_*``: what the latency model describes)."""
     errs, steady, pts, rows = [], [], [], []
-    for dec, pre, measured, first_use, _ in measured_steps(steps):
+    for dec, pre, measured, first_use, _ in measured_steps(steps, lag):
         pred = latency_model.predict_step_ms(dec, pre)
         errs.append(abs(pred - measured) / measured)
         if not first_use:
@@ -212,11 +216,11 @@ def sample_json(s) -> list:
     return [list(s.decode_contexts), [list(p) for p in s.prefill_chunks], round(s.measured_ms, 4)]
 
 
-def served_json(steps: list) -> list:
+def served_json(steps: list, lag: int = 0) -> list:
     """``measured_steps`` as ``[decode contexts, prefill pieces, measured ms, first use, online offset]``
     lists."""
     return [[list(dec), [list(p) for p in pre], round(ms, 4), first_use, None if off is None else round(off, 4)]
-            for dec, pre, ms, first_use, off in measured_steps(steps)]
+            for dec, pre, ms, first_use, off in measured_steps(steps, lag)]
 
 
 def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
@@ -247,7 +251,7 @@ def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     cut = sum(eng.cancel(r) for r in rids if r is not None)
     return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us,
             "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
-            "graph_captures": cuda_graph_count(eng) - graphs0}
+            "graph_captures": cuda_graph_count(eng) - graphs0, "lag": eng.step_lag}
 
 
 def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
@@ -269,7 +273,8 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
                                                               if len(ts) >= m),
             "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
             "graph_captures": res.get("graph_captures"),
-            "prediction": prediction_error(res["steps"], latency_model) if latency_model is not None else {}}
+            "prediction": prediction_error(res["steps"], latency_model, res.get("lag", 0))
+            if latency_model is not None else {}}
 
 
 def decode_step_ms(eng) -> float:
@@ -398,6 +403,9 @@ def main(argv=None) -> None:
     ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["off"],
                     help="dynamic runs without the engine's online correction of the latency model (off, "
                          "label 'dynamic'), with it (on, 'dynamic_online'), or both, each its own run")
+    ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
+                    help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
+                         "CUDA, varlen attention); 'off on' runs both, one engine each")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -433,17 +441,19 @@ def main(argv=None) -> None:
                      attention=None if args.attention == "transformers" else args.attention,
                      cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding},
                      online_correction="on" in args.correction)
+    engines = [(d, a == "on") for d in args.densities for a in ("off", "on") if a in args.async_batching]
     record = {"meta": meta(args), "rows": [], "latency_model": {}}
     # every calibration and served step, for offline refits (serving_refit.py)
     steps_path = os.path.join(args.out, f"steps_{tag}.json")
     steps_out = {"meta": record["meta"], "calibration": {}, "served": {}}
-    for density in args.densities:
+    for density, asy in engines:
         names = set_ec_density(model, density, args.rank, args.seed)
-        print(f"== EC density {density}%: {len(names)} linears carry an EC of rank {args.rank}", flush=True)
+        print(f"== EC density {density}%: {len(names)} linears carry an EC of rank {args.rank}"
+              f"{'; asynchronous batching' if asy else ''}", flush=True)
         torch._dynamo.reset()  # the ECs change the graphs: compile them afresh (and forget the old records)
         # one engine per density, warm across the policies: a server runs for long, so the runs are timed
         # on an engine that has compiled its forward and captured the CUDA graphs of its shapes
-        eng = Engine(policy=StaticChunkPolicy(max(args.chunks)), **engine_kw).start()
+        eng = Engine(policy=StaticChunkPolicy(max(args.chunks)), async_batching=asy, **engine_kw).start()
         try:
             step = decode_step_ms(eng)
             asked = args.slo_ms or (["16", "22"] if gpu else ["auto"])
@@ -460,8 +470,9 @@ def main(argv=None) -> None:
             # the calibrated model holds the parts' factor at 1 (calibrate's default); the same calibration
             # steps with the factor fitted are reported on the served steps beside it
             variants = {"prediction_scale_fitted": fit_scaled(tables, cal_steps, trim=TRIM, scale=None)[0]}
-            steps_out["calibration"][str(density)] = [sample_json(s) for s in cal_steps]
-            steps_out.setdefault("models", {})[str(density)] = {"op_tables": tables.to_dict(),
+            ekey = f"{density}/async" if asy else str(density)  # the engine's key in the records
+            steps_out["calibration"][ekey] = [sample_json(s) for s in cal_steps]
+            steps_out.setdefault("models", {})[ekey] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
             runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
@@ -483,10 +494,11 @@ def main(argv=None) -> None:
                         row = {"policy": kind, "chunk": "dynamic" if kind == "dynamic" else chunk,
                                "policy_label": str(chunk), "ec_density": density,
                                "online_correction": kind == "dynamic" and pol.correction is not None,
+                               "async_batching": asy,
                                "slo_ms": slo, "rate": rate, "decode_step_ms": step,
                                **score(res, reqs, slo, calibrated),
-                               "prediction_op_tables_only": prediction_error(res["steps"], tables),
-                               **{k: prediction_error(res["steps"], v) for k, v in variants.items()}}
+                               "prediction_op_tables_only": prediction_error(res["steps"], tables, eng.step_lag),
+                               **{k: prediction_error(res["steps"], v, eng.step_lag) for k, v in variants.items()}}
                         record["rows"].append(row)
                         print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                         if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
@@ -497,7 +509,8 @@ def main(argv=None) -> None:
                                                                                 *variants)},
                               "online:", row["prediction"].get("steady_online_median_abs_err"),
                               flush=True)
-                    steps_out["served"][f"{density}/{kind}/{chunk}/{own_slo}/{rate}"] = served_json(res["steps"])
+                    key = f"{density}/{kind}/{chunk}/{own_slo}/{rate}" + ("/async" if asy else "")
+                    steps_out["served"][key] = served_json(res["steps"], eng.step_lag)
                     with open(path, "w") as f:
                         json.dump(record, f, indent=1)
                     with open(steps_path, "w") as f:
@@ -508,7 +521,7 @@ def main(argv=None) -> None:
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-        record["latency_model"][str(density)] = {
+        record["latency_model"][ekey] = {
             "linears": [lin.name for lin in plan.linears], "routes": list(plan.routes),
             "calibration": {"steps": len(cal_steps), "held_out": str(held_out),
                             "held_out_median_abs_err": held_out.median_abs_rel_err,

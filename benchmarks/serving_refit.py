@@ -112,17 +112,22 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, qua
 
     out = {"steps_file": path, "token_pad": token_pad, "online_window": window, "online_quantile": quantile,
            "densities": {}}
+    def engine_of(key: str) -> str:
+        """The engine a served run's key belongs to: its density, with "/async" for an asynchronous one."""
+        parts = key.split("/")
+        return parts[0] + ("/async" if parts[-1] == "async" else "")
+
     for dens, d in rec["models"].items():
         tables = LatencyModel.from_dict(d["op_tables"])
         if token_pad is not None:
             tables = tables.with_token_pad(token_pad)
         cal = samples(rec["calibration"][dens])
-        runs = {k: samples(v, lambda r: not r[3]) for k, v in rec["served"].items() if k.split("/")[0] == dens}
+        runs = {k: samples(v, lambda r: not r[3]) for k, v in rec["served"].items() if engine_of(k) == dens}
         served = [s for v in runs.values() for s in v]
         models = {"op_tables_alone": tables}
         for name, k in (("scale_held", 1.0), ("scale_fitted", None)):
             models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k)[0]
-        online = {k: online_errors(models["scale_held"], v) for k, v in rec["served"].items() if k.split("/")[0] == dens}
+        online = {k: online_errors(models["scale_held"], v) for k, v in rec["served"].items() if engine_of(k) == dens}
         out["densities"][dens] = {
             "calibration_steps": len(cal),
             "served_pooled": {**{n: report(check(m, served)) for n, m in models.items()},

@@ -22,8 +22,9 @@ their shape in M and context and, by default, their size):
   steps; the op tables alone: 10 %);
 * every request's stream is read on a thread of its own (``_read_streams``), as a server's clients read
   them, so the steps pay the host work that served steps pay;
-* every step's wall time is the gap between two successive calls of the policy inside a phase (the
-  engine calls it once per step while it has work; the last step of a phase is dropped, since the gap
+* every step's wall time is a gap between two successive calls of the policy inside a phase (the
+  engine calls it once per step while it has work; ``step_gaps``: the gap after the planning call, or with
+  asynchronous batching the one after the next call; the last step of a phase is dropped, since the gap
   after it includes the idle wait for the next phase);
 * a step during which the engine captured a CUDA graph or torch.compile compiled a graph
   (``first_use.FirstUseMarker`` moved between its call and the next) is dropped: it paid a one-off
@@ -52,6 +53,7 @@ from .fit import FitReport, StepSample, check, fit_scaled
 from .latency import LatencyModel
 from .latency_cache import CacheKey
 from .policy import StaticChunkPolicy
+from .step_gaps import attributed_gaps
 
 
 TRIM = 3.0  # robust standard deviations beyond which a calibration step is an outlier (fit.outliers)
@@ -88,19 +90,22 @@ class CyclingChunkPolicy:
         return plan
 
 
-def step_samples(records: Sequence[tuple]) -> Tuple[List[StepSample], int]:
+def step_samples(records: Sequence[tuple], lag: int = 0) -> Tuple[List[StepSample], int]:
     """Whole steps from consecutive policy calls of one busy phase, and how many were dropped as first-use
-    steps: each call's work, timed from after its marker to before the next call's. Calls that planned
-    nothing are skipped; the last call has no gap and is dropped; so is a step across which the marker
-    changed (it captured or compiled a graph)."""
+    steps: each call's work, timed by the gap ``lag`` calls later (``step_gaps``: 0 synchronous, 1 with
+    asynchronous batching) from after its marker to before the next call's. Calls that planned nothing
+    are skipped; the last call has no gap and is dropped; so is a gap across which the marker changed (a
+    graph was captured or compiled in it)."""
+    busy = [bool(r[3] or r[4]) for r in records]
     out, first_use = [], 0
-    for (_, t, mark, dec, pre), (t2, _, mark2, _, _) in zip(records, records[1:]):
-        if not (dec or pre) or t2 <= t:
+    for p, g in attributed_gaps(busy, lag):
+        (_, t, mark, _, _), (t2, _, mark2, _, _) = records[g], records[g + 1]
+        if t2 <= t:
             continue
         if mark2 != mark:
             first_use += 1
             continue
-        out.append(StepSample(dec, pre, (t2 - t) * 1e3))
+        out.append(StepSample(records[p][3], records[p][4], (t2 - t) * 1e3))
     return out, first_use
 
 
@@ -208,7 +213,7 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
         rids = [engine.add_request(p, max_new_tokens=new, eos_token_id=-1) for p in short]
         rids += [engine.add_request(p, max_new_tokens=1, eos_token_id=-1) for p in long]
         _read_streams(engine, rids, deadline, timeout_s)
-        return step_samples(policy.records)
+        return step_samples(policy.records, getattr(engine, "step_lag", 0))
 
     saved, policy = engine.policy, CyclingChunkPolicy(chunks, marker=FirstUseMarker(engine))
     engine.set_policy(policy)
@@ -245,7 +250,8 @@ def engine_fingerprint(engine) -> str:
     cfg = {"transformers": tv, "block_size": engine.kv_block_size, "max_batch_tokens": engine.max_batch_tokens,
            "max_requests_per_batch": engine.max_requests_per_batch, "backend": engine.backend,
            "compile_options": engine.compile_options, "attention": getattr(engine, "attention", None),
-           "token_pad": getattr(engine, "token_pad", 1)}
+           "token_pad": getattr(engine, "token_pad", 1),
+           **({"async_batching": True} if getattr(engine, "step_lag", 0) else {})}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

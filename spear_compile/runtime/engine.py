@@ -145,7 +145,12 @@ class Engine:
     attention implementation is restored when the engine stops); ``online_correction``: the SLO policy the
     engine builds plans against its latency model corrected online by the engine's measured steps
     (``online.StepTimeCorrection``, ``Engine.correction``; steps that captured or compiled a graph
-    are left out). Off by default: its one closed-loop run lowered SLO attainment (``runtime.online``)."""
+    are left out). Off by default: its one closed-loop run lowered SLO attainment (``runtime.online``);
+    ``async_batching``: transformers' asynchronous batching (``use_async_batching``: two sets of step
+    buffers on CUDA, so the host prepares, plans and launches step k while the GPU runs step k - 1; the
+    engine then times each step by the gap one call later, ``step_gaps``). Needs CUDA, transformers' CUDA
+    graphs and an attention without a step mask (``attention="varlen"`` or flash attention); off by
+    default, since transformers turns it off for a masked attention (its ``paged|sdpa``)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
@@ -153,7 +158,8 @@ class Engine:
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
                  recompile_limit: Optional[int] = None, calibrate: bool = True, attention: Optional[str] = None,
-                 online_correction: bool = False, log: Callable[[str], None] = logger.info) -> None:
+                 online_correction: bool = False, async_batching: bool = False,
+                 log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")
         if slo_itl_ms is not None and (isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float))
@@ -163,6 +169,10 @@ class Engine:
             raise ValueError(f"Engine: max_queue={max_queue!r} must be an integer >= 1")
         if attention not in (None, "varlen"):
             raise ValueError(f"Engine: attention={attention!r} must be None (transformers' choice) or 'varlen'")
+        if not isinstance(async_batching, bool):
+            raise ValueError(f"Engine: async_batching={async_batching!r} must be True or False")
+        if async_batching and "use_async_batching" in (cb_config or {}):
+            raise ValueError("Engine: give async_batching=True or cb_config['use_async_batching'], not both")
         if compile not in (False, True) and not isinstance(compile, str):
             raise ValueError(f"Engine: compile={compile!r} must be False, True (backend 'spear') or a backend name")
         self.model, self.tokenizer = model, tokenizer
@@ -192,6 +202,10 @@ class Engine:
         self.calibration = None  # the calibrated LatencyModel, once made or loaded
         self._plan_key = None
         self.correction = StepTimeCorrection() if online_correction else None
+        if async_batching:
+            self.extra_cb["use_async_batching"] = True
+        # calls between a step's planning call and the gap that times it (step_gaps): 1 with async batching
+        self.step_lag = 1 if self.extra_cb.get("use_async_batching") else 0
         self._marker, self._tick_mark = None, None
 
     # -- configuration
@@ -318,6 +332,19 @@ class Engine:
             out["use_cuda_graph"] = True
         return {k: v for k, v in out.items() if k not in self.extra_cb}
 
+    def _check_async(self) -> None:
+        """Asynchronous batching's requirements, named before transformers is asked: CUDA (its buffers
+        and streams), and an attention that needs no step mask."""
+        dev = str(_device_of(self.model))
+        if not dev.startswith("cuda"):
+            raise ValueError(f"Engine: async_batching needs the model on CUDA (transformers' double-buffered "
+                             f"steps run on CUDA streams); the model is on {dev}")
+        impl = str(getattr(self.model.config, "_attn_implementation", None))
+        if self.attention != "varlen" and "flash" not in impl:
+            raise ValueError(f"Engine: async_batching needs an attention without a step mask: attention='varlen' "
+                             f"or flash attention (the model's attention is {impl!r}, which transformers runs "
+                             f"as a masked paged|sdpa)")
+
     def _raise_recompile_limit(self) -> None:
         import torch._dynamo
 
@@ -347,7 +374,9 @@ class Engine:
         self.policy = policy
         hooks = SchedulerHooks(on_start=self._on_start, on_fail=self._on_fail, on_step=self._on_step,
                                on_tick=self._on_tick)
-        self._scheduler_cls = make_scheduler_class(policy, hooks)
+        if self.step_lag:
+            self._check_async()
+        self._scheduler_cls = make_scheduler_class(policy, hooks, lag=self.step_lag)
         self._scheduler_name = register_scheduler(self._scheduler_cls)
         cc = self._compile_config()
         if cc is not None:
@@ -356,6 +385,7 @@ class Engine:
                   max_requests_per_batch=self.max_requests_per_batch, scheduler_type=self._scheduler_name,
                   allow_block_sharing=False, cpu_offload_space=0.0, varlen_compile_config=cc,
                   decode_compile_config=cc, **self._cb_defaults(cc), **self.extra_cb)
+        kw.setdefault("use_async_batching", False)  # ours to decide: it sets how steps are timed (step_lag)
         if self.block_size is not None:
             kw = config_kwargs(self.block_size, **kw)
         cb = ContinuousBatchingConfig(**kw)
@@ -366,6 +396,10 @@ class Engine:
             # warmup() builds the batch processor (the paged cache, the scheduler) here, and with compile
             # on runs the forward once at the largest step: the first compilation happens now
             manager.warmup()
+            ran_async = bool(getattr(manager.batch_processor, "use_async_batching", False))
+            if ran_async != bool(self.step_lag):
+                raise EngineError(f"Engine: asked for use_async_batching={bool(self.step_lag)}, transformers "
+                                  f"runs {ran_async}")
             bs, total, _ = kv_geometry(manager.batch_processor.cache)
             self.kv_block_size, self.kv_total_blocks = bs, total
             self.max_batch_tokens = manager.batch_processor.cache.max_batch_tokens

@@ -36,6 +36,7 @@ turns the first two off and refuses the third.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -48,6 +49,7 @@ from transformers.generation.continuous_batching import scheduler as _hf_schedul
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from .policy import SchedulingError
+from .step_gaps import check_lag
 from .state import KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest
 
 logger = logging.getLogger(__name__)
@@ -101,10 +103,11 @@ class SchedulerHooks:
     more KV than the cache has); the scheduler cancels it and the engine reports the message;
     ``on_step(state, plan, scheduled)``: every planned step, with what was scheduled as
     ``((request_id, tokens), ...)`` in batch order (for tests and statistics);
-    ``on_tick(plan, ms)``: at every call of ``schedule_batch``, the plan of the previous call if it
-    scheduled work (else None) and the milliseconds since that call: transformers asks for the next
-    batch as soon as a step is done, so after a step with work this is that step's wall time (the
-    engine's online correction of the latency model reads it)."""
+    ``on_tick(plan, ms)``: at every call of ``schedule_batch``, the milliseconds since the previous call
+    and the plan of the step that gap measures (``step_gaps``: the previous call's plan, or with
+    asynchronous batching (``PolicyScheduler.lag`` 1) the plan of the call before it), or None when the
+    gap measures no step (a call in between planned nothing). The engine's online correction of the
+    latency model reads it."""
 
     on_start: Optional[Callable[[str], None]] = None
     on_fail: Optional[Callable[[str, str], None]] = None
@@ -119,6 +122,7 @@ class PolicyScheduler(FIFOScheduler):
 
     policy = None
     hooks: SchedulerHooks = SchedulerHooks()
+    lag = 0  # calls between a step's planning call and the call whose gap to the next one is its time
 
     def __init__(self, cache, safety_margin: Optional[float], max_requests_per_batch: int) -> None:
         if self.policy is None:
@@ -130,7 +134,7 @@ class PolicyScheduler(FIFOScheduler):
         self._started: set = set()
         self.last_state: Optional[SchedulerState] = None
         self.last_plan: Optional[StepPlan] = None
-        self._tick_t, self._tick_plan = time.perf_counter(), None
+        self._tick_t, self._recent = time.perf_counter(), collections.deque(maxlen=check_lag(self.lag) + 1)
 
     # -- translation
 
@@ -188,8 +192,16 @@ class PolicyScheduler(FIFOScheduler):
     def schedule_batch(self, token_budget: int, cache_budget: int):
         now = time.perf_counter()
         if self.hooks.on_tick is not None:
-            self.hooks.on_tick(self._tick_plan, (now - self._tick_t) * 1e3)
-        self._tick_t, self._tick_plan = now, None
+            recent = self._recent
+            measured = recent[0] if len(recent) == recent.maxlen and all(p is not None for p in recent) else None
+            self.hooks.on_tick(measured, (now - self._tick_t) * 1e3)
+        self._tick_t = now
+        out = self._schedule(token_budget, cache_budget)
+        self._recent.append(self._tick_plan)
+        return out
+
+    def _schedule(self, token_budget: int, cache_budget: int):
+        self._tick_plan = None  # the plan, once something is scheduled by it
         state, by_id = self.scheduler_state()
         if not state.decodes and not state.waiting:
             return [], False, 0, 0
@@ -254,11 +266,14 @@ class PolicyScheduler(FIFOScheduler):
         return [], False, 0, 0
 
 
-def make_scheduler_class(policy, hooks: Optional[SchedulerHooks] = None, name: str = "PolicyScheduler") -> type:
-    """A :class:`PolicyScheduler` subclass bound to ``policy`` (an object with ``plan(state) -> StepPlan``)."""
+def make_scheduler_class(policy, hooks: Optional[SchedulerHooks] = None, name: str = "PolicyScheduler",
+                         lag: int = 0) -> type:
+    """A :class:`PolicyScheduler` subclass bound to ``policy`` (an object with ``plan(state) -> StepPlan``);
+    ``lag``: 1 when transformers runs the loop with asynchronous batching (``step_gaps``), else 0."""
     if not callable(getattr(policy, "plan", None)):
         raise TypeError(f"policy={policy!r} must have a plan(state) -> StepPlan method")
-    return type(name, (PolicyScheduler,), {"policy": policy, "hooks": hooks or SchedulerHooks()})
+    return type(name, (PolicyScheduler,), {"policy": policy, "hooks": hooks or SchedulerHooks(),
+                                           "lag": check_lag(lag)})
 
 
 _names = itertools.count()

@@ -33,6 +33,32 @@ def test_step_samples_drop_a_step_across_which_the_marker_moved():
     assert [s.decode_contexts for s in got] == [(6,), (8,)] and first_use == 2
 
 
+def test_step_samples_with_asynchronous_batching_time_each_call_by_the_gap_one_call_later():
+    """With asynchronous batching the gap after call k ends when step k - 1 has ended (``step_gaps``): each
+    step is timed by the gap after the next call, and a gap after or beside an idle call times nothing."""
+    recs = [(0.999, 1.000, 0, (5,), ((16, 0),)), (1.010, 1.0105, 0, (6,), ()), (1.013, 1.014, 0, (7,), ()),
+            (1.020, 1.021, 0, (), ()), (1.050, 1.051, 0, (8,), ()), (1.060, 1.061, 0, (9,), ()),
+            (1.070, 1.071, 0, (10,), ())]
+    got, first_use = step_samples(recs, lag=1)
+    # steps of calls 0 and 1 are timed by the gaps 1->2 and 2->3; call 3 planned nothing, so the gaps 3->4
+    # and 4->5 time no step; call 4's step is timed by the gap 5->6; call 5's would need a gap 6->7
+    assert [s.decode_contexts for s in got] == [(5,), (6,), (8,)]
+    assert [round(s.measured_ms, 6) for s in got] == [2.5, 6.0, 9.0] and first_use == 0
+    with pytest.raises(ValueError, match="lag"):
+        step_samples(recs, lag=2)
+
+
+def test_step_gaps_pair_a_planning_call_with_the_gap_that_times_its_step():
+    from spear_compile.runtime.step_gaps import attributed_gaps
+
+    busy = [True, True, False, True, True, True]
+    assert list(attributed_gaps(busy, 0)) == [(0, 0), (1, 1), (3, 3), (4, 4)]
+    assert list(attributed_gaps(busy, 1)) == [(0, 1), (3, 4)]
+    assert list(attributed_gaps([True], 0)) == [] and list(attributed_gaps([], 1)) == []
+    with pytest.raises(ValueError, match="lag"):
+        list(attributed_gaps(busy, True))
+
+
 def test_default_chunks_grow_by_four_up_to_the_budget():
     assert default_chunks(300) == (16, 64, 256, 300)
     assert default_chunks(16) == (16,)

@@ -252,6 +252,29 @@ def test_engine_arguments_are_checked():
         Engine(object(), slo_itl_ms=0)
     with pytest.raises(ValueError, match="max_queue"):
         Engine(object(), max_queue=0)
+    with pytest.raises(ValueError, match="async_batching"):
+        Engine(object(), async_batching="yes")
+    with pytest.raises(ValueError, match="not both"):
+        Engine(object(), async_batching=True, cb_config={"use_async_batching": True})
+
+
+def test_async_batching_is_refused_off_cuda_and_with_a_masked_attention(monkeypatch):
+    """transformers' asynchronous batching needs CUDA and an attention without a step mask: named at start(),
+    before transformers is asked."""
+    import spear_compile.runtime.engine as engine_mod
+    from spear_compile.models.tiny import tiny_llama
+
+    model = tiny_llama(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, vocab=128)
+    eng = Engine(model, None, policy=StaticChunkPolicy(8), async_batching=True, attention="varlen")
+    assert eng.step_lag == 1
+    with pytest.raises(ValueError, match="needs the model on CUDA.*cpu"):
+        eng.start()
+    assert not eng.running
+    monkeypatch.setattr(engine_mod, "_device_of", lambda m: "cuda:0")  # as if on CUDA: the attention is next
+    with pytest.raises(ValueError, match="without a step mask"):
+        Engine(model, None, policy=StaticChunkPolicy(8), async_batching=True)._check_async()
+    Engine(model, None, policy=StaticChunkPolicy(8), async_batching=True, attention="varlen")._check_async()
+    assert Engine(model, None, policy=StaticChunkPolicy(8)).step_lag == 0
 
 
 def test_compiled_engine_pads_kv_reads_to_one_block_unless_told():
@@ -329,7 +352,8 @@ def test_default_policy_of_a_model_nothing_was_compiled_for_plans_it_eagerly(tmp
 # ------------------------------------------------------------------ the adapter on its own
 
 
-def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
+@pytest.mark.parametrize("lag", [0, 1])
+def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import RequestState, RequestStatus
@@ -354,7 +378,7 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
         StepPlan(("a", "b"), (("c", 10),)),                 # the token budget clips this piece
     ])
     plans, ticks = list(policy.plans), []
-    cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))))
+    cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))), lag=lag)
     name = register_scheduler(cls)
     model, _ = load("tiny-llama")
     try:
@@ -398,8 +422,9 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces():
         s = policy.states[4]
         assert [(w.request_id, w.arrival, w.prefilled) for w in s.waiting] == [("c", 2, 0)]
         assert s.kv.free_blocks == free_before + 1  # c's block came back
-        # every call reported the previous call's plan (it scheduled work) and the time since that call
-        assert [p for p, _ in ticks] == [None] + plans[:4] and all(ms >= 0 for _, ms in ticks)
+        # every call reported the time since the previous call and the plan of the step that gap times
+        # (step_gaps): the previous call's, or with asynchronous batching (lag 1) the one before it
+        assert [p for p, _ in ticks] == [None] * (1 + lag) + plans[:4 - lag] and all(ms >= 0 for _, ms in ticks)
         manager.destroy()
     finally:
         unregister_scheduler(name)

@@ -46,3 +46,30 @@ def test_graphed_engine_with_ecs_replays_and_gives_the_tokens_of_the_ungraphed_o
         assert all(len(o) > 0 for o in first)
         outs[graphs] = first
     assert outs[True] == outs[False]
+
+
+def test_async_batching_engine_gives_the_tokens_of_the_synchronous_one_and_times_steps_one_call_later(monkeypatch):
+    """transformers' asynchronous batching plans step k while step k - 1 runs: the same greedy tokens as the
+    synchronous loop, and the engine's step timing (``step_gaps``) shifted by one call."""
+    import torch._dynamo
+
+    from spear_compile.passes import compiled_plans
+
+    monkeypatch.setattr(compiled_plans, "_GRAPHS", [])
+    model = tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=512,
+                       dtype=torch.bfloat16).cuda()
+    spear.quantize_(model, spear.QuantConfig(group_size=128), progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 40)]
+    outs = {}
+    for asy in (False, True):
+        eng = Engine(model, None, policy=StaticChunkPolicy(16), compile=True, max_batch_tokens=128, block_size=256,
+                     num_blocks=16, attention="varlen", async_batching=asy)
+        eng.start()
+        try:
+            assert eng.step_lag == int(asy) and eng._scheduler_cls.lag == int(asy)
+            outs[asy] = eng.generate(prompts, max_new_tokens=12)
+        finally:
+            eng.stop()
+            torch._dynamo.reset()
+    assert all(len(o) == 12 for o in outs[False])
+    assert outs[True] == outs[False]
