@@ -704,11 +704,12 @@ class Engine:
     # -- introspection
 
     def stats(self) -> Dict[str, Any]:
-        """Queue and cache now: requests waiting to start and live, free / total KV blocks."""
+        """Queue and cache now: requests waiting to start and live, free / total KV blocks; whether the loop
+        runs asynchronously."""
         from .hf_scheduler import kv_geometry
 
         out = {"queued": len(self._queued), "live": len(self._requests), "kv_block_size": self.kv_block_size,
-               "kv_total_blocks": self.kv_total_blocks}
+               "kv_total_blocks": self.kv_total_blocks, "async_batching": bool(self.step_lag)}
         bp = getattr(self._manager, "batch_processor", None) if self._manager is not None else None
         if bp is not None:
             out["kv_free_blocks"] = kv_geometry(bp.cache)[2]
