@@ -273,7 +273,7 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
                                                               if len(ts) >= m),
             "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
             "graph_captures": res.get("graph_captures"),
-            "prediction": prediction_error(res["steps"], latency_model, res.get("lag", 0))
+            "prediction": prediction_error(res["steps"], latency_model, res["lag"])
             if latency_model is not None else {}}
 
 
@@ -497,8 +497,8 @@ def main(argv=None) -> None:
                                "async_batching": asy,
                                "slo_ms": slo, "rate": rate, "decode_step_ms": step,
                                **score(res, reqs, slo, calibrated),
-                               "prediction_op_tables_only": prediction_error(res["steps"], tables, eng.step_lag),
-                               **{k: prediction_error(res["steps"], v, eng.step_lag) for k, v in variants.items()}}
+                               "prediction_op_tables_only": prediction_error(res["steps"], tables, res["lag"]),
+                               **{k: prediction_error(res["steps"], v, res["lag"]) for k, v in variants.items()}}
                         record["rows"].append(row)
                         print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                         if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
@@ -510,7 +510,7 @@ def main(argv=None) -> None:
                               "online:", row["prediction"].get("steady_online_median_abs_err"),
                               flush=True)
                     key = f"{density}/{kind}/{chunk}/{own_slo}/{rate}" + ("/async" if asy else "")
-                    steps_out["served"][key] = served_json(res["steps"], eng.step_lag)
+                    steps_out["served"][key] = served_json(res["steps"], res["lag"])
                     with open(path, "w") as f:
                         json.dump(record, f, indent=1)
                     with open(steps_path, "w") as f:

@@ -148,8 +148,8 @@ class Engine:
     are left out). Off by default: its one closed-loop run lowered SLO attainment (``runtime.online``);
     ``async_batching``: transformers' asynchronous batching (``use_async_batching``: two sets of step
     buffers on CUDA, so the host prepares, plans and launches step k while the GPU runs step k - 1; the
-    engine then times each step by the gap one call later, ``step_gaps``). Needs CUDA, transformers' CUDA
-    graphs and an attention without a step mask (``attention="varlen"`` or flash attention); off by
+    engine then times each step by the gap one call later, ``step_gaps``). Needs CUDA and an attention
+    without a step mask (``attention="varlen"`` or flash attention); off by
     default, since transformers turns it off for a masked attention (its ``paged|sdpa``)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,

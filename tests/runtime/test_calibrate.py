@@ -40,8 +40,9 @@ def test_step_samples_with_asynchronous_batching_time_each_call_by_the_gap_one_c
             (1.020, 1.021, 0, (), ()), (1.050, 1.051, 0, (8,), ()), (1.060, 1.061, 0, (9,), ()),
             (1.070, 1.071, 0, (10,), ())]
     got, first_use = step_samples(recs, lag=1)
-    # steps of calls 0 and 1 are timed by the gaps 1->2 and 2->3; call 3 planned nothing, so the gaps 3->4
-    # and 4->5 time no step; call 4's step is timed by the gap 5->6; call 5's would need a gap 6->7
+    # the plans of records 0 and 1 are timed by the gaps between records 1->2 and 2->3; record 3 planned
+    # nothing, so the gaps 3->4 and 4->5 time no step; the plan of record 4 is timed by the gap 5->6; the
+    # plan of record 5 would need a gap 6->7
     assert [s.decode_contexts for s in got] == [(5,), (6,), (8,)]
     assert [round(s.measured_ms, 6) for s in got] == [2.5, 6.0, 9.0] and first_use == 0
     with pytest.raises(ValueError, match="lag"):
