@@ -139,6 +139,57 @@ def eager_records(model, dtype=None) -> list[dict]:
     return out
 
 
+def _part(mod) -> tuple:
+    """A quantized linear as a record's part: (rows, EC rank, EC gate width), zeros without an EC."""
+    ec = mod.ec
+    return (int(mod.out_features), int(ec.rank) if ec is not None else 0, int(ec.W1.shape[0]) if ec is not None else 0)
+
+
+def _serves(records: list[dict], prefix: str, parts: dict) -> bool:
+    """Whether every weight of ``records`` (names relative to a module) is a quantized linear under
+    ``prefix`` with the record's rows, EC rank and gate width."""
+    for r in records:
+        for w, part in zip(r["weights"], r["parts"]):
+            if parts.get(f"{prefix}.{w}" if prefix else w) != tuple(part):
+                return False
+    return True
+
+
+def instance_records(graphs, model) -> list[dict]:
+    """The records of ``graphs`` with every weight named from ``model``'s root, one record per module
+    instance it runs for.
+
+    A graph whose weights are named from the model's root (one graph over the whole forward, or the eager
+    records) keeps its records. Where the forward breaks its graph inside a layer (transformers' paged
+    attention updates the cache outside the graph), Dynamo compiles the layer's frames (an attention
+    module's forward, the rest of a decoder layer) once and runs that code for every layer whose modules
+    pass its guards: the graph's weights are then named from the frame's module (``q_proj``,
+    ``mlp.gate_proj``) and it ran once per layer. Such a graph is repeated for every module prefix under
+    which each of its weights is a quantized linear with the rows, EC rank and EC gate width the graph
+    compiled (a layer whose q_proj carries an EC runs another graph than one whose q_proj does not).
+    Taken as they came, the 32 layers of a Llama-2-7B-shaped model planned as one and their ECs merged
+    into every linear (H200 serving records before 2026-12-07). A graph that no module prefix fits raises
+    ``PlanError``."""
+    parts = {fqn: _part(mod) for fqn, mod in quantized_linears(model).items()}
+    out: list[dict] = []
+    for g in graphs:
+        names = sorted({w for r in g.records for w in r["weights"]})
+        if not names or all(w in parts for w in names):
+            out.extend(g.records)
+            continue
+        tail = "." + names[0]
+        prefixes = sorted({f[: -len(tail)] for f in parts if f.endswith(tail)})
+        prefixes = [p for p in prefixes if _serves(g.records, p, parts)]
+        if not prefixes:
+            raise PlanError(f"plan_of: a compiled graph reads the quantized linears {names} (named from the "
+                            f"module that ran it), but no module of this {type(model).__name__} holds them all "
+                            f"with the rows and EC ranks the graph compiled: the model changed after it compiled "
+                            f"(recompile it: torch._dynamo.reset() and run it again)")
+        for p in prefixes:
+            out.extend({**r, "weights": [f"{p}.{w}" for w in r["weights"]]} for r in g.records)
+    return out
+
+
 def _config_value(cfg, names, override, what):
     if override is not None:
         return int(override)
@@ -166,7 +217,7 @@ def plan_of(model, model_id: Optional[str] = None, n_layers: Optional[int] = Non
             raise PlanError(f"plan_of: no graph compiled with backend='spear' reads the weights of this "
                             f"{type(inner).__name__}; compile it (torch.compile(model, backend='spear')) and run "
                             f"it once (a prefill and a decode step) first, or ask for the eager plan (eager=True)")
-        records = [r for g in graphs for r in g.records]
+        records = instance_records(graphs, inner)
     if not records:
         raise PlanError(f"plan_of: the spear backend compiled {len(graphs)} graph(s) of this "
                         f"{type(inner).__name__} but found no quantized linear in them (quantize it with "

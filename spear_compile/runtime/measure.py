@@ -96,10 +96,12 @@ def part_time_ms(fn: Callable[[], object], device="cpu", warmup: int = 2, reps: 
 def weight_copies(lin: PlannedLinear, m: int, device) -> int:
     """Independent weight sets for timing ``lin`` at ``m`` rows: on CUDA enough that one sweep of them is
     3x the L2 cache (``dispatch.tuning.copies_for``), so each call reads its weights from HBM as the
-    engine's step does (every layer's weights in turn); 1 elsewhere. Timed on one weight set, the op
-    tables of a Llama-2-7B-shaped W4 model summed to 0.59 ms for a batch-1 decode on an H200
-    (2026-12-06, ``benchmarks/results/serving/2026-12-06_h200_calibration``): 6.6 TB/s of weights, above
-    the 4.8 TB/s HBM, so the weights came from L2."""
+    engine's step does (every layer's weights in turn); 1 elsewhere. An H200's L2 is 50 MiB and a
+    4096x4096 W4 weight 8.4 MiB: replayed on one weight set, a linear's weights stay in L2. (The 0.59 ms
+    of linears that an H200's op tables once summed to for a Llama-2-7B-shaped batch-1 decode, taken for
+    L2 reads, was one layer's: the plan then counted a layer frame's graph once,
+    ``compiled.instance_records``.) On an H100 one set and copies measured within 0.90-1.00 of each
+    other (``benchmarks/results/latency_tables_l2/2026-12-06_h100``)."""
     if _torch().device(device).type != "cuda" or not lin.ops:
         return 1
     from ..dispatch.tuning import copies_for

@@ -137,3 +137,43 @@ def test_eager_plan_has_one_op_per_quantized_linear_at_every_m():
         assert op.op in ("w4a16", "ec") and op.m_lo == 1 and op.m_hi is None
         assert lin.route_at(1) == lin.route_at(4096) == "reference"  # CPU: the PyTorch reference
     assert plan.config_hash != runtime.plan_of(_compiled(_model())).config_hash
+
+
+def test_a_layer_frames_graph_counts_for_every_layer_it_serves():
+    """A forward that breaks its graph inside a layer (the engine's paged attention) compiles each layer
+    frame once, its weights named from the frame's module, and runs that code for every layer that passes
+    its guards: the plan repeats such a graph for each module prefix whose linears have the rows, EC rank
+    and gate width it compiled, so every quantized linear is counted once, with its own EC."""
+    from spear_compile.runtime.compiled import instance_records, planned_linears
+
+    m = _model()  # two layers; layer 0's q_proj and layer 1's down_proj carry ECs of rank 4 and 5
+    eager = {r["weights"][0]: r for r in runtime.compiled.eager_records(m)}
+
+    def frame(names, layer: int, relative: bool = True):
+        recs = [eager[f"model.layers.{layer}.{n}"] for n in names]
+        recs = [{**r, "weights": [n.split(".", 1)[1] if n.startswith("self_attn.") else n]} if relative else r
+                for r, n in zip(recs, names)]
+        return compiled_plans.CompiledGraph(f"{names[0]}{layer}", recs, "", [], "passes")
+
+    attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    mlp = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    # the attention frame named from the attention module (q_proj), the rest of the layer from the layer
+    # (mlp.gate_proj); layer 1's MLP in a graph named from the root; the head's graph has no record
+    graphs = [frame(attn, 0), frame(attn, 1), frame(mlp, 0), frame(mlp, 1, relative=False),
+              compiled_plans.CompiledGraph("head", [], "", [], "passes")]
+    recs = instance_records(graphs, m)
+    assert sorted(w for r in recs for w in r["weights"]) == sorted(eager)  # each linear once, named from the root
+    assert {w: r["parts"] for r in recs for w in r["weights"]} == {w: r["parts"] for w, r in eager.items()}
+    plan = planned_linears(recs)
+    assert sum(lin.count for lin in plan) == len(eager) == 14
+    assert sorted(lin.ec_rank for lin in plan if lin.ec_rank) == [4, 5]
+    # one frame compiled for several layers: both layers' o_proj (no EC) come from layer 0's attention graph
+    # when layer 1's has the same structure
+    same = [frame(("self_attn.o_proj",), 0)]
+    assert [r["weights"] for r in instance_records(same, m)] == [["model.layers.0.self_attn.o_proj"],
+                                                                 ["model.layers.1.self_attn.o_proj"]]
+    # a graph no module fits (the model changed after it compiled) is refused, naming its linears
+    bad = compiled_plans.CompiledGraph("x", [{**eager["model.layers.0.self_attn.q_proj"], "weights": ["q_proj"],
+                                              "parts": [[128, 9, 4]]}], "", [], "passes")
+    with pytest.raises(runtime.PlanError, match=r"\['q_proj'\]"):
+        instance_records([bad], m)

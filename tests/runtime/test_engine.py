@@ -121,6 +121,12 @@ def test_compiled_engine_greedy_equals_generate(engine, smol):
     assert max(len(plan.decode_ids) for _, plan, _ in eng.steps) == len(ids)  # they ran side by side
     texts = eng.generate([PROMPTS[0]], max_new_tokens=NEW, output="text")
     assert texts == [smol[1].decode(refs[0], skip_special_tokens=True)]
+    # the plan of what the engine compiled counts each layer's linears, though a layer's graph ran for all
+    from spear_compile.runtime import plan_of
+
+    plan = plan_of(smol[0])
+    assert sum(lin.count for lin in plan.linears) == 210 and {lin.ec_rank for lin in plan.linears} == {4}
+    assert all(lin.name.startswith("model.layers.*.") for lin in plan.linears)
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ def test_part_time_takes_the_gpu_path_on_cuda_and_the_wall_clock_on_cpu():
 
 def test_compiled_linear_tables_read_their_weights_from_hbm():
     """Timed over weight copies past the L2 cache, a W4 linear at M = 1 cannot beat the HBM (an H200's
-    4.8 TB/s): on one weight set the tables of a W4 Llama-2-7B summed to 6.6 TB/s of weights."""
+    4.8 TB/s)."""
     import spear_compile  # noqa: F401  (registers torch.ops.spear)
     from spear_compile.runtime.measure import weight_copies
     from spear_compile.runtime.op_runner import linear_bytes, op_runner
