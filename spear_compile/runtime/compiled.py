@@ -156,37 +156,46 @@ def _serves(records: list[dict], prefix: str, parts: dict) -> bool:
 
 
 def instance_records(graphs, model) -> list[dict]:
-    """The records of ``graphs`` with every weight named from ``model``'s root, one record per module
-    instance it runs for.
+    """The records of ``graphs`` that ``model`` runs, with every weight named from ``model``'s root, one
+    record per module instance it runs for.
 
     A graph whose weights are named from the model's root (one graph over the whole forward, or the eager
     records) keeps its records. Where the forward breaks its graph inside a layer (transformers' paged
     attention updates the cache outside the graph), Dynamo compiles the layer's frames (an attention
-    module's forward, the rest of a decoder layer) once and runs that code for every layer whose modules
-    pass its guards: the graph's weights are then named from the frame's module (``q_proj``,
-    ``mlp.gate_proj``) and it ran once per layer. Such a graph is repeated for every module prefix under
-    which each of its weights is a quantized linear with the rows, EC rank and EC gate width the graph
-    compiled (a layer whose q_proj carries an EC runs another graph than one whose q_proj does not).
-    Taken as they came, the 32 layers of a Llama-2-7B-shaped model planned as one and their ECs merged
-    into every linear (H200 serving records before 2026-12-07). A graph that no module prefix fits raises
-    ``PlanError``."""
+    module's forward, the rest of a decoder layer) and runs such code for every layer whose modules pass
+    its guards: the graph's weights are then named from the frame's module (``q_proj``,
+    ``mlp.gate_proj``). Such a graph is repeated for every module prefix under which each of its weights
+    is a quantized linear with the rows, EC rank and EC gate width the graph compiled (a layer whose
+    q_proj carries an EC runs another graph than one whose q_proj does not); ``planned_linears`` drops the
+    repeats of layers that several graphs fit. Taken as they came, the 32 layers of a Llama-2-7B-shaped
+    model planned as one and their ECs merged into every linear (the H200 serving records before
+    2026-12-06's ``serving/2026-12-06_h200_plan_all_layers``).
+
+    A graph that fits no module of the model (compiled before its ECs changed, or for another model of
+    the same shapes, which ``compiled_plans.graphs_of`` also returns) is left out: Dynamo would not run it
+    for this model. ``PlanError`` if every graph with records is left out."""
     parts = {fqn: _part(mod) for fqn, mod in quantized_linears(model).items()}
     out: list[dict] = []
+    stale: list = []
     for g in graphs:
         names = sorted({w for r in g.records for w in r["weights"]})
-        if not names or all(w in parts for w in names):
-            out.extend(g.records)
+        if not names:
             continue
-        tail = "." + names[0]
-        prefixes = sorted({f[: -len(tail)] for f in parts if f.endswith(tail)})
-        prefixes = [p for p in prefixes if _serves(g.records, p, parts)]
+        if all(w in parts for w in names):
+            prefixes = [""] if _serves(g.records, "", parts) else []
+        else:
+            tail = "." + names[0]
+            prefixes = [p for p in sorted({f[: -len(tail)] for f in parts if f.endswith(tail)})
+                        if _serves(g.records, p, parts)]
         if not prefixes:
-            raise PlanError(f"plan_of: a compiled graph reads the quantized linears {names} (named from the "
-                            f"module that ran it), but no module of this {type(model).__name__} holds them all "
-                            f"with the rows and EC ranks the graph compiled: the model changed after it compiled "
-                            f"(recompile it: torch._dynamo.reset() and run it again)")
+            stale.append(names)
         for p in prefixes:
-            out.extend({**r, "weights": [f"{p}.{w}" for w in r["weights"]]} for r in g.records)
+            out.extend({**r, "weights": [f"{p}.{w}" if p else w for w in r["weights"]]} for r in g.records)
+    if stale and not out:
+        raise PlanError(f"plan_of: every compiled graph that reads this {type(model).__name__}'s quantized "
+                        f"linears compiled other rows or EC ranks than its modules now have (first: {stale[0]}): "
+                        f"the model changed after it compiled; recompile it (torch._dynamo.reset() and run it "
+                        f"again)")
     return out
 
 

@@ -172,8 +172,12 @@ def test_a_layer_frames_graph_counts_for_every_layer_it_serves():
     same = [frame(("self_attn.o_proj",), 0)]
     assert [r["weights"] for r in instance_records(same, m)] == [["model.layers.0.self_attn.o_proj"],
                                                                  ["model.layers.1.self_attn.o_proj"]]
-    # a graph no module fits (the model changed after it compiled) is refused, naming its linears
-    bad = compiled_plans.CompiledGraph("x", [{**eager["model.layers.0.self_attn.q_proj"], "weights": ["q_proj"],
-                                              "parts": [[128, 9, 4]]}], "", [], "passes")
+    # a graph no module fits (compiled before the ECs changed, or for another model of the same shapes,
+    # named from a frame or from the root) is left out; if no graph fits, the plan is refused
+    stale = [compiled_plans.CompiledGraph("x", [{**eager["model.layers.0.self_attn.q_proj"], "weights": ["q_proj"],
+                                                 "parts": [[128, 9, 4]]}], "", [], "passes"),
+             compiled_plans.CompiledGraph("y", [{**eager["model.layers.1.mlp.down_proj"], "parts": [[64, 0, 0]]}],
+                                          "", [], "passes")]
+    assert instance_records(stale + graphs, m) == recs
     with pytest.raises(runtime.PlanError, match=r"\['q_proj'\]"):
-        instance_records([bad], m)
+        instance_records(stale, m)
