@@ -249,12 +249,14 @@ class SyntheticStep:
     times on M rows, attention per sequence per layer, the head on one row per sequence (or all rows).
     Callable as ``step(decode_contexts, prefill_chunks)``, the protocol ``measure_steps`` times.
 
-    On CUDA a compiled linear's calls cycle over ``weight_copies`` weight sets, as its table was timed,
-    and every set is run once when the step first meets the linear at an M (outside any capture), so the
-    step can be captured in a CUDA graph: ``measure_steps`` times it so (``graphable``), the way the
-    engine replays its steps and the parts were timed. Timed eagerly its 224 linear launches (a
-    Llama-2-7B-shaped plan) are the host's: 45 ms of fitted fixed overhead for an 8.9 ms engine step on
-    an H200 (2026-12-06)."""
+    The compiled linears run layer by layer (each linear's ``count`` calls interleaved with the others'),
+    so each call reads its weights from memory, not from the L2 cache the previous call filled: on CUDA
+    they cycle over ``_runners``' weight sets, all made and run once when the step first meets an M
+    (outside any capture), so the step can be captured in a CUDA graph: ``measure_steps`` times it so
+    (``graphable``), the way the engine replays its steps and the parts were timed. (Per-linear weight
+    copies, each linear's calls back to back, ran an H100 out of memory beside the engine's KV cache.)
+    Timed eagerly its 224 linear launches (a Llama-2-7B-shaped plan) are the host's: 45 ms of fitted
+    fixed overhead for an 8.9 ms engine step on an H200 (2026-12-06)."""
 
     graphable = True
 
@@ -277,6 +279,22 @@ class SyntheticStep:
                   for k in {lin.in_features for lin in plan.linears} | {plan.hidden_size}}
         self.head = torch.randn(plan.vocab_size, plan.hidden_size, device=d, dtype=t)
         self._attn: dict = {}
+
+    def _runners(self, m: int) -> list:
+        """``(linear, runner)`` of every compiled linear at ``m`` rows. On CUDA each cycles over as many weight
+        sets as make one layer-by-layer round of all of them 3x the L2 cache (one set where a round of
+        one layer already is: a Llama-2-7B layer's W4 linears are ~100 MB), and every set is run once
+        here, outside any capture, to make its first-use state."""
+        n = 1
+        if self.device.type == "cuda" and self.compiled:
+            from ..dispatch.tuning import copies_for
+
+            n = copies_for(sum(linear_bytes(lin, m) for lin in self.compiled))
+        out = [(lin, op_runner(lin, m, self.device, self.dtype, self._weights, copies=n)) for lin in self.compiled]
+        for _ in range(n if n > 1 else 0):
+            for _, call in out:
+                call()
+        return out
 
     def _attention_inputs(self, q: int, p: int):
         got = self._attn.get((q, p))
@@ -302,16 +320,13 @@ class SyntheticStep:
                     y = F.linear(x, w)
                     if ec is not None:
                         y = y + (x @ ec[0]) @ ec[1]
-            for lin in self.compiled:
-                call = self._calls.get((lin.name, m))
-                if call is None:
-                    n = weight_copies(lin, m, self.device)
-                    call = self._calls[(lin.name, m)] = op_runner(lin, m, self.device, self.dtype, self._weights,
-                                                                  copies=n)
-                    for _ in range(n if n > 1 else 0):  # every weight set's first-use state, before a capture
+            calls = self._calls.get(m)
+            if calls is None:
+                calls = self._calls[m] = self._runners(m)
+            for layer in range(max((lin.count for lin in self.compiled), default=0)):
+                for lin, call in calls:  # layer by layer, as the model runs them
+                    if layer < lin.count:
                         call()
-                for _ in range(lin.count):
-                    call()
             inputs = [self._attention_inputs(q, p) for q, p in seqs]
             for _ in range(self.plan.n_layers):
                 for Q, K, mask in inputs:
