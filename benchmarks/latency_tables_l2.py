@@ -4,8 +4,8 @@ The serving engine's step reads every layer's weights from HBM in turn. A table 
 linear on one weight set inside a CUDA graph reads them from L2 once they fit there (an H200's L2 is
 50 MiB; a 4096x4096 W4 weight is 8.4 MiB). (The W4 Llama-2-7B tables once summed to 0.59 ms for a batch-1
 decode on an H200, which looked like 6.6 TB/s of weights; that sum was one layer's: the plan counted a
-layer frame's graph once, fixed in ``runtime.compiled.instance_records``.) ``runtime.measure`` therefore cycles a compiled linear's calls over ``weight_copies`` weight sets. This
-script times the W4 op of the Llama-2-7B linears both ways at several M, as ``measure`` times them
+layer frame's graph once, fixed in ``runtime.compiled.instance_records``.) ``runtime.measure`` therefore
+cycles a compiled linear's calls over ``weight_copies`` weight sets. This script times the W4 op of the Llama-2-7B linears both ways at several M, as ``measure`` times them
 (``part_time_ms`` over ``op_runner``), and reports microseconds and the weights' TB/s.
 
     python benchmarks/latency_tables_l2.py --out OUT   (CUDA only; writes OUT/latency_tables_l2.json)

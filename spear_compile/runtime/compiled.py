@@ -114,6 +114,12 @@ def planned_linears(records: list[dict]) -> tuple:
     return tuple(out)
 
 
+def _part(mod) -> tuple:
+    """A quantized linear as a record's part: (rows, EC rank, EC gate width), zeros without an EC."""
+    ec = mod.ec
+    return (int(mod.out_features), int(ec.rank) if ec is not None else 0, int(ec.W1.shape[0]) if ec is not None else 0)
+
+
 def eager_records(model, dtype=None) -> list[dict]:
     """Records of ``model``'s ``QuantLinear``s as they run eagerly (not compiled): one ``w4a16`` or ``ec``
     op each, at every M, routed by ``dispatch.route`` from the module's own tensors at the M buckets."""
@@ -131,18 +137,11 @@ def eager_records(model, dtype=None) -> list[dict]:
             rt = route(problem_of(op, x, mod.qweight, mod.scales, mod.zeros, mod.group_size, mod.bias, ec_t))
             routes.append([m, rt.describe()])
         out.append({"op": op, "weights": [fqn], "K": mod.in_features, "G": mod.group_size, "layout": "spear",
-                    "parts": [[mod.out_features, ec.rank if ec is not None else 0,
-                               int(ec.W1.shape[0]) if ec is not None else 0]],
+                    "parts": [list(_part(mod))],
                     "lowering": "auto", "crossover": 16, "norm": False, "act": ec.act if ec is not None else "silu",
                     "has_bias": mod.bias is not None, "has_zeros": mod.zeros is not None,
                     "dtype": str(x_dtype).replace("torch.", ""), "m_lo": 1, "m_hi": None, "routes": routes})
     return out
-
-
-def _part(mod) -> tuple:
-    """A quantized linear as a record's part: (rows, EC rank, EC gate width), zeros without an EC."""
-    ec = mod.ec
-    return (int(mod.out_features), int(ec.rank) if ec is not None else 0, int(ec.W1.shape[0]) if ec is not None else 0)
 
 
 def _serves(records: list[dict], prefix: str, parts: dict) -> bool:

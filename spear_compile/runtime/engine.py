@@ -149,8 +149,8 @@ class Engine:
     ``async_batching``: transformers' asynchronous batching (``use_async_batching``: two sets of step
     buffers on CUDA, so the host prepares, plans and launches step k while the GPU runs step k - 1; the
     engine then times each step by the gap one call later, ``step_gaps``). Needs CUDA and an attention
-    without a step mask (``attention="varlen"`` or flash attention); off by
-    default, since transformers turns it off for a masked attention (its ``paged|sdpa``)."""
+    without a step mask (``attention="varlen"`` or flash attention); off by default, since transformers
+    turns it off for a masked attention (its ``paged|sdpa``)."""
 
     def __init__(self, model, tokenizer=None, policy=None, slo_itl_ms: Optional[float] = None,
                  max_queue: int = 256, compile: Union[bool, str] = False, compile_options: Optional[dict] = None,
