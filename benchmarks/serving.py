@@ -147,25 +147,53 @@ def workload(n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed
     return out
 
 
+class GcClock:
+    """Microseconds the interpreter has spent in its cyclic garbage collector since ``install()``
+    (``gc.callbacks``): a collection that starts inside a plan is paid by the plan, though the objects it
+    walks were made by the rest of the engine."""
+
+    def __init__(self):
+        self.us, self._t0 = 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self._t0 is not None:
+            self.us += (time.perf_counter_ns() - self._t0) / 1e3
+            self._t0 = None
+
+    def install(self) -> "GcClock":
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+        return self
+
+
+GC_CLOCK = GcClock()
+
+
 class TimedPolicy:
     """A policy that records its planning time, when it was asked (one call per engine step: the gap to
     the next call is that step's wall time) and what it planned (decode contexts, prefill pieces).
     ``us``: wall time of each plan (it includes waits for the GIL while the engine's other threads and the
     benchmark's streaming threads run); ``cpu_us``: the generation thread's own CPU time in it (what
-    planning costs, without those waits)."""
+    planning costs, without those waits); ``gc_us``: the part of ``us`` the garbage collector ran
+    (``GcClock``)."""
 
     def __init__(self, inner, marker=None):
-        self.inner, self.marker, self.us, self.cpu_us, self.steps = inner, marker, [], [], []
+        self.inner, self.marker, self.us, self.cpu_us, self.gc_us, self.steps = inner, marker, [], [], [], []
+        GC_CLOCK.install()
 
     def plan(self, state):
         mark = self.marker() if self.marker is not None else None  # before the clock: not planning time
         corr = getattr(self.inner, "correction", None)
         offset = corr.offset_ms if corr is not None else None
+        g0 = GC_CLOCK.us
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         p = self.inner.plan(state)
         self.us.append((time.perf_counter_ns() - t0) / 1e3)
         self.cpu_us.append((time.thread_time_ns() - c0) / 1e3)
+        self.gc_us.append(GC_CLOCK.us - g0)
         ctx = {d.request_id: d.context_len for d in state.decodes}
         done = {w.request_id: w.prefilled for w in state.waiting}
         self.steps.append((t0 / 1e6, tuple(ctx[r] for r in p.decode_ids),
@@ -250,7 +278,7 @@ def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     makespan = send_at_arrivals(reqs, t0, start, timeout_s)
     cut = sum(eng.cancel(r) for r in rids if r is not None)
     return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us,
-            "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
+            "sched_gc_us": timed.gc_us, "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
             "graph_captures": cuda_graph_count(eng) - graphs0, "lag": eng.step_lag}
 
 
@@ -269,12 +297,22 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
             "throughput_tok_s": gen / res["makespan"], "sched_us_p50": pct(res["sched_us"], 50), "sched_us_p99": us99,
             "sched_cpu_us_p50": pct(res.get("sched_cpu_us", []), 50), "sched_cpu_us_p99": pct(res.get("sched_cpu_us", []), 99),
             "sched_share_of_step": (us99 / 1e3 / step_ms) if us99 is not None else None,
+            **gc_share(res.get("sched_us", []), res.get("sched_gc_us", [])),
             "steps": len(res["sched_us"]), "completed": sum(1 for (_, _, m), ts in zip(reqs, res["times"])
                                                               if len(ts) >= m),
             "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
             "graph_captures": res.get("graph_captures"),
             "prediction": prediction_error(res["steps"], latency_model, res["lag"])
             if latency_model is not None else {}}
+
+
+def gc_share(us: list, gc_us: list) -> dict:
+    """How much of the planning cost the garbage collector was: ``sched_gc_plans`` (plans a collection ran
+    in), ``sched_us_p99_without_gc`` (the p99 of the plan time less its collections)."""
+    if not us or len(gc_us) != len(us):
+        return {}
+    return {"sched_gc_plans": sum(g > 0 for g in gc_us),
+            "sched_us_p99_without_gc": pct([u - g for u, g in zip(us, gc_us)], 99)}
 
 
 def decode_step_ms(eng) -> float:
@@ -349,7 +387,7 @@ def main_http(args) -> None:
         reqs = workload(args.requests, rate, args.prompt, args.output, args.vocab, args.seed)
         print(f"   rate {rate}/s: {len(reqs)} requests over HTTP", flush=True)
         res = loadgen.open_loop(base, card["id"], reqs, timeout_s=args.timeout)
-        res.update(sched_us=[], sched_cpu_us=[], steps=[], errors=[f"{o.status}: {o.error}" for o in res["outcomes"] if o.status != "ok"])
+        res.update(sched_us=[], sched_cpu_us=[], sched_gc_us=[], steps=[], errors=[f"{o.status}: {o.error}" for o in res["outcomes"] if o.status != "ok"])
         outcomes = res.pop("outcomes")
         for slo in slos:
             row = {"policy": "server", "chunk": None, "policy_label": "http", "slo_ms": slo, "rate": rate,
@@ -502,7 +540,7 @@ def main(argv=None) -> None:
                         record["rows"].append(row)
                         print("     ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                         if k in ("slo_ms", "p99_itl_ms", "slo_attainment", "mean_ttft_ms",
-                                                 "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "completed",
+                                                 "throughput_tok_s", "sched_us_p99", "sched_cpu_us_p99", "sched_us_p99_without_gc", "sched_gc_plans", "completed",
                                                  "graph_captures")},
                               "prediction |err| median (steps without a capture):",
                               {k: row[k].get("steady_median_abs_err") for k in ("prediction", "prediction_op_tables_only",

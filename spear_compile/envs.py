@@ -21,6 +21,9 @@ measurements and as an escape hatch if a kernel misbehaves on some GPU or driver
   H200 (2026-12-04, world size 1) the compiled sharded model through it is as close to the fp32 model as
   the single-process compiled model (``tests/parallel/test_sharding.py``); it has not yet run on several
   GPUs.
+* ``SPEAR_NO_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) runs torch's
+  variable-length kernel for every sequence, decodes included, instead of handing the one-query sequences
+  to the split-KV decode kernel (``lowering/split_kv_decode.py``).
 
 Paths:
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import os
 
-KILL_SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE")
+KILL_SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE", "SPEAR_NO_SPLIT_KV")
 
 
 def _on(name: str) -> bool:
@@ -52,6 +55,11 @@ def no_tma_ec() -> bool:
 def no_pdl() -> bool:
     """``SPEAR_NO_PDL`` is set: the decode EC pair is launched in plain stream order."""
     return _on("SPEAR_NO_PDL")
+
+
+def no_split_kv() -> bool:
+    """``SPEAR_NO_SPLIT_KV`` is set: the engine's varlen attention leaves decodes to torch's varlen kernel."""
+    return _on("SPEAR_NO_SPLIT_KV")
 
 
 def no_peer_write() -> bool:

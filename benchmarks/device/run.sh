@@ -37,6 +37,8 @@
 #                  between the latency model's buckets (default --density 25 --ms 64 128 192 256 320 384)
 #   e2e-hf         benchmarks/e2e_decode.py --hf: HF models through the public path with byte floors
 #                  (default --hf llama2-7b qwen2.5-7b --batch 1 8 16 64)
+#   decode-attn    benchmarks/decode_attention.py: the engine's varlen attention with and without the split-KV
+#                  decode kernel, checked and timed on decode and mixed steps
 #   ncu-gemv1 | ncu-gemm   benchmarks/ncu_gemv1.py / ncu_gemm.py under Nsight Compute (ncu must exist)
 #   quality        benchmarks/quality.py through quality.sh (needs the SmolLM2 GGUF carried in two
 #                  halves, see quality.sh); sweep: benchmarks/spear_sweep.py the same way
@@ -45,9 +47,9 @@
 # With PACK=1 in the environment the folder ends packed as OUT_DIR.tgz (pack.sh), for a transfer
 # that returns a limited number of files. TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,46p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,48p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf decode-attn ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -139,6 +141,7 @@ case "$topic" in
   read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
   untuned)      bench benchmarks/untuned_shapes.py --out "$out" "$@"; rc=$? ;;
   small-m)      bench benchmarks/small_m_gemm.py --out "$out" "$@"; rc=$? ;;
+  decode-attn)  bench benchmarks/decode_attention.py --out "$out" "$@"; rc=$? ;;
   l2-tables)    bench benchmarks/latency_tables_l2.py --out "$out" "$@"; rc=$? ;;
   between-buckets) bench benchmarks/latency_between_buckets.py --out "$out" "$@"; rc=$? ;;
   serving)      bench benchmarks/serving.py --out "$out" ${@:---device cuda --model llama2-7b}; rc=$? ;;

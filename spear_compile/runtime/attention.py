@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from .. import envs
+
 NAME = "paged|spear_varlen"
 
 
@@ -80,12 +82,48 @@ def kernel_available(device) -> bool:
     return torch.device(device).type == "cuda" and _kernel() is not None
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None) -> torch.Tensor:
+def split_kv_available(device) -> bool:
+    """Whether ``varlen_attention`` hands the step's decodes to the split-KV kernel on ``device``: CUDA, Triton
+    installed, ``SPEAR_NO_SPLIT_KV`` unset."""
+    from ..lowering._triton import HAS_TRITON
+
+    return torch.device(device).type == "cuda" and HAS_TRITON and not envs.no_split_kv()
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
+                     prefill_cu_q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal variable-length attention (the contract of ``varlen_reference``): torch's kernel on CUDA, the
-    reference elsewhere."""
+    reference elsewhere. On CUDA the sequences of one query (the decodes) go to the split-KV kernel
+    (``lowering/split_kv_decode``) and torch's kernel gets ``cu_q`` without the leading ones
+    (``prefill_cu_q``: ``without_leading_decodes(cu_q)``, made here when not given), unless
+    ``split_kv_available`` says no."""
     got = _kernel() if q.is_cuda else None
     if got is None:
         return varlen_reference(q, k, v, cu_q, cu_k, scale)
+    if not split_kv_available(q.device):
+        return _torch_varlen(got, q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    return decodes_split(functools.partial(_torch_varlen, got), q, k, v, cu_q, cu_k, max_q, max_k, scale,
+                         prefill_cu_q)
+
+
+def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
+                  prefill_cu_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``varlen`` (a function of ``varlen_attention``'s arguments less ``prefill_cu_q``) for the sequences of
+    several queries, ``split_kv_decode_`` for those of one: ``varlen`` gets ``prefill_cu_q`` (default
+    ``without_leading_decodes(cu_q)``), so it skips the leading decodes, and the split-KV kernel then writes
+    every decode's row. A step of decodes only (``max_q`` 1) does not call ``varlen`` at all."""
+    from ..lowering.split_kv_decode import split_kv_decode_, without_leading_decodes
+
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    if int(max_q) <= 1:
+        out = torch.zeros_like(q)  # (rows of no sequence: transformers' padding, never read)
+    else:
+        pre = without_leading_decodes(cu_q) if prefill_cu_q is None else prefill_cu_q
+        out = varlen(q, k, v, pre, cu_k, max_q, max_k, scale)
+    return split_kv_decode_(out, q, k, v, cu_q, cu_k, max_k, scale)
+
+
+def _torch_varlen(got, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:
     fn, params = got
     kw = {"scale": scale}
     if "window_size" in params:
@@ -133,8 +171,24 @@ def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
     k, v = kwargs["cache"].update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                   read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     q = query.transpose(1, 2).squeeze(0).contiguous()
-    return varlen_attention(q, k.contiguous(), v.contiguous(), kwargs["cu_seq_lens_q"], cu_k, kwargs["max_seqlen_q"],
-                            max_k, scaling)
+    cu_q = kwargs["cu_seq_lens_q"]
+    pre = _prefill_cu_q(module, cu_q) if q.is_cuda and split_kv_available(q.device) else None
+    return varlen_attention(q, k.contiguous(), v.contiguous(), cu_q, cu_k, kwargs["max_seqlen_q"], max_k, scaling,
+                            prefill_cu_q=pre)
+
+
+_PREFILL_CU_Q: list = []  # [(cu_seq_lens_q of the forward, its copy without the leading decodes)]
+
+
+def _prefill_cu_q(module, cu_q: torch.Tensor) -> torch.Tensor:
+    """``without_leading_decodes(cu_q)``, made by the first layer of each forward and reused by the others
+    (one launch per step instead of one per layer). Every forward, and every CUDA-graph capture of one,
+    starts at layer 0, which remakes it, so a graph never reads a copy another graph made."""
+    from ..lowering.split_kv_decode import without_leading_decodes
+
+    if getattr(module, "layer_idx", 0) == 0 or not _PREFILL_CU_Q or _PREFILL_CU_Q[0][0] is not cu_q:
+        _PREFILL_CU_Q[:] = [(cu_q, without_leading_decodes(cu_q.to(torch.int32)))]
+    return _PREFILL_CU_Q[0][1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,5 +227,5 @@ def register() -> str:
     return NAME
 
 
-__all__ = ["NAME", "kernel_available", "paged_varlen_attention", "register", "unsupported", "varlen_attention",
-           "varlen_reference"]
+__all__ = ["NAME", "decodes_split", "kernel_available", "paged_varlen_attention", "register", "split_kv_available", "unsupported",
+           "varlen_attention", "varlen_reference"]

@@ -1,0 +1,104 @@
+"""The engine's varlen attention with and without the split-KV decode kernel, on steps a server runs.
+
+For each step (decodes at given contexts, optionally a prefill piece after them; Llama-2-7B's 32 heads of 128,
+and a GQA case of 32 query / 8 KV heads), one run:
+
+* checks ``runtime.attention.varlen_attention`` with the split (the engine's path on CUDA) against torch's
+  varlen kernel alone and against ``varlen_reference`` (max abs error over the sequences' rows);
+* times, as CUDA-graph replays of one layer's attention (``dispatch.tuning.bench_graph``): ``torch_varlen``
+  (torch's kernel for every sequence: the path before the split), ``split`` (the split-KV kernel for the
+  decodes, torch's kernel for the rest, ``without_leading_decodes`` included) and ``floor_us``, the byte
+  floor: K and V of every sequence read once at ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e).
+
+Expected: the steps whose decodes leave most SMs idle (one or a few sequences: 32 programs per sequence
+without a split) gain several-fold; steps of many decodes gain little; a prefill piece's time is unchanged.
+
+    python benchmarks/decode_attention.py --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+try:
+    from _syspath import unshadow
+except ImportError:  # run as a module from the repository root
+    from benchmarks._syspath import unshadow
+unshadow()
+
+from spear_compile.dispatch.tuning import bench_graph  # noqa: E402
+from spear_compile.runtime import attention as A  # noqa: E402
+
+from benchmarks._meta import run_meta  # noqa: E402
+
+# (label, decode contexts, prefill piece (tokens, prefilled) or None)
+STEPS = [
+    ("1 decode @512", [512], None),
+    ("1 decode @2k", [2048], None),
+    ("1 decode @4k", [4096], None),
+    ("2 decodes @3k", [3000, 3000], None),
+    ("5 decodes @1.4k", [1400] * 5, None),
+    ("16 decodes @1k", [1024] * 16, None),
+    ("64 decodes @1k", [1024] * 64, None),
+    ("4 decodes @1k + 512 piece @1k", [1024] * 4, (512, 1024)),
+    ("1 decode @2k + 2048 piece @0", [2048], (2048, 0)),
+]
+
+
+def make_step(decodes, piece, H, Hkv, D, device, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q_lens = [1] * len(decodes) + ([piece[0]] if piece else [])
+    k_lens = list(decodes) + ([piece[0] + piece[1]] if piece else [])
+    Tq, Tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(Tq, H, D, generator=g).to(device, dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g).to(device, dtype)
+    v = torch.randn(Tk, Hkv, D, generator=g).to(device, dtype)
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return q, k, v, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bandwidth", type=float, default=4.8, help="TB/s for the byte floor")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_attention.py needs a CUDA GPU")
+    got = A._kernel()
+    if got is None:
+        raise SystemExit("this torch has no torch.nn.attention.varlen.varlen_attn")
+    dev, dtype, D = torch.device("cuda"), torch.bfloat16, 128
+    rows, t0 = [], time.time()
+    for H, Hkv in ((32, 32), (32, 8)):
+        for label, decodes, piece in STEPS:
+            q, k, v, cu_q, cu_k, mq, mk = make_step(decodes, piece, H, Hkv, D, dev, dtype)
+            scale = D ** -0.5
+            old = A._torch_varlen(got, q, k, v, cu_q, cu_k, mq, mk, scale)
+            new = A.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale)
+            ref = A.varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
+            n = int(cu_q[-1])
+            err_new = (new[:n].float() - ref[:n]).abs().max().item()
+            err_old = (old[:n].float() - ref[:n]).abs().max().item()
+            t_old = bench_graph(lambda i: A._torch_varlen(got, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
+            t_new = bench_graph(lambda i: A.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
+            kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
+            row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "torch_varlen_us": t_old, "split_us": t_new,
+                   "split_over_torch": t_new / t_old, "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
+                   "max_abs_err_split": err_new, "max_abs_err_torch": err_old}
+            rows.append(row)
+            print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "decode_attention.json")
+    args.device = "cuda"
+    meta = run_meta(args, {}, tail={"seconds": time.time() - t0})
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

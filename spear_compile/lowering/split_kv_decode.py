@@ -1,0 +1,189 @@
+"""Split-KV decode attention for the engine's packed variable-length steps (flash decoding).
+
+Reference: ``ops/attention_ref.py:decode_attention_ref`` (each one-query sequence against all its keys,
+softmax in fp32).
+
+Why: the engine's attention (``runtime/attention.py``, ``attention="varlen"``) runs torch's variable-length
+Flash Attention kernel, which on torch 2.11 does not split a sequence's keys over programs: a decode (one
+query) gets one program per head, which walks every key of its sequence alone. On an H200 (Llama-2-7B-shaped
+W4, 32 heads, 2026-12-06, ``benchmarks/results/serving/2026-12-06_h200_plan_all_layers``) decode-only steps
+ran above the latency model by a margin that followed the *longest* sequence, not the keys read: one
+decode at 2k context +2.5 ms a step (32 layers), five decodes at 5.3k keys in all +0.1 ms. 32 programs on
+132 SMs leave the memory system idle. Here the keys of each one-query sequence are cut into ``splits``
+slices, one program per (sequence, head, slice), each keeping a running max, sum and weighted value sum
+in fp32 (``_partial``); a second launch merges the slices per (sequence, head) (``_combine``).
+
+Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) with H a multiple of Hkv,
+``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
+``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``, its queries the last of its keys). For every sequence
+with exactly one query, row ``cu_q[i]`` of ``out`` (Tq, H, D) is overwritten with its attention over all its
+keys; every other row is left as it was. Everything the launch reads about the step is on the device and
+the grid depends only on N, H and ``max_k`` (host ints), so a CUDA graph captures and replays it.
+
+``without_leading_decodes(cu_q)``: ``cu_q`` with the one-query sequences at the front of the step made
+empty (their start moved to the first row of the first other sequence), so the varlen kernel given it
+exits at once for them (its programs return when their block starts past the sequence's length): the
+decodes are then paid once, here. Decodes after another sequence keep their rows there (still correct:
+``split_kv_decode_`` overwrites them with the same attention); the SPEAR scheduler plans decodes first.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, INTERPRET, next_pow2
+from .device import sm_count
+
+BLOCK_N = 16 if INTERPRET else 64  # keys per inner step
+MIN_KEYS_PER_SPLIT = 32 if INTERPRET else 256  # below this a slice's fixed cost outweighs its keys
+WAVES = 2  # programs per SM the split aims at (a decode program holds little: q, one K / V tile, acc)
+MAX_SPLITS = 64
+INTERPRET_SMS = 4  # (the interpreter: SMs to size the split for, so that tests exercise several slices)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _partial(Q, K, V, CU_Q, CU_K, M_OUT, L_OUT, ACC, scale, keys_per_split,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+        """Program (sequence, head, slice): running max / sum / weighted values over one slice of keys."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        j = tl.program_id(2)
+        S = tl.num_programs(2)
+        q0 = tl.load(CU_Q + s)
+        q1 = tl.load(CU_Q + s + 1)
+        k0 = tl.load(CU_K + s)
+        k1 = tl.load(CU_K + s + 1)
+        n = tl.where(q1 - q0 == 1, k1 - k0, 0)  # other sequences: no keys, nothing stored
+        lo = j * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, n)
+        offs_d = tl.arange(0, D_P)
+        mask_d = offs_d < D
+        q = tl.load(Q + q0 * stride_qt + h * stride_qh + offs_d, mask=mask_d & (n > 0), other=0.0).to(tl.float32)
+        q = q * scale
+        kv_h = h // GROUP
+        m_i = tl.full([], -float("inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D_P], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            rows = (k0 + offs_n).to(tl.int64)
+            mask = mask_n[:, None] & mask_d[None, :]
+            kb = tl.load(K + rows[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :], mask=mask, other=0.0)
+            sc = tl.sum(kb.to(tl.float32) * q[None, :], axis=1)
+            sc = tl.where(mask_n, sc, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            p = tl.exp(sc - m_new)
+            alpha = tl.exp(m_i - m_new)
+            vb = tl.load(V + rows[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :], mask=mask, other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        slot = (s * H + h) * S + j
+        tl.store(M_OUT + slot, m_i)
+        tl.store(L_OUT + slot, l_i)
+        tl.store(ACC + slot * D_P + offs_d, acc)
+
+    @triton.jit
+    def _combine(OUT, CU_Q, M_OUT, L_OUT, ACC, stride_ot, stride_oh,
+                 H: tl.constexpr, S: tl.constexpr, S_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
+        """Program (sequence, head): merge the slices (weights exp(m_j - max m)) into the output row."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        q0 = tl.load(CU_Q + s)
+        q1 = tl.load(CU_Q + s + 1)
+        offs_j = tl.arange(0, S_P)
+        offs_d = tl.arange(0, D_P)
+        base = (s * H + h) * S
+        mask_j = offs_j < S
+        m = tl.load(M_OUT + base + offs_j, mask=mask_j, other=-float("inf"))
+        l_ = tl.load(L_OUT + base + offs_j, mask=mask_j, other=0.0)
+        mx = tl.max(m, axis=0)
+        mx = tl.where(mx == -float("inf"), 0.0, mx)  # (a sequence without one query: nothing is stored)
+        w = tl.where(m == -float("inf"), 0.0, tl.exp(m - mx))
+        acc = tl.load(ACC + (base + offs_j)[:, None] * D_P + offs_d[None, :], mask=mask_j[:, None], other=0.0)
+        den = tl.sum(w * l_, axis=0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0.0, den, 1.0)
+        tl.store(OUT + q0 * stride_ot + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty),
+                 mask=(offs_d < D) & (q1 - q0 == 1))
+
+    @triton.jit
+    def _without_leading(CU_Q, OUT, N, BLOCK: tl.constexpr):
+        """OUT = max(CU_Q, CU_Q[f]) where f is the first sequence without exactly one query (N if none)."""
+        i = tl.arange(0, BLOCK)
+        c = tl.load(CU_Q + i, mask=i <= N, other=0)
+        nxt = tl.load(CU_Q + i + 1, mask=i < N, other=0)
+        f = tl.min(tl.where((i < N) & (nxt - c != 1), i, N), axis=0)
+        start = tl.load(CU_Q + f)
+        tl.store(OUT + i, tl.maximum(c, start), mask=i <= N)
+
+
+def splits_for(n_seqs: int, heads: int, max_k: int, device) -> int:
+    """Key slices per sequence: enough programs for ``WAVES`` per SM, no slice under ``MIN_KEYS_PER_SPLIT``
+    keys, at most ``MAX_SPLITS``."""
+    if max_k <= MIN_KEYS_PER_SPLIT:
+        return 1
+    sms = sm_count(device) if torch.device(device).type == "cuda" else INTERPRET_SMS
+    want = -(-WAVES * sms // max(1, n_seqs * heads))
+    return max(1, min(want, -(-max_k // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def _check(q, k, v, cu_q, cu_k, out=None) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"split_kv_decode: q {tuple(q.shape)} must be (Tq, H, D) and k / v {tuple(k.shape)} / "
+                         f"{tuple(v.shape)} (Tk, Hkv, D)")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"split_kv_decode: q {tuple(q.shape)} and k {tuple(k.shape)}: head dims differ or "
+                         f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if cu_q.shape != cu_k.shape or cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
+        raise ValueError(f"split_kv_decode: cu_q {tuple(cu_q.shape)} {cu_q.dtype} and cu_k {tuple(cu_k.shape)} "
+                         f"{cu_k.dtype} must be one (N + 1,) int32 vector each")
+    if out is not None and out.shape != q.shape:
+        raise ValueError(f"split_kv_decode: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is not None and t.stride(2) != 1:
+            raise ValueError(f"split_kv_decode: {name} must be contiguous in its last dimension")
+
+
+def split_kv_decode_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_k: int, scale=None) -> torch.Tensor:
+    """Overwrite the rows of ``out`` of the one-query sequences with their attention (module docstring);
+    returns ``out``."""
+    if not HAS_TRITON:
+        raise RuntimeError("split_kv_decode_ needs Triton")
+    _check(q, k, v, cu_q, cu_k, out)
+    n, H, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
+    if n <= 0 or max_k <= 0:
+        return out
+    scale = float(scale) if scale is not None else D ** -0.5
+    S = splits_for(n, H, max_k, q.device)
+    kps = -(-(-(-max_k // S)) // BLOCK_N) * BLOCK_N
+    D_P = next_pow2(D)
+    m = torch.empty(n * H * S, device=q.device, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(n * H * S * D_P, device=q.device, dtype=torch.float32)
+    _partial[(n, H, S)](q, k, v, cu_q, cu_k, m, l_, acc, scale, kps,
+                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        H=H, GROUP=H // k.shape[1], D=D, D_P=D_P, BLOCK_N=BLOCK_N)
+    _combine[(n, H)](out, cu_q, m, l_, acc, out.stride(0), out.stride(1),
+                     H=H, S=S, S_P=next_pow2(S), D=D, D_P=D_P)
+    return out
+
+
+def without_leading_decodes(cu_q: torch.Tensor) -> torch.Tensor:
+    """``cu_q`` with the one-query sequences at the front made empty (module docstring); one launch."""
+    if not HAS_TRITON:
+        raise RuntimeError("without_leading_decodes needs Triton")
+    if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 1:
+        raise ValueError(f"without_leading_decodes: cu_q {tuple(cu_q.shape)} {cu_q.dtype} must be (N + 1,) int32")
+    out = torch.empty_like(cu_q)
+    n = cu_q.numel() - 1
+    _without_leading[(1,)](cu_q, out, n, BLOCK=next_pow2(n + 1))
+    return out
+
+
+__all__ = ["split_kv_decode_", "splits_for", "without_leading_decodes"]

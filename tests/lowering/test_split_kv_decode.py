@@ -1,0 +1,108 @@
+"""The split-KV decode attention (``lowering/split_kv_decode.py``) against ``decode_attention_ref``, and the
+engine's composition of it with the varlen kernel (``runtime.attention.varlen_attention``) against the
+per-sequence reference. On CPU under ``TRITON_INTERPRET=1``; on a GPU the compiled kernels."""
+import pytest
+import torch
+
+from spear_compile.lowering._triton import HAS_TRITON
+from spear_compile.ops.attention_ref import decode_attention_ref
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is a test dependency; install .[test]")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step(q_lens, k_lens, H, Hkv, D, dtype, pad_q=0, pad_k=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Tq, Tk = sum(q_lens) + pad_q, sum(k_lens) + pad_k
+    q = torch.randn(Tq, H, D, generator=g).to(DEV, dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g).to(DEV, dtype)
+    v = torch.randn(Tk, Hkv, D, generator=g).to(DEV, dtype)
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return q, k, v, cu(q_lens), cu(k_lens)
+
+
+def _one_query_rows(cu_q):
+    c = cu_q.tolist()
+    return [a for a, b in zip(c, c[1:]) if b - a == 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,k_lens,H,Hkv,D", [
+    ([1], [300], 2, 2, 64),                      # one long decode: several slices
+    ([1, 1, 1], [5, 1, 97], 4, 2, 32),           # GQA, a decode of one key, uneven slices
+    ([1, 7, 1, 0], [40, 60, 129, 0], 2, 1, 16),  # a prefill piece between decodes, a padded empty sequence
+    ([3, 1], [3, 513], 1, 1, 48),                # head dim not a power of two
+])
+def test_split_kv_decode_matches_reference(dtype, q_lens, k_lens, H, Hkv, D):
+    from spear_compile.lowering.split_kv_decode import split_kv_decode_
+
+    q, k, v, cu_q, cu_k = _step(q_lens, k_lens, H, Hkv, D, dtype, pad_q=2, pad_k=3)
+    sentinel = torch.full_like(q, 7.0)
+    out = split_kv_decode_(sentinel.clone(), q, k, v, cu_q, cu_k, max(k_lens), scale=0.3)
+    ref = decode_attention_ref(q, k, v, cu_q, cu_k, scale=0.3)
+    rows = _one_query_rows(cu_q)
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2)
+    others = [r for r in range(q.shape[0]) if r not in rows]
+    assert torch.equal(out[others], sentinel[others]), "rows of other sequences must be left as they were"
+
+
+def test_splits_cover_long_sequences_and_stay_bounded():
+    from spear_compile.lowering.split_kv_decode import MAX_SPLITS, MIN_KEYS_PER_SPLIT, splits_for
+
+    assert splits_for(1, 2, MIN_KEYS_PER_SPLIT, DEV) == 1
+    assert splits_for(1, 2, 10 * MIN_KEYS_PER_SPLIT, DEV) > 1
+    assert splits_for(1, 1, 10 ** 9, DEV) <= MAX_SPLITS
+    many = splits_for(10 ** 6, 32, 10 ** 6, DEV)
+    assert many == 1, "a step with programs for every SM already gets no split"
+
+
+@pytest.mark.parametrize("q_lens,expect", [
+    ([1, 1, 4, 1], [2, 2, 2, 6, 7]),  # the leading decodes emptied, the later one kept
+    ([5, 1], [0, 5, 6]),             # no leading decode: unchanged
+    ([1, 1], [2, 2, 2]),             # only decodes: all empty
+])
+def test_without_leading_decodes(q_lens, expect):
+    from spear_compile.lowering.split_kv_decode import without_leading_decodes
+
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    assert without_leading_decodes(cu).tolist() == expect
+
+
+def test_bad_inputs_are_named():
+    from spear_compile.lowering.split_kv_decode import split_kv_decode_
+
+    q, k, v, cu_q, cu_k = _step([1], [8], 3, 2, 16, torch.float16)
+    with pytest.raises(ValueError, match="not a multiple"):
+        split_kv_decode_(torch.empty_like(q), q, k, v, cu_q, cu_k, 8)
+    q, k, v, cu_q, cu_k = _step([1], [8], 2, 2, 16, torch.float16)
+    with pytest.raises(ValueError, match="int32"):
+        split_kv_decode_(torch.empty_like(q), q, k, v, cu_q.long(), cu_k, 8)
+
+
+@pytest.mark.parametrize("q_lens,k_lens", [
+    ([1, 1, 6, 1], [40, 300, 90, 7]),  # leading decodes, a prefill piece, a decode after it
+    ([1, 1, 1], [3, 200, 64]),         # decodes only: the varlen kernel is not called
+    ([4, 3], [4, 20]),                 # no decode
+])
+def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens):
+    """``runtime.attention.decodes_split``: the varlen kernel (here ``varlen_reference``, as it runs on CPU) on
+    the step without its leading decodes, then the split-KV kernel for every decode, equals the reference
+    over the whole step (padding rows excluded)."""
+    from spear_compile.runtime.attention import decodes_split, varlen_reference
+
+    q, k, v, cu_q, cu_k = _step(q_lens, k_lens, 4, 2, 32, torch.bfloat16, pad_q=0, pad_k=5)
+    calls = []
+
+    def varlen(q_, k_, v_, cu_q_, cu_k_, max_q, max_k, scale):
+        calls.append(cu_q_.tolist())
+        return varlen_reference(q_, k_, v_, cu_q_, cu_k_, scale)
+
+    out = decodes_split(varlen, q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.25)
+    ref = varlen_reference(q, k, v, cu_q, cu_k, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    if max(q_lens) == 1:
+        assert calls == []
+    else:
+        leading = next(i for i, x in enumerate(q_lens + [0]) if x != 1)
+        assert len(calls) == 1 and calls[0][0] == leading, calls  # its step starts after the leading decodes
