@@ -153,14 +153,22 @@ class GcClock:
     walks were made by the rest of the engine."""
 
     def __init__(self):
-        self.us, self._t0 = 0.0, None
+        self.us, self._t0, self.pauses = 0.0, None, []  # pauses: (generation, us) of every collection
 
     def __call__(self, phase, info):
         if phase == "start":
             self._t0 = time.perf_counter_ns()
         elif self._t0 is not None:
-            self.us += (time.perf_counter_ns() - self._t0) / 1e3
+            us = (time.perf_counter_ns() - self._t0) / 1e3
+            self.us += us
+            self.pauses.append((info.get("generation"), us))
             self._t0 = None
+
+    def summary(self, since: int) -> dict:
+        """Collections after ``pauses[since]``: how many of each generation, their total and longest pause."""
+        ps = self.pauses[since:]
+        return {"gc_collections": [sum(g == i for g, _ in ps) for i in range(3)],
+                "gc_total_ms": sum(u for _, u in ps) / 1e3, "gc_max_pause_ms": max((u for _, u in ps), default=0.0) / 1e3}
 
     def install(self) -> "GcClock":
         if self not in gc.callbacks:
@@ -255,6 +263,7 @@ def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     """Serve ``reqs`` on the started engine ``eng`` with ``policy``; token arrival times per request. Requests
     still running at the timeout are cancelled, so the next run starts on an idle engine."""
     timed = TimedPolicy(policy, FirstUseMarker(eng))
+    gc0 = len(GC_CLOCK.pauses)
     if eng.correction is not None:
         eng.correction.reset()  # each run starts without the last run's history
     eng.set_policy(timed)
@@ -279,7 +288,7 @@ def serve(eng, policy, reqs: list, timeout_s: float) -> dict:
     cut = sum(eng.cancel(r) for r in rids if r is not None)
     return {"times": times, "makespan": makespan, "sched_us": timed.us, "sched_cpu_us": timed.cpu_us,
             "sched_gc_us": timed.gc_us, "steps": timed.steps, "errors": errors + ([f"{cut} requests cut at the timeout"] if cut else []),
-            "graph_captures": cuda_graph_count(eng) - graphs0, "lag": eng.step_lag}
+            "graph_captures": cuda_graph_count(eng) - graphs0, "lag": eng.step_lag, "gc": GC_CLOCK.summary(gc0)}
 
 
 def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
@@ -297,7 +306,7 @@ def score(res: dict, reqs: list, slo_ms: float, latency_model=None) -> dict:
             "throughput_tok_s": gen / res["makespan"], "sched_us_p50": pct(res["sched_us"], 50), "sched_us_p99": us99,
             "sched_cpu_us_p50": pct(res.get("sched_cpu_us", []), 50), "sched_cpu_us_p99": pct(res.get("sched_cpu_us", []), 99),
             "sched_share_of_step": (us99 / 1e3 / step_ms) if us99 is not None else None,
-            **gc_share(res.get("sched_us", []), res.get("sched_gc_us", [])),
+            **gc_share(res.get("sched_us", []), res.get("sched_gc_us", [])), **res.get("gc", {}),
             "steps": len(res["sched_us"]), "completed": sum(1 for (_, _, m), ts in zip(reqs, res["times"])
                                                               if len(ts) >= m),
             "requests": len(reqs), "generated_tokens": gen, "errors": res["errors"][:5],
