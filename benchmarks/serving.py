@@ -447,6 +447,10 @@ def main(argv=None) -> None:
                          "runtime.attention's varlen kernel (Engine(attention='varlen'))")
     ap.add_argument("--kv-padding", type=int, default=None,
                     help="KV-read padding in tokens (cb_config kv_padding_interval_size; default: the engine's)")
+    ap.add_argument("--q-padding", type=int, default=None,
+                    help="token padding of a step (cb_config q_padding_interval_size; default: transformers' 64): "
+                         "smaller pads small decode batches less (a smaller M for the W4 GEMMs) at the price of "
+                         "more CUDA-graph shapes")
     ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["off"],
                     help="dynamic runs without the engine's online correction of the latency model (off, "
                          "label 'dynamic'), with it (on, 'dynamic_online'), or both, each its own run")
@@ -486,7 +490,8 @@ def main(argv=None) -> None:
     engine_kw = dict(model=model, compile=args.compile, block_size=args.block_size, num_blocks=args.num_blocks,
                      max_batch_tokens=max(args.chunks) + 256, log=print,
                      attention=None if args.attention == "transformers" else args.attention,
-                     cb_config=None if args.kv_padding is None else {"kv_padding_interval_size": args.kv_padding},
+                     cb_config={k: v for k, v in (("kv_padding_interval_size", args.kv_padding),
+                                                  ("q_padding_interval_size", args.q_padding)) if v is not None} or None,
                      online_correction="on" in args.correction)
     engines = [(d, a == "on") for d in args.densities for a in ("off", "on") if a in args.async_batching]
     record = {"meta": meta(args), "rows": [], "latency_model": {}}

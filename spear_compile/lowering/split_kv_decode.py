@@ -17,7 +17,8 @@ Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) w
 ``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
 ``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``, its queries the last of its keys). For every sequence
 with exactly one query, row ``cu_q[i]`` of ``out`` (Tq, H, D) is overwritten with its attention over all its
-keys; every other row is left as it was. Everything the launch reads about the step is on the device and
+keys; every other row is left as it was. ``max_k`` sizes the slices only: the last slice takes the keys
+the others leave, so a sequence longer than ``max_k`` is still attended whole. Everything the launch reads about the step is on the device and
 the grid depends only on N, H and ``max_k`` (host ints), so a CUDA graph captures and replays it.
 
 ``without_leading_decodes(cu_q)``: ``cu_q`` with the one-query sequences at the front of the step made
@@ -59,7 +60,9 @@ if HAS_TRITON:
         k1 = tl.load(CU_K + s + 1)
         n = tl.where(q1 - q0 == 1, k1 - k0, 0)  # other sequences: no keys, nothing stored
         lo = j * keys_per_split
-        hi = tl.minimum(lo + keys_per_split, n)
+        # the last slice takes every key left: correct whatever max_k the grid was sized with (a CUDA graph
+        # replays the grid of its capture; transformers pads max_seqlen_k, but caps it)
+        hi = tl.where(j == S - 1, n, tl.minimum(lo + keys_per_split, n))
         offs_d = tl.arange(0, D_P)
         mask_d = offs_d < D
         q = tl.load(Q + q0 * stride_qt + h * stride_qh + offs_d, mask=mask_d & (n > 0), other=0.0).to(tl.float32)

@@ -106,3 +106,14 @@ def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens):
     else:
         leading = next(i for i, x in enumerate(q_lens + [0]) if x != 1)
         assert len(calls) == 1 and calls[0][0] == leading, calls  # its step starts after the leading decodes
+
+
+def test_a_max_k_below_the_longest_sequence_still_attends_every_key():
+    """A CUDA graph replays the grid of its capture, sized by that step's max_k: a later step's longer
+    sequence must still be attended whole (the last slice takes the rest)."""
+    from spear_compile.lowering.split_kv_decode import split_kv_decode_
+
+    q, k, v, cu_q, cu_k = _step([1, 1], [40, 400], 2, 2, 32, torch.bfloat16)
+    out = split_kv_decode_(torch.zeros_like(q), q, k, v, cu_q, cu_k, max_k=64)
+    ref = decode_attention_ref(q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
