@@ -457,6 +457,8 @@ def main(argv=None) -> None:
     ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
                     help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
                          "CUDA, varlen attention); 'off on' runs both, one engine each")
+    ap.add_argument("--no-static", action="store_true",
+                    help="serve only the dynamic policies (--chunks still sets the step's token budget)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running spear serve at URL over HTTP")
     ap.add_argument("--server-device", default="cpu", help="--http: what the server runs on, for the record")
@@ -526,7 +528,7 @@ def main(argv=None) -> None:
             steps_out["calibration"][ekey] = [sample_json(s) for s in cal_steps]
             steps_out.setdefault("models", {})[ekey] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
-            runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks]
+            runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks if not args.no_static]
             runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
                                                                correction=eng.correction if on == "on" else None), slo)
                      for slo in slos for on, label in (("off", "dynamic"), ("on", "dynamic_online"))
