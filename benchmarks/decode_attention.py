@@ -3,21 +3,25 @@
 For each step (decodes at given contexts, optionally a prefill piece after them; Llama-2-7B's 32 heads of 128,
 and a GQA case of 32 query / 8 KV heads), one run:
 
-* checks ``runtime.attention.varlen_attention`` with the split (the engine's path on CUDA) against torch's
-  varlen kernel alone and against ``varlen_reference`` (max abs error over the sequences' rows);
+* checks ``runtime.attention.decodes_split`` (the engine's path on CUDA under ``SPEAR_SPLIT_KV=1``) and
+  torch's varlen kernel alone against ``varlen_reference`` (max abs error over the sequences' rows);
 * times, as CUDA-graph replays of one layer's attention (``dispatch.tuning.bench_graph``): ``torch_varlen``
   (torch's kernel for every sequence: the path before the split), ``split`` (the split-KV kernel for the
   decodes, torch's kernel for the rest, ``without_leading_decodes`` included) and ``floor_us``, the byte
   floor: K and V of every sequence read once at ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e).
 
-Expected: the steps whose decodes leave most SMs idle (one or a few sequences: 32 programs per sequence
-without a split) gain several-fold; steps of many decodes gain little; a prefill piece's time is unchanged.
+Expected, before any GPU run: the steps whose decodes leave most SMs idle (one or a few sequences: 32
+programs per sequence without a split) gain several-fold. One decode at 2k context: the H200 serving record of
+2026-12-06 puts torch's kernel (with the gather before it) near 110 us a layer; its K and V are 33.5 MB, 7 us at
+the byte floor, so the split should land near 15-25 us with its three launches. Steps of 16-64 decodes already
+fill the SMs and should gain little; a prefill piece's time should not change.
 
     python benchmarks/decode_attention.py --out OUT
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -77,14 +81,15 @@ def main(argv=None) -> None:
         for label, decodes, piece in STEPS:
             q, k, v, cu_q, cu_k, mq, mk = make_step(decodes, piece, H, Hkv, D, dev, dtype)
             scale = D ** -0.5
-            old = A._torch_varlen(got, q, k, v, cu_q, cu_k, mq, mk, scale)
-            new = A.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale)
+            torch_only = functools.partial(A._torch_varlen, got)
+            old = torch_only(q, k, v, cu_q, cu_k, mq, mk, scale)
+            new = A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale)  # SPEAR_SPLIT_KV=1's path
             ref = A.varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
             n = int(cu_q[-1])
             err_new = (new[:n].float() - ref[:n]).abs().max().item()
             err_old = (old[:n].float() - ref[:n]).abs().max().item()
-            t_old = bench_graph(lambda i: A._torch_varlen(got, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
-            t_new = bench_graph(lambda i: A.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
+            t_old = bench_graph(lambda i: torch_only(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
+            t_new = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
             row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "torch_varlen_us": t_old, "split_us": t_new,
                    "split_over_torch": t_new / t_old, "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,

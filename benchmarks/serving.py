@@ -457,6 +457,8 @@ def main(argv=None) -> None:
     ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
                     help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
                          "CUDA, varlen attention); 'off on' runs both, one engine each")
+    ap.add_argument("--split-kv", action="store_true",
+                    help="the engine's varlen attention hands decodes to the split-KV kernel (SPEAR_SPLIT_KV=1)")
     ap.add_argument("--no-static", action="store_true",
                     help="serve only the dynamic policies (--chunks still sets the step's token budget)")
     ap.add_argument("--out", required=True)
@@ -474,6 +476,8 @@ def main(argv=None) -> None:
         args.prompt = tuple(args.prompt or (48, 16, 96))
         args.output = tuple(args.output or (8, 16))
         return main_http(args)
+    if args.split_kv:
+        os.environ["SPEAR_SPLIT_KV"] = "1"  # read at each attention call (runtime.attention.split_kv_available)
     gpu = args.device == "cuda"
     args.model = args.model or ("llama2-7b" if gpu else "smollm2")
     args.densities = args.densities if args.densities is not None else ([0, 10, 25, 50, 100] if gpu else [0, 25, 100])

@@ -21,9 +21,12 @@ measurements and as an escape hatch if a kernel misbehaves on some GPU or driver
   H200 (2026-12-04, world size 1) the compiled sharded model through it is as close to the fp32 model as
   the single-process compiled model (``tests/parallel/test_sharding.py``); it has not yet run on several
   GPUs.
-* ``SPEAR_NO_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) runs torch's
-  variable-length kernel for every sequence, decodes included, instead of handing the one-query sequences
-  to the split-KV decode kernel (``lowering/split_kv_decode.py``).
+Opt-in switches (same numerics within rounding, a kernel not yet measured on a GPU):
+
+* ``SPEAR_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) hands the one-query
+  sequences (the decodes) to the split-KV decode kernel (``lowering/split_kv_decode.py``) and torch's
+  variable-length kernel only the rest. It matches its reference under Triton's interpreter; it becomes
+  the default once a GPU run has checked and timed it (``benchmarks/decode_attention.py``).
 
 Paths:
 
@@ -35,7 +38,8 @@ from __future__ import annotations
 
 import os
 
-KILL_SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE", "SPEAR_NO_SPLIT_KV")
+# every switch that changes which kernel runs (hashed into the compile cache key below)
+SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE", "SPEAR_SPLIT_KV")
 
 
 def _on(name: str) -> bool:
@@ -57,9 +61,9 @@ def no_pdl() -> bool:
     return _on("SPEAR_NO_PDL")
 
 
-def no_split_kv() -> bool:
-    """``SPEAR_NO_SPLIT_KV`` is set: the engine's varlen attention leaves decodes to torch's varlen kernel."""
-    return _on("SPEAR_NO_SPLIT_KV")
+def split_kv() -> bool:
+    """``SPEAR_SPLIT_KV`` is set: the engine's varlen attention hands decodes to the split-KV kernel."""
+    return _on("SPEAR_SPLIT_KV")
 
 
 def no_peer_write() -> bool:
@@ -74,4 +78,4 @@ def cache_dir() -> str:
 
 def fingerprint() -> str:
     """The kill switches' values, for cache keys."""
-    return ";".join(f"{v}={os.environ.get(v, '')}" for v in KILL_SWITCHES)
+    return ";".join(f"{v}={os.environ.get(v, '')}" for v in SWITCHES)

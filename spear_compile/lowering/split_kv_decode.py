@@ -13,6 +13,10 @@ decode at 2k context +2.5 ms a step (32 layers), five decodes at 5.3k keys in al
 slices, one program per (sequence, head, slice), each keeping a running max, sum and weighted value sum
 in fp32 (``_partial``); a second launch merges the slices per (sequence, head) (``_combine``).
 
+Status: checked against its reference under Triton's interpreter (``tests/lowering/test_split_kv_decode.py``)
+only; the engine takes it when ``SPEAR_SPLIT_KV=1`` (``envs``) until a GPU run has checked and timed it
+(``benchmarks/decode_attention.py``, ``tests/runtime/test_attention_cuda.py``).
+
 Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) with H a multiple of Hkv,
 ``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
 ``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``, its queries the last of its keys). For every sequence

@@ -84,19 +84,19 @@ def kernel_available(device) -> bool:
 
 def split_kv_available(device) -> bool:
     """Whether ``varlen_attention`` hands the step's decodes to the split-KV kernel on ``device``: CUDA, Triton
-    installed, ``SPEAR_NO_SPLIT_KV`` unset."""
+    installed, and ``SPEAR_SPLIT_KV=1`` (opt-in until a GPU run has checked and timed it: ``envs``)."""
     from ..lowering._triton import HAS_TRITON
 
-    return torch.device(device).type == "cuda" and HAS_TRITON and not envs.no_split_kv()
+    return torch.device(device).type == "cuda" and HAS_TRITON and envs.split_kv()
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
                      prefill_cu_q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal variable-length attention (the contract of ``varlen_reference``): torch's kernel on CUDA, the
-    reference elsewhere. On CUDA the sequences of one query (the decodes) go to the split-KV kernel
-    (``lowering/split_kv_decode``) and torch's kernel gets ``cu_q`` without the leading ones
-    (``prefill_cu_q``: ``without_leading_decodes(cu_q)``, made here when not given), unless
-    ``split_kv_available`` says no."""
+    reference elsewhere. With ``split_kv_available`` (CUDA, ``SPEAR_SPLIT_KV=1``) the sequences of one query
+    (the decodes) go to the split-KV kernel (``lowering/split_kv_decode``) and torch's kernel gets ``cu_q``
+    without the leading ones (``prefill_cu_q``: ``without_leading_decodes(cu_q)``, made here when not
+    given)."""
     got = _kernel() if q.is_cuda else None
     if got is None:
         return varlen_reference(q, k, v, cu_q, cu_k, scale)

@@ -1,4 +1,5 @@
-"""torch's varlen kernel (``runtime.attention.varlen_attention`` on CUDA) against the per-sequence reference:
+"""torch's varlen kernel (``runtime.attention.varlen_attention`` on CUDA), alone and with the split-KV decode
+kernel, against the per-sequence reference:
 causal aligned to the end of each sequence's keys, GQA, the padded query rows of a static-shape step."""
 import pytest
 import torch
@@ -8,10 +9,14 @@ from spear_compile.runtime.attention import kernel_available, varlen_attention, 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel runs on CUDA")
 
 
+@pytest.mark.parametrize("split_kv", ["0", "1"], ids=["torch", "split_kv"])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("seqs", [[(1, 300), (1, 17), (1, 0)], [(64, 0)], [(37, 200), (1, 999), (128, 64), (1, 5)]],
                          ids=["decodes", "prompt", "mixed"])
-def test_kernel_equals_reference(seqs, gqa):
+def test_kernel_equals_reference(seqs, gqa, split_kv, monkeypatch):
+    """Both engine paths: torch's kernel for every sequence, and the decodes on the split-KV kernel
+    (``SPEAR_SPLIT_KV=1``)."""
+    monkeypatch.setenv("SPEAR_SPLIT_KV", split_kv)
     assert kernel_available("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     H, D, pad = 32, 128, 7
