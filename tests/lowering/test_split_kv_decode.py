@@ -117,3 +117,20 @@ def test_a_max_k_below_the_longest_sequence_still_attends_every_key():
     out = split_kv_decode_(torch.zeros_like(q), q, k, v, cu_q, cu_k, max_k=64)
     ref = decode_attention_ref(q, k, v, cu_q, cu_k)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_first_layer_remakes_the_step_without_leading_decodes_and_the_others_reuse_it():
+    """``runtime.attention._prefill_cu_q``: one launch per forward, made by layer 0 (every forward and every
+    CUDA-graph capture starts there, so no graph reads a tensor another graph made)."""
+    from types import SimpleNamespace
+
+    from spear_compile.runtime import attention as A
+
+    layer = [SimpleNamespace(layer_idx=i) for i in range(3)]
+    cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32, device=DEV)
+    first = A._prefill_cu_q(layer[0], cu)
+    assert first.tolist() == [2, 2, 2, 6]
+    assert A._prefill_cu_q(layer[1], cu) is first and A._prefill_cu_q(layer[2], cu) is first
+    assert A._prefill_cu_q(layer[0], cu) is not first, "a new forward remakes it at layer 0"
+    other = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEV)
+    assert A._prefill_cu_q(layer[1], other).tolist() == [0, 4, 5], "another step's lengths are never reused"
