@@ -21,7 +21,9 @@ real latency model instead: per density, ``runtime.fit.fit_scaled`` on the calib
 ``runtime.calibrate`` trims) with the parts' factor held at 1 and fitted, each checked on every served step
 that captured or compiled no graph, pooled and per run, beside the op tables alone, and the held model
 corrected online (``runtime.online.replay`` over each run's steps in order: each step corrected by the
-steady steps with prefill before it, as the engine's ``StepTimeCorrection`` learns; ``online_window``); ``--token-pad 64``
+steady steps with prefill before it, as the engine's ``StepTimeCorrection`` learns; ``online_window``), and the
+decode-only steps' residual under the model the run planned with, by longest and by total context
+(``residual_by``); ``--token-pad 64``
 predicts with the step's tokens padded as the engine pads them (runs recorded before the latency model
 knew the padding):
 
@@ -128,14 +130,29 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, qua
         for name, k in (("scale_held", 1.0), ("scale_fitted", None)):
             models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k)[0]
         online = {k: online_errors(models["scale_held"], v) for k, v in rec["served"].items() if engine_of(k) == dens}
+        planned = LatencyModel.from_dict(d["calibrated"]) if "calibrated" in d else models["scale_held"]
+        decode_only = [r for k, v in rec["served"].items() if engine_of(k) == dens for r in v if not r[3] and not r[1]]
         out["densities"][dens] = {
             "calibration_steps": len(cal),
+            "decode_only_residual_ms": {by: residual_by(planned, decode_only, f) for by, f in
+                                        (("longest_context", max), ("total_context", sum))},
             "served_pooled": {**{n: report(check(m, served)) for n, m in models.items()},
                               "scale_held_online": online_report([e for v in online.values() for e in v])},
             "per_run": {run: {**{n: report(check(m, v)) for n, m in models.items()},
                               "scale_held_online": online_report(online[run])} for run, v in runs.items() if v},
             "overhead": {n: m.overhead.to_dict() for n, m in models.items()}}
     return out
+
+
+def residual_by(model, rows, of, width: int = 1024) -> list:
+    """Measured - predicted ms of decode-only steps ``rows`` (``[contexts, [], ms, ...]``), by ``of(contexts)``
+    in buckets of ``width`` tokens: ``[bucket start, steps, median ms, max ms]``. Which of the longest or the
+    total context a residual follows says whether a step's attention is short of parallel work (the
+    longest sequence sets it) or of bytes (the total does)."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(of(r[0]) // width * width, []).append(r[2] - model.predict_step_ms(tuple(r[0]), ()))
+    return [[b, len(v), round(float(np.median(v)), 3), round(max(v), 3)] for b, v in sorted(by.items())]
 
 
 def main(argv=None) -> dict:
