@@ -1,7 +1,8 @@
 """The engine's varlen attention with and without the split-KV decode kernel, on steps a server runs.
 
 For each step (decodes at given contexts, optionally a prefill piece after them; Llama-2-7B's 32 heads of 128,
-and a GQA case of 32 query / 8 KV heads), one run:
+and a GQA case of 32 query / 8 KV heads), as the engine hands it to the attention under CUDA graphs (padded:
+``make_step``) and unpadded, one run:
 
 * checks ``runtime.attention.decodes_split`` (the engine's path on CUDA under ``SPEAR_SPLIT_KV=1``) and
   torch's varlen kernel alone against ``varlen_reference`` (max abs error over the sequences' rows);
@@ -13,7 +14,8 @@ and a GQA case of 32 query / 8 KV heads), one run:
 Expected, before any GPU run: the steps whose decodes leave most SMs idle (one or a few sequences: 32
 programs per sequence without a split) gain several-fold. One decode at 2k context: the H200 serving record of
 2026-12-06 puts torch's kernel (with the gather before it) near 110 us a layer; its K and V are 33.5 MB, 7 us at
-the byte floor, so the split should land near 15-25 us with its three launches. Steps of 16-64 decodes already
+the byte floor, so the split should land near 15-25 us with its three launches and torch's kernel (which,
+under the engine's padding, still launches for the empty decodes and the padding). Steps of 16-64 decodes already
 fill the SMs and should gain little; a prefill piece's time should not change.
 
     python benchmarks/decode_attention.py --out OUT
@@ -53,16 +55,25 @@ STEPS = [
 ]
 
 
-def make_step(decodes, piece, H, Hkv, D, device, dtype, seed=0):
+def make_step(decodes, piece, H, Hkv, D, device, dtype, padded: bool, seed=0):
+    """The step's packed inputs. ``padded``: as transformers 5.17 hands them to the attention under CUDA graphs
+    (tokens padded to a multiple of 64, as many sequences as padded tokens up to 64 with the extra ones empty,
+    ``max_q`` the padded token count, ``max_k`` a power of two of at least 1024)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q_lens = [1] * len(decodes) + ([piece[0]] if piece else [])
     k_lens = list(decodes) + ([piece[0] + piece[1]] if piece else [])
     Tq, Tk = sum(q_lens), sum(k_lens)
+    max_q, max_k = max(q_lens), max(k_lens)
+    if padded:
+        Tq = -(-Tq // 64) * 64
+        n = max(len(q_lens), min(Tq, 64))
+        q_lens, k_lens = q_lens + [0] * (n - len(q_lens)), k_lens + [0] * (n - len(k_lens))
+        max_q, max_k = Tq, max(1024, 1 << (max_k - 1).bit_length())
     q = torch.randn(Tq, H, D, generator=g).to(device, dtype)
     k = torch.randn(Tk, Hkv, D, generator=g).to(device, dtype)
     v = torch.randn(Tk, Hkv, D, generator=g).to(device, dtype)
     cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    return q, k, v, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens)
+    return q, k, v, cu(q_lens), cu(k_lens), max_q, max_k
 
 
 def main(argv=None) -> None:
@@ -77,9 +88,9 @@ def main(argv=None) -> None:
         raise SystemExit("this torch has no torch.nn.attention.varlen.varlen_attn")
     dev, dtype, D = torch.device("cuda"), torch.bfloat16, 128
     rows, t0 = [], time.time()
-    for H, Hkv in ((32, 32), (32, 8)):
+    for (H, Hkv), padded in ((h, p) for h in ((32, 32), (32, 8)) for p in (True, False)):
         for label, decodes, piece in STEPS:
-            q, k, v, cu_q, cu_k, mq, mk = make_step(decodes, piece, H, Hkv, D, dev, dtype)
+            q, k, v, cu_q, cu_k, mq, mk = make_step(decodes, piece, H, Hkv, D, dev, dtype, padded)
             scale = D ** -0.5
             torch_only = functools.partial(A._torch_varlen, got)
             old = torch_only(q, k, v, cu_q, cu_k, mq, mk, scale)
@@ -91,7 +102,7 @@ def main(argv=None) -> None:
             t_old = bench_graph(lambda i: torch_only(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             t_new = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
-            row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "torch_varlen_us": t_old, "split_us": t_new,
+            row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "engine_padding": padded, "torch_varlen_us": t_old, "split_us": t_new,
                    "split_over_torch": t_new / t_old, "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
                    "max_abs_err_split": err_new, "max_abs_err_torch": err_old}
             rows.append(row)

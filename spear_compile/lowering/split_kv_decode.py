@@ -4,8 +4,10 @@ Reference: ``ops/attention_ref.py:decode_attention_ref`` (each one-query sequenc
 softmax in fp32).
 
 Why: the engine's attention (``runtime/attention.py``, ``attention="varlen"``) runs torch's variable-length
-Flash Attention kernel, which on torch 2.11 does not split a sequence's keys over programs: a decode (one
-query) gets one program per head, which walks every key of its sequence alone. On an H200 (Llama-2-7B-shaped
+Flash Attention kernel, which on torch 2.11 takes no key split (its ``varlen_attn`` has no ``num_splits``,
+and FlashAttention-2's varlen forward splits only with a paged KV): a decode (one query) then gets one
+program per head, which walks every key of its sequence alone (inferred from the residuals below, not yet
+profiled). On an H200 (Llama-2-7B-shaped
 W4, 32 heads, 2026-12-06, ``benchmarks/results/serving/2026-12-06_h200_plan_all_layers``) decode-only steps
 ran above the latency model by a margin that followed the *longest* sequence, not the keys read: one
 decode at 2k context +2.5 ms a step (32 layers), five decodes at 5.3k keys in all +0.1 ms. 32 programs on
@@ -91,9 +93,10 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
         slot = (s * H + h) * S + j
-        tl.store(M_OUT + slot, m_i)
-        tl.store(L_OUT + slot, l_i)
-        tl.store(ACC + slot * D_P + offs_d, acc)
+        dec = q1 - q0 == 1  # other sequences (prefill pieces, transformers' padding) store nothing
+        tl.store(M_OUT + slot, m_i, mask=dec)
+        tl.store(L_OUT + slot, l_i, mask=dec)
+        tl.store(ACC + slot * D_P + offs_d, acc, mask=dec)
 
     @triton.jit
     def _combine(OUT, CU_Q, M_OUT, L_OUT, ACC, stride_ot, stride_oh,
@@ -106,7 +109,7 @@ if HAS_TRITON:
         offs_j = tl.arange(0, S_P)
         offs_d = tl.arange(0, D_P)
         base = (s * H + h) * S
-        mask_j = offs_j < S
+        mask_j = (offs_j < S) & (q1 - q0 == 1)  # (nothing was stored for other sequences)
         m = tl.load(M_OUT + base + offs_j, mask=mask_j, other=-float("inf"))
         l_ = tl.load(L_OUT + base + offs_j, mask=mask_j, other=0.0)
         mx = tl.max(m, axis=0)
@@ -129,13 +132,16 @@ if HAS_TRITON:
         tl.store(OUT + i, tl.maximum(c, start), mask=i <= N)
 
 
-def splits_for(n_seqs: int, heads: int, max_k: int, device) -> int:
-    """Key slices per sequence: enough programs for ``WAVES`` per SM, no slice under ``MIN_KEYS_PER_SPLIT``
-    keys, at most ``MAX_SPLITS``."""
+def splits_for(heads: int, max_k: int, device) -> int:
+    """Key slices per sequence: enough for one decode's programs (``heads`` per slice) to give every SM
+    ``WAVES`` of them, no slice under ``MIN_KEYS_PER_SPLIT`` keys, at most ``MAX_SPLITS``. Not sized by the
+    step's sequence count: under CUDA graphs transformers pads it (to 64 sequences for a step of 64 padded
+    tokens), so a count-based split would leave the one long decode it is for unsplit; the padding's
+    programs and those of prefill pieces exit after two loads and store nothing."""
     if max_k <= MIN_KEYS_PER_SPLIT:
         return 1
     sms = sm_count(device) if torch.device(device).type == "cuda" else INTERPRET_SMS
-    want = -(-WAVES * sms // max(1, n_seqs * heads))
+    want = -(-WAVES * sms // max(1, heads))
     return max(1, min(want, -(-max_k // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
@@ -149,6 +155,11 @@ def _check(q, k, v, cu_q, cu_k, out=None) -> None:
     if cu_q.shape != cu_k.shape or cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
         raise ValueError(f"split_kv_decode: cu_q {tuple(cu_q.shape)} {cu_q.dtype} and cu_k {tuple(cu_k.shape)} "
                          f"{cu_k.dtype} must be one (N + 1,) int32 vector each")
+    for name, t in (("cu_q", cu_q), ("cu_k", cu_k), ("k", k), ("v", v), ("out", out)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"split_kv_decode: {name} is on {t.device}, q on {q.device}")
+    if not (cu_q.is_contiguous() and cu_k.is_contiguous()):
+        raise ValueError("split_kv_decode: cu_q and cu_k must be contiguous")
     if out is not None and out.shape != q.shape:
         raise ValueError(f"split_kv_decode: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -167,7 +178,7 @@ def split_kv_decode_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if n <= 0 or max_k <= 0:
         return out
     scale = float(scale) if scale is not None else D ** -0.5
-    S = splits_for(n, H, max_k, q.device)
+    S = splits_for(H, max_k, q.device)
     kps = -(-(-(-max_k // S)) // BLOCK_N) * BLOCK_N
     D_P = next_pow2(D)
     m = torch.empty(n * H * S, device=q.device, dtype=torch.float32)

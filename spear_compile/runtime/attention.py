@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Optional
 
 import torch
@@ -111,7 +112,8 @@ def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Op
     """``varlen`` (a function of ``varlen_attention``'s arguments less ``prefill_cu_q``) for the sequences of
     several queries, ``split_kv_decode_`` for those of one: ``varlen`` gets ``prefill_cu_q`` (default
     ``without_leading_decodes(cu_q)``), so it skips the leading decodes, and the split-KV kernel then writes
-    every decode's row. A step of decodes only (``max_q`` 1) does not call ``varlen`` at all."""
+    every decode's row. A step whose ``max_q`` is 1 does not call ``varlen`` at all; in the engine that is
+    only an eager step (under CUDA graphs transformers passes the padded token count as ``max_q``)."""
     from ..lowering.split_kv_decode import split_kv_decode_, without_leading_decodes
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
@@ -177,18 +179,25 @@ def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
                             prefill_cu_q=pre)
 
 
-_PREFILL_CU_Q: list = []  # [(cu_seq_lens_q of the forward, its copy without the leading decodes)]
+_MEMO = threading.local()  # .last: (cu_seq_lens_q of the forward, capturing, its copy without the leading decodes)
 
 
 def _prefill_cu_q(module, cu_q: torch.Tensor) -> torch.Tensor:
     """``without_leading_decodes(cu_q)``, made by the first layer of each forward and reused by the others
-    (one launch per step instead of one per layer). Every forward, and every CUDA-graph capture of one,
-    starts at layer 0, which remakes it, so a graph never reads a copy another graph made."""
+    (one launch per step instead of one per layer). It is remade at layer 0 (every forward, and every
+    CUDA-graph capture of one, starts there, so a graph never reads a copy another graph or an eager
+    warm-up made), for another ``cu_q`` object, and when CUDA-graph capture started or stopped since it was
+    made (a model whose attention has no layer 0, e.g. a pipeline stage, still gets it made inside the
+    capture). One memo per thread: engines on two threads never share it."""
     from ..lowering.split_kv_decode import without_leading_decodes
 
-    if getattr(module, "layer_idx", 0) == 0 or not _PREFILL_CU_Q or _PREFILL_CU_Q[0][0] is not cu_q:
-        _PREFILL_CU_Q[:] = [(cu_q, without_leading_decodes(cu_q.to(torch.int32)))]
-    return _PREFILL_CU_Q[0][1]
+    capturing = bool(cu_q.is_cuda and torch.cuda.is_current_stream_capturing())
+    last = getattr(_MEMO, "last", None)
+    if last is None or getattr(module, "layer_idx", 0) == 0 or last[0] is not cu_q or last[1] != capturing:
+        made = without_leading_decodes(cu_q.to(torch.int32))
+        _MEMO.last = (cu_q, capturing, made)
+        return made
+    return last[2]
 
 
 @functools.lru_cache(maxsize=None)

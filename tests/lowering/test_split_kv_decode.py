@@ -50,11 +50,24 @@ def test_split_kv_decode_matches_reference(dtype, q_lens, k_lens, H, Hkv, D):
 def test_splits_cover_long_sequences_and_stay_bounded():
     from spear_compile.lowering.split_kv_decode import MAX_SPLITS, MIN_KEYS_PER_SPLIT, splits_for
 
-    assert splits_for(1, 2, MIN_KEYS_PER_SPLIT, DEV) == 1
-    assert splits_for(1, 2, 10 * MIN_KEYS_PER_SPLIT, DEV) > 1
-    assert splits_for(1, 1, 10 ** 9, DEV) <= MAX_SPLITS
-    many = splits_for(10 ** 6, 32, 10 ** 6, DEV)
-    assert many == 1, "a step with programs for every SM already gets no split"
+    assert splits_for(2, MIN_KEYS_PER_SPLIT, DEV) == 1
+    assert splits_for(2, 10 * MIN_KEYS_PER_SPLIT, DEV) > 1
+    assert splits_for(1, 10 ** 9, DEV) <= MAX_SPLITS
+
+
+def test_a_long_decode_among_transformers_padding_sequences_is_split_and_exact():
+    """Under CUDA graphs transformers pads a step to 64 sequences (zero queries, zero keys): the one real
+    decode still gets its keys split (the split does not count sequences) and the padding stores nothing."""
+    from spear_compile.lowering.split_kv_decode import splits_for, split_kv_decode_
+
+    H, n_keys = 2, 300
+    assert splits_for(H, n_keys, DEV) > 1
+    q, k, v, cu_q, cu_k = _step([1] + [0] * 63, [n_keys] + [0] * 63, H, 1, 32, torch.bfloat16, pad_q=63, pad_k=5)
+    sentinel = torch.full_like(q, 3.0)
+    out = split_kv_decode_(sentinel.clone(), q, k, v, cu_q, cu_k, max_k=1024)
+    ref = decode_attention_ref(q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(out[:1].float(), ref[:1].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[1:], sentinel[1:])
 
 
 @pytest.mark.parametrize("q_lens,expect", [
@@ -131,6 +144,7 @@ def test_the_first_layer_remakes_the_step_without_leading_decodes_and_the_others
     first = A._prefill_cu_q(layer[0], cu)
     assert first.tolist() == [2, 2, 2, 6]
     assert A._prefill_cu_q(layer[1], cu) is first and A._prefill_cu_q(layer[2], cu) is first
-    assert A._prefill_cu_q(layer[0], cu) is not first, "a new forward remakes it at layer 0"
+    again = A._prefill_cu_q(layer[0], cu)
+    assert again is not first and A._prefill_cu_q(layer[1], cu) is again, "a new forward remakes it at layer 0"
     other = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEV)
     assert A._prefill_cu_q(layer[1], other).tolist() == [0, 4, 5], "another step's lengths are never reused"

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the varle
 
 @pytest.mark.parametrize("split_kv", ["0", "1"], ids=["torch", "split_kv"])
 @pytest.mark.parametrize("gqa", [1, 4])
-@pytest.mark.parametrize("seqs", [[(1, 300), (1, 17), (1, 0)], [(64, 0)], [(37, 200), (1, 999), (128, 64), (1, 5)]],
-                         ids=["decodes", "prompt", "mixed"])
+@pytest.mark.parametrize("seqs", [[(1, 300), (1, 17), (1, 0)], [(64, 0)], [(37, 200), (1, 999), (128, 64), (1, 5)],
+                                  [(1, 2047), (1, 5)] + [(0, 0)] * 62],
+                         ids=["decodes", "prompt", "mixed", "padded_as_transformers_pads"])
 def test_kernel_equals_reference(seqs, gqa, split_kv, monkeypatch):
     """Both engine paths: torch's kernel for every sequence, and the decodes on the split-KV kernel
     (``SPEAR_SPLIT_KV=1``)."""

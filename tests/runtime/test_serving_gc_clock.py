@@ -47,6 +47,6 @@ def test_a_collection_inside_a_plan_is_charged_to_it_and_counted():
     assert len(timed.gc_us) == 4 and timed.gc_us[1] > 0 and timed.gc_us[0] == timed.gc_us[2] == 0
     share = S.gc_share(timed.us, timed.gc_us)
     assert share["sched_gc_plans"] == 1
-    assert share["sched_us_p99_without_gc"] <= max(timed.us)
+    assert share["sched_us_p99_without_gc"] < timed.us[1], "the collecting plan's time less its collection"
     summary = S.GC_CLOCK.summary(since)
     assert summary["gc_collections"][2] >= 1 and summary["gc_max_pause_ms"] > 0
