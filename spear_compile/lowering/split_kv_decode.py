@@ -179,7 +179,7 @@ def split_kv_decode_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return out
     scale = float(scale) if scale is not None else D ** -0.5
     S = splits_for(H, max_k, q.device)
-    kps = -(-(-(-max_k // S)) // BLOCK_N) * BLOCK_N
+    kps = -(-max_k // (S * BLOCK_N)) * BLOCK_N  # keys per slice: ceil(max_k / S), rounded up to whole blocks
     D_P = next_pow2(D)
     m = torch.empty(n * H * S, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)

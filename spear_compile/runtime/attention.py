@@ -174,7 +174,7 @@ def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
                                   read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     q = query.transpose(1, 2).squeeze(0).contiguous()
     cu_q = kwargs["cu_seq_lens_q"]
-    pre = _prefill_cu_q(module, cu_q) if q.is_cuda and split_kv_available(q.device) else None
+    pre = _prefill_cu_q(module, cu_q) if split_kv_available(q.device) else None
     return varlen_attention(q, k.contiguous(), v.contiguous(), cu_q, cu_k, kwargs["max_seqlen_q"], max_k, scaling,
                             prefill_cu_q=pre)
 
