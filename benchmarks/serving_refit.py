@@ -36,7 +36,7 @@ import json
 import os
 import sys
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -84,12 +84,17 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
     return {"median_abs_err": float(np.median(e)), "p90_abs_err": float(np.percentile(e, 90))}
 
 
-def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, quantile: float = 0.5) -> dict:
+def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, quantile: float = 0.5,
+                terms: Optional[Sequence[str]] = None) -> dict:
     """The ``--steps`` mode (module docstring); ``token_pad``: predict with the step's tokens padded to it
-    (``LatencyModel.token_pad``), instead of what the recorded model says."""
+    (``LatencyModel.token_pad``), instead of what the recorded model says; ``terms``: the ``Overhead``
+    fields the fits fit (default all; ``fixed_ms per_token_ms per_seq_ms`` is the fit of records made before
+    ``per_longest_key_ms``)."""
     from spear_compile.runtime.calibrate import TRIM
     from spear_compile.runtime.fit import StepSample, check, fit_scaled
-    from spear_compile.runtime.latency import LatencyModel
+    from spear_compile.runtime.latency import LatencyModel, Overhead
+
+    terms = tuple(terms or Overhead.FIELDS)
     from spear_compile.runtime.online import replay
 
     with open(path) as f:
@@ -113,7 +118,7 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, qua
                  "steps": len(errs)} if errs else {})
 
     out = {"steps_file": path, "token_pad": token_pad, "online_window": window, "online_quantile": quantile,
-           "densities": {}}
+           **({} if terms == Overhead.FIELDS else {"terms": list(terms)}), "densities": {}}
     def engine_of(key: str) -> str:
         """The engine a served run's key belongs to: its density, with "/async" for an asynchronous one."""
         parts = key.split("/")
@@ -128,7 +133,7 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, qua
         served = [s for v in runs.values() for s in v]
         models = {"op_tables_alone": tables}
         for name, k in (("scale_held", 1.0), ("scale_fitted", None)):
-            models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k)[0]
+            models[name] = fit_scaled(tables, cal, trim=TRIM, scale=k, terms=terms)[0]
         online = {k: online_errors(models["scale_held"], v) for k, v in rec["served"].items() if engine_of(k) == dens}
         planned = LatencyModel.from_dict(d["calibrated"]) if "calibrated" in d else models["scale_held"]
         decode_only = [r for k, v in rec["served"].items() if engine_of(k) == dens for r in v if not r[3] and not r[1]]
@@ -166,12 +171,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--online-quantile", type=float, default=0.5,
                     help="--steps: the quantile of its window (0.5: the median, the prediction's accuracy; the "
                          "engine plans with 0.9)")
+    ap.add_argument("--terms", nargs="+", default=None, metavar="FIELD",
+                    help="--steps: the Overhead fields to fit (default all of runtime.latency.Overhead.FIELDS)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if (args.record is None) == (args.steps is None):
         ap.error("give a RECORD.json or --steps STEPS.json (one of them)")
     if args.steps:
-        out = refit_steps(args.steps, args.token_pad, args.online_window, args.online_quantile)
+        out = refit_steps(args.steps, args.token_pad, args.online_window, args.online_quantile, args.terms)
         print(json.dumps(out["densities"], indent=1))
         if args.out:
             with open(args.out, "w") as f:

@@ -50,7 +50,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .first_use import FirstUseMarker
 from .fit import FitReport, StepSample, check, fit_scaled
-from .latency import LatencyModel
+from .. import envs
+from .latency import LatencyModel, Overhead
 from .latency_cache import CacheKey
 from .policy import StaticChunkPolicy
 from .step_gaps import attributed_gaps
@@ -240,7 +241,8 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
 
 
 def engine_fingerprint(engine) -> str:
-    """A short hash of what shapes the engine's step cost beyond the compiled ops."""
+    """A short hash of what shapes the engine's step cost beyond the compiled ops, and of the terms the
+    calibration fits (``Overhead.FIELDS``: a calibration made before a term existed is made again)."""
     try:
         import transformers
 
@@ -250,8 +252,9 @@ def engine_fingerprint(engine) -> str:
     cfg = {"transformers": tv, "block_size": engine.kv_block_size, "max_batch_tokens": engine.max_batch_tokens,
            "max_requests_per_batch": engine.max_requests_per_batch, "backend": engine.backend,
            "compile_options": engine.compile_options, "attention": getattr(engine, "attention", None),
-           "token_pad": getattr(engine, "token_pad", 1),
-           **({"async_batching": True} if getattr(engine, "step_lag", 0) else {})}
+           "token_pad": getattr(engine, "token_pad", 1), "fitted": Overhead.FIELDS,
+           **({"async_batching": True} if getattr(engine, "step_lag", 0) else {}),
+           **({"split_kv": True} if envs.split_kv() and getattr(engine, "attention", None) == "varlen" else {})}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -30,6 +30,8 @@ import numpy as np
 from .latency import LatencyModel, Overhead, check_chunks, nnls
 
 TRIM_FLOOR = 0.15  # a step within 15 % of the fit is never trimmed, however tight the rest are
+LONGEST_SPAN = 4.0  # the spread of longest decode contexts a sample needs to fit Overhead.per_longest_key_ms
+LONGEST = Overhead.FIELDS.index("per_longest_key_ms")  # its column in _overhead_features
 
 
 @dataclass(frozen=True)
@@ -85,36 +87,71 @@ def check(model: LatencyModel, samples: Sequence[StepSample]) -> FitReport:
 
 
 def _overhead_features(model: LatencyModel, samples: Sequence[StepSample]):
-    """Per sample: (1, tokens as the step runs them (``padded``), sequences) and measured minus the prediction
-    without overhead."""
+    """Per sample: the ``Overhead`` terms' features (1, tokens as the step runs them (``padded``), sequences,
+    the longest decode's context) and measured minus the prediction without overhead."""
     bare = model.with_overhead(Overhead())
     X = np.array([(1.0, model.padded(len(s.decode_contexts) + sum(t for t, _ in s.prefill_chunks)),
-                   len(s.decode_contexts) + len(s.prefill_chunks)) for s in samples], dtype=np.float64)
+                   len(s.decode_contexts) + len(s.prefill_chunks), max(s.decode_contexts, default=0))
+                  for s in samples], dtype=np.float64)
     return X, _measured(samples) - _predict(bare, samples)
 
 
-def fit_overhead(model: LatencyModel, samples: Sequence[StepSample]) -> LatencyModel:
+def _terms(terms: Sequence[str], X: Optional[np.ndarray] = None) -> list:
+    """The columns of ``_overhead_features`` for the ``Overhead`` fields ``terms`` (the others stay 0).
+    Given the features ``X``, the longest-decode column is left out unless the sample's longest decodes
+    span ``LONGEST_SPAN``x (``identifiable``)."""
+    bad = [t for t in terms if t not in Overhead.FIELDS]
+    if bad or not terms:
+        raise ValueError(f"terms={tuple(terms)!r}: give one or more of {Overhead.FIELDS}")
+    cols = [i for i, f in enumerate(Overhead.FIELDS) if f in terms]
+    if X is not None and LONGEST in cols and not identifiable(X[:, LONGEST]):
+        cols.remove(LONGEST)
+    return cols
+
+
+def identifiable(longest: np.ndarray) -> bool:
+    """Whether a sample's longest decode contexts (0: no decode) can tell a per-longest-key term from a
+    fixed one: they span at least ``LONGEST_SPAN``x. Steps whose decodes all have about the same context
+    make the two collinear, and a term fitted there is extrapolated to served contexts far beyond them
+    (a 64-token sample predicted 4096-token steps 36 % off)."""
+    v = longest[longest > 0]
+    return v.size > 0 and v.max() >= LONGEST_SPAN * v.min()
+
+
+def _overhead_of(cols: list, c) -> Overhead:
+    v = [0.0] * len(Overhead.FIELDS)
+    for i, x in zip(cols, c):
+        v[i] = float(x)
+    return Overhead(*v)
+
+
+def fit_overhead(model: LatencyModel, samples: Sequence[StepSample],
+                 terms: Sequence[str] = Overhead.FIELDS) -> LatencyModel:
     """The model with its ``Overhead`` refitted on measured whole steps: non-negative least squares of the
-    relative residual (measured - predicted-without-overhead) / measured on (1, tokens, sequences) / measured."""
+    relative residual (measured - predicted-without-overhead) / measured on (1, tokens, sequences, longest
+    decode context) / measured. ``terms``: the ``Overhead`` fields fitted (the others 0; all by default, the
+    first three alone reproduce fits made before ``per_longest_key_ms`` existed)."""
     if not samples:
         raise ValueError("fit_overhead: no samples")
     X, y = _overhead_features(model, samples)
+    cols = _terms(terms, X)
     w = 1.0 / _measured(samples)
-    c = nnls(X * w[:, None], y * w)
-    return model.with_overhead(Overhead(float(c[0]), float(c[1]), float(c[2])))
+    return model.with_overhead(_overhead_of(cols, nnls(X[:, cols] * w[:, None], y * w)))
 
 
-def _fit_scaled_once(model: LatencyModel, samples: Sequence[StepSample], scale: Optional[float]) -> LatencyModel:
+def _fit_scaled_once(model: LatencyModel, samples: Sequence[StepSample], scale: Optional[float],
+                     terms: Sequence[str]) -> LatencyModel:
     if scale is not None:
-        return fit_overhead(model.scaled_parts(scale) if scale != 1.0 else model, samples)
+        return fit_overhead(model.scaled_parts(scale) if scale != 1.0 else model, samples, terms)
     X0, resid = _overhead_features(model, samples)
+    cols = _terms(terms, X0)
     meas = _measured(samples)
     parts = meas - resid
     w = 1.0 / meas
-    c = nnls(np.column_stack([parts, X0]) * w[:, None], meas * w)
+    c = nnls(np.column_stack([parts, X0[:, cols]]) * w[:, None], meas * w)
     if c[0] <= 0:
-        return fit_overhead(model, samples)
-    return model.scaled_parts(float(c[0])).with_overhead(Overhead(float(c[1]), float(c[2]), float(c[3])))
+        return fit_overhead(model, samples, terms)
+    return model.scaled_parts(float(c[0])).with_overhead(_overhead_of(cols, c[1:]))
 
 
 def outliers(model: LatencyModel, samples: Sequence[StepSample], k: float) -> np.ndarray:
@@ -128,10 +165,11 @@ def outliers(model: LatencyModel, samples: Sequence[StepSample], k: float) -> np
 
 
 def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optional[float] = None,
-               max_rounds: int = 10, scale: Optional[float] = None) -> Tuple[LatencyModel, np.ndarray]:
+               max_rounds: int = 10, scale: Optional[float] = None,
+               terms: Sequence[str] = Overhead.FIELDS) -> Tuple[LatencyModel, np.ndarray]:
     """The model with its measured parts (linear and head tables, attention) scaled by one factor ``k`` and
     its ``Overhead`` refitted, jointly by non-negative least squares of the relative error of measured on
-    (parts, 1, tokens, sequences); and the boolean mask of the steps the fit kept.
+    (parts, 1, tokens, sequences, longest decode context); and the boolean mask of the steps the fit kept.
 
     For steps run somewhere the parts were not timed (the serving engine: other threads, other caches, its
     own attention kernel), where the parts' times can be off by a factor that no additive overhead
@@ -140,7 +178,8 @@ def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optiona
     (``outliers``, ``k = trim``) and refit, up to ``max_rounds`` times, until the kept set is stable
     (module docstring); None keeps every step. ``scale``: hold the factor at this value instead of fitting it
     (only the overhead is fitted, with the same trimming): for parts known to be timed as the engine runs
-    them, whose factor a sample that does not span the served steps (short contexts only) would bend."""
+    them, whose factor a sample that does not span the served steps (short contexts only) would bend.
+    ``terms``: the ``Overhead`` fields fitted (``fit_overhead``)."""
     if not samples:
         raise ValueError("fit_scaled: no samples")
     if trim is not None and not trim > 0:
@@ -148,14 +187,15 @@ def fit_scaled(model: LatencyModel, samples: Sequence[StepSample], trim: Optiona
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
         raise ValueError(f"fit_scaled: scale={scale!r} must be a number > 0 or None")
     keep = np.ones(len(samples), dtype=bool)
-    fitted = _fit_scaled_once(model, samples, scale)
+    _terms(terms)
+    fitted = _fit_scaled_once(model, samples, scale, terms)
     for _ in range(max_rounds if trim is not None else 0):
         new = ~outliers(fitted, samples, trim)
         if new.sum() < 4 or np.array_equal(new, keep):
             break
         keep = new
-        fitted = _fit_scaled_once(model, [s for s, k in zip(samples, keep) if k], scale)
+        fitted = _fit_scaled_once(model, [s for s, k in zip(samples, keep) if k], scale, terms)
     return fitted, keep
 
 
-__all__ = ["FitReport", "StepSample", "TRIM_FLOOR", "check", "fit_overhead", "fit_scaled", "outliers"]
+__all__ = ["FitReport", "LONGEST_SPAN", "StepSample", "TRIM_FLOOR", "check", "fit_overhead", "fit_scaled", "identifiable", "outliers"]

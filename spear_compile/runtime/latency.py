@@ -5,6 +5,7 @@ through every linear together, then runs attention per sequence, the LM head on 
 and a fixed amount of host and launch work. So the predicted step time is
 
     T = fixed + per_token * M + per_seq * S                     (overhead, fitted on whole steps)
+      + per_longest_key * (the longest decode's context)        (also fitted on whole steps: ``Overhead``)
       + sum_l count_l * lin_l(M)                                 (per-linear tables, by M bucket)
       + head(S)            (or head(M) with head_rows="all")     (the LM head's table)
       + n_layers * sum_s attn(q_s, p_s)                          (attention, per sequence)
@@ -194,18 +195,32 @@ class AttentionCost:
 
 @dataclass(frozen=True)
 class Overhead:
-    """The step's fixed cost plus terms per token and per sequence (host work, norms, launches)."""
+    """The terms fitted on whole steps (``fit``): the step's fixed cost plus terms per token and per sequence
+    (host work, norms, launches), and per key of the step's longest decode.
+
+    ``per_longest_key_ms``: an attention kernel that gives each (sequence, head) one program and does not
+    split a sequence's keys walks the longest decode's keys alone while the other programs are done, so a
+    step's attention has a term in its longest decode's context that the per-sequence ``AttentionCost``
+    (measured one sequence at a time, where longest and total are the same) cannot hold. On the H200
+    engine's steps (torch 2.11's varlen kernel, ``serving/2026-12-06_h200_plan_all_layers``) the served
+    steps ran over the calibrated model by +0.47 / +1.22 / +2.00 ms at a longest decode of 0-1k / 1-2k /
+    2-3k tokens, whatever the total context; a term of ~0.7 us per key took the prediction's median error
+    on them from 8.5 to 2.6 % (``benchmarks/serving_refit.py --steps``). Zero for a kernel that splits the
+    keys (``lowering.split_kv_decode``): the fit finds no such term there."""
 
     fixed_ms: float = 0.0
     per_token_ms: float = 0.0
     per_seq_ms: float = 0.0
+    per_longest_key_ms: float = 0.0
+
+    FIELDS = ("fixed_ms", "per_token_ms", "per_seq_ms", "per_longest_key_ms")
 
     def __post_init__(self) -> None:
-        for f in ("fixed_ms", "per_token_ms", "per_seq_ms"):
+        for f in self.FIELDS:
             object.__setattr__(self, f, _nonneg("Overhead", f, getattr(self, f)))
 
     def to_dict(self) -> dict:
-        return {"fixed_ms": self.fixed_ms, "per_token_ms": self.per_token_ms, "per_seq_ms": self.per_seq_ms}
+        return {f: getattr(self, f) for f in self.FIELDS}
 
 
 @dataclass(frozen=True)
@@ -273,13 +288,15 @@ class LatencyModel:
     # ---- the fast path the policy uses: running sums of a step under construction
 
     def decode_attention_ms(self, decode_contexts: Sequence[int]) -> float:
-        return self.decodes_attention_ms(len(decode_contexts), sum(decode_contexts))
+        return self.decodes_attention_ms(len(decode_contexts), sum(decode_contexts), max(decode_contexts, default=0))
 
-    def decodes_attention_ms(self, n: int, total_context: int) -> float:
+    def decodes_attention_ms(self, n: int, total_context: int, longest: int = 0) -> float:
         """Attention of ``n`` decodes whose contexts sum to ``total_context`` (a decode is q = 1 after
-        p = its context: keys and pairs p + 1 each)."""
+        p = its context: keys and pairs p + 1 each), the longest of them ``longest`` tokens (the fitted
+        ``Overhead.per_longest_key_ms`` term)."""
         a = self.attention
-        return self.n_layers * (n * (a.per_seq_ms + a.per_query_ms) + (a.per_key_ms + a.per_pair_ms) * (total_context + n))
+        return (self.n_layers * (n * (a.per_seq_ms + a.per_query_ms) + (a.per_key_ms + a.per_pair_ms) * (total_context + n))
+                + self.overhead.per_longest_key_ms * longest)
 
     def piece_attention_ms(self, tokens: int, prefilled: int) -> float:
         return self.n_layers * self.attention(tokens, prefilled)

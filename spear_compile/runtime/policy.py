@@ -85,19 +85,22 @@ def _check_pos(owner: str, name: str, v) -> None:
 def _decodes(state: SchedulerState):
     """Which decodes run and which requests to preempt so that they get their KV blocks.
 
-    Returns ``(run ids, preempt ids, summed context of run, free blocks left, partial head preempted)``.
+    Returns ``(run ids, preempt ids, summed context of run, longest context of run, free blocks left,
+    partial head preempted)``.
     When blocks run short, the youngest KV holders are preempted first: the partly prefilled waiting
     request (younger than every decode, FCFS admitted it last), then decodes from the youngest; their
     blocks count as free in this step (the engine frees them before it runs the step)."""
     bs, free = state.kv.block_size, state.kv.free_blocks
-    ids, ctx, need = [], 0, 0
+    ids, ctx, need, longest = [], 0, 0, 0
     for d in state.decodes:  # one pass: the plan runs with cold caches, each walk over the decodes costs
         c = d.context_len
         ids.append(d.request_id)
         ctx += c
         need += c % bs == 0
+        if c > longest:
+            longest = c
     if need <= free:  # the common case: every decode gets its block
-        return ids, [], ctx, free - need, False
+        return ids, [], ctx, longest, free - need, False
     preempt, head_out = [], False
     partial = [w for w in state.waiting if w.prefilled > 0]
     for w in sorted(partial, key=lambda w: -w.arrival):
@@ -112,7 +115,8 @@ def _decodes(state: SchedulerState):
         preempt.append(d.request_id)
         free += blocks_for(d.context_len, bs)
         need -= 1 if d.context_len % bs == 0 else 0
-    return [d.request_id for d in run], preempt, sum(d.context_len for d in run), free - need, head_out
+    return ([d.request_id for d in run], preempt, sum(d.context_len for d in run),
+            max((d.context_len for d in run), default=0), free - need, head_out)
 
 
 def _unblock_plan(state: SchedulerState, run, preempt, free: int, predicts: bool) -> Optional[StepPlan]:
@@ -197,7 +201,7 @@ class SloChunkPolicy:
     def floor_ms(self) -> float:
         """The predicted time of the cheapest step with work (one decode of one token of context): no plan
         can be predicted under it, so an SLO below it is met by no step."""
-        return self.model.step_ms(1, 1, self.model.decodes_attention_ms(1, 1))
+        return self.model.step_ms(1, 1, self.model.decodes_attention_ms(1, 1, 1))
 
     def infeasible(self) -> Optional[str]:
         """Why no step can meet the SLO (it is below ``floor_ms``), in words, or None. Under such an SLO the
@@ -354,13 +358,13 @@ class SloChunkPolicy:
 
     def plan(self, state: SchedulerState) -> StepPlan:
         model, bs = self.model, state.kv.block_size
-        run, preempt, ctx, free, head_out = _decodes(state)
+        run, preempt, ctx, longest, free, head_out = _decodes(state)
         stalled = _unblock_plan(state, run, preempt, free, self.model is not None)
         if stalled is not None:
             return stalled
         blocks = state.kv.free_blocks + _held(state, preempt) - free
         tokens = seqs = len(run)
-        attn = model.decodes_attention_ms(len(run), ctx)
+        attn = model.decodes_attention_ms(len(run), ctx, longest)
         slo = self.budget_ms()
         budget = self.max_chunk
         pieces: List[Tuple[object, int]] = []
@@ -411,7 +415,7 @@ class StaticChunkPolicy:
 
     def plan(self, state: SchedulerState) -> StepPlan:
         bs = state.kv.block_size
-        run, preempt, ctx, free, head_out = _decodes(state)
+        run, preempt, ctx, longest, free, head_out = _decodes(state)
         stalled = _unblock_plan(state, run, preempt, free, self.model is not None)
         if stalled is not None:
             return stalled
@@ -436,6 +440,6 @@ class StaticChunkPolicy:
         pred = None
         if self.model is not None:
             pred = self.model.step_ms(len(run) + sum(c for c, _ in chunks), len(run) + len(chunks),
-                                      self.model.decodes_attention_ms(len(run), ctx)
+                                      self.model.decodes_attention_ms(len(run), ctx, longest)
                                       + sum(self.model.piece_attention_ms(c, p) for c, p in chunks))
         return StepPlan.unchecked(tuple(run), tuple(pieces), pred, blocks, tuple(preempt), False, reason)

@@ -320,6 +320,22 @@ def test_the_latency_model_pads_tokens_as_the_engine_does():
         Engine(m, compile=True, cb_config={"q_padding_interval_size": 16}))
 
 
+def test_the_split_kv_switch_changes_the_calibration_key_of_a_varlen_engine(monkeypatch):
+    """``SPEAR_SPLIT_KV`` changes what a varlen engine's decode attention costs (the longest decode no longer
+    sets it), so a calibration made with it off is not used with it on; an engine of another attention is
+    untouched by the switch."""
+    from spear_compile.models.tiny import tiny_llama
+    from spear_compile.runtime.calibrate import engine_fingerprint
+
+    m = tiny_llama()
+    monkeypatch.delenv("SPEAR_SPLIT_KV", raising=False)
+    off = engine_fingerprint(Engine(m, compile=True, attention="varlen"))
+    sdpa_off = engine_fingerprint(Engine(m))
+    monkeypatch.setenv("SPEAR_SPLIT_KV", "1")
+    assert engine_fingerprint(Engine(m, compile=True, attention="varlen")) != off
+    assert engine_fingerprint(Engine(m)) == sdpa_off
+
+
 @pytest.mark.slow
 def test_slo_without_a_policy_builds_the_slo_policy_from_the_cached_latency_model(smol, tmp_path, monkeypatch):
     from spear_compile.runtime import plan_of

@@ -77,6 +77,12 @@ def test_composition_against_a_hand_computed_case():
     # head on every row instead: head(6) = 1.0 + 0.5 * 4 = 3.0
     assert hand_model("all").predict_step_ms([10], [(5, 2)]) == pytest.approx(lin + 3.0 + 3 * (dec + pre) + over)
     assert m.predict_step_ms() == 0.0
+    # a term per key of the longest decode (a kernel that does not split a sequence's keys): 2 decodes of 10 and
+    # 40 add 40 of them, a prefill piece none
+    lk = m.with_overhead(Overhead(0.3, 0.05, 0.02, per_longest_key_ms=0.002))
+    assert lk.predict_step_ms([10, 40], [(5, 2)]) - m.predict_step_ms([10, 40], [(5, 2)]) == pytest.approx(0.002 * 40)
+    assert lk.predict_step_ms([], [(5, 2)]) == m.predict_step_ms([], [(5, 2)])
+    assert lk.decodes_attention_ms(2, 50, 40) == lk.decode_attention_ms([10, 40])
 
 
 def test_piece_terms_match_the_prediction():
@@ -98,6 +104,11 @@ def test_prediction_rejects_bad_pieces():
 def test_model_round_trips_through_a_dict():
     m = hand_model()
     assert LatencyModel.from_dict(m.to_dict()) == m
+    lk = m.with_overhead(Overhead(0.3, 0.05, 0.02, 0.002))
+    assert LatencyModel.from_dict(lk.to_dict()) == lk
+    old = m.to_dict()  # a model saved before the longest-decode term: the term is 0
+    del old["overhead"]["per_longest_key_ms"]
+    assert LatencyModel.from_dict(old) == m
     with pytest.raises(ValueError, match="malformed"):
         LatencyModel.from_dict({"linears": []})
 

@@ -26,7 +26,8 @@ def models(draw):
     lin = LatencyTable(tuple(buckets), tuple(ms))
     head = draw(st.one_of(st.none(), st.just(LatencyTable((1, 64), (0.1, 0.5)))))
     attn = AttentionCost(*[draw(st.floats(0, c)) for c in (0.05, 0.01, 0.001, 1e-4)])
-    over = Overhead(draw(st.floats(0, 2)), draw(st.floats(0, 0.01)), draw(st.floats(0, 0.05)))
+    over = Overhead(draw(st.floats(0, 2)), draw(st.floats(0, 0.01)), draw(st.floats(0, 0.05)),
+                    draw(st.sampled_from([0.0, 0.0, 0.001, 0.01])))
     return LatencyModel((LinearTable("all", 1, lin),), head, attn, draw(st.integers(1, 4)), over,
                         draw(st.sampled_from(["last", "all"])), draw(st.sampled_from([1, 1, 8, 64])))
 
