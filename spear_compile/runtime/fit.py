@@ -1,8 +1,8 @@
 """The top-down side of the latency model: measured whole steps, the prediction's error on them, and fits.
 
 ``check`` reports the prediction's absolute relative error |predicted - measured| / measured over measured
-steps (median, p90, max). ``fit_overhead`` refits the model's ``Overhead`` (fixed, per token, per sequence)
-on such steps; ``fit_scaled`` also scales the measured parts by one factor (for steps run where the parts
+steps (median, p90, max). ``fit_overhead`` refits the model's ``Overhead`` (fixed, per token, per sequence,
+per key of the longest decode; the last only where the sample spans it, ``identifiable``) on such steps; ``fit_scaled`` also scales the measured parts by one factor (for steps run where the parts
 were not timed: the serving engine, ``calibrate``).
 
 Both fits minimise the *relative* error (each step's row is divided by its measured time): the targets are
