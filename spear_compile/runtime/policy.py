@@ -294,7 +294,9 @@ class SloChunkPolicy:
         (``_unit_costs``; everything else in the step is constant in c), because in the engine the plan
         runs with cold CPU caches and every method call of the composed model costs there; the answer is
         then checked against the model's own ``step_ms`` (the sums are ordered differently, so they can
-        differ in the last bits)."""
+        differ in the last bits, so it is asked only where the flat expression is within ``eps`` of the limit:
+        2-core CPU, ``sched_cost``'s 200 padded states, warm caches, the two in one process, same plans:
+        p50 28.1 -> 23.3 us, p99 40.4 -> 33.0)."""
         m, pad = self.model, self.model.token_pad
         o, a, L, s = m.overhead, m.attention, m.n_layers, seqs + 1
         U = self._unit_costs(-(-(tokens + hi) // pad))
@@ -329,12 +331,19 @@ class SloChunkPolicy:
                     c = int(-base / k1) if k1 > 0 else top - 1
                 c = max(lo, min(c, top - 1))
 
-        def T(c):  # the model's own prediction, to settle the last bits
-            return m.step_ms(tokens + c, s, attn + m.piece_attention_ms(c, prefilled))
+        eps = 1e-9 * (abs(lim) + slo)  # far above the sums' rounding (~1e-15 relative), far below a token's cost
 
-        while c < hi and T(c + 1) <= slo:
+        def fits(c):  # the flat expression decides unless it is within eps of the limit; then the model's own
+            f = U[-(-(tokens + c) // pad)] + (k1 + k2 * c) * c  # prediction settles the last bits
+            if f <= lim - eps:
+                return True
+            if f > lim + eps:
+                return False
+            return m.step_ms(tokens + c, s, attn + m.piece_attention_ms(c, prefilled)) <= slo
+
+        while c < hi and fits(c + 1):
             c += 1
-        while c > 0 and T(c) > slo:
+        while c > 0 and not fits(c):
             c -= 1
         return c
 
