@@ -14,7 +14,9 @@ their shape in M and context and, by default, their size):
 
 * after one unrecorded pass (first-use costs), phases of decode batch ``b`` in ``decode_batches``: ``b``
   requests that keep decoding while longer prompts are prefilled beside them, with the step's prefill
-  budget cycling over ``chunks`` (a static policy per step), then a few decode-only steps. The decodes'
+  budget cycling over ``chunks`` (a static policy per step), then a few decode-only steps; batch 1 runs
+  twice, its decode at the shortest and at the longest prompt, so that a step's longest decode varies
+  apart from its decode count (the fit's ``per_longest_key_ms``). The decodes'
   prompts span 64 to 1024 tokens (``decode_prompt_lengths``): calibrated on 64-token decodes only, the fit
   on an H100 (2026-12-06, ``benchmarks/results/serving/2026-12-06_h100_kv2048``) bent the parts' factor
   so far toward the fixed overhead (7.1 ms of a 7.5 ms step) that served steps, whose decodes read
@@ -193,14 +195,17 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     def ids(n: int, seed: int) -> list:
         return [10 + (seed * 7919 + 31 * i) % max(1, vocab - 20) for i in range(n)]
 
-    def phase(b: int) -> Tuple[List[StepSample], int]:
+    def lengths(b: int) -> Tuple[int, ...]:
+        if decode_prompt is None:
+            return decode_prompt_lengths(kv_tokens, b, min(DECODE_PROMPT_MAX, 2 * budget))
+        return (int(decode_prompt),) if isinstance(decode_prompt, int) else tuple(int(n) for n in decode_prompt)
+
+    def phase(b: int, first: int = 0) -> Tuple[List[StepSample], int]:
+        """One phase of ``b`` decodes, their prompt lengths cycled from ``lengths(b)[first]``."""
         policy.records.clear()
         steps = len(chunks) * reps + decode_tail
-        if decode_prompt is None:
-            lens = decode_prompt_lengths(kv_tokens, b, min(DECODE_PROMPT_MAX, 2 * budget))
-        else:
-            lens = (int(decode_prompt),) if isinstance(decode_prompt, int) else tuple(int(n) for n in decode_prompt)
-        short = [ids(lens[s % len(lens)], s) for s in range(b)]
+        lens = lengths(b)
+        short = [ids(lens[(first + s) % len(lens)], s) for s in range(b)]
         long = [ids(c, 1000 + i) for i, c in enumerate(list(chunks) * reps)]
         # the decodes outlive the prefills beside them: their own prompts take steps too (at the mean budget)
         new = steps + -(-2 * sum(map(len, short)) * len(chunks) // sum(chunks))
@@ -220,14 +225,18 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     engine.set_policy(policy)
     samples: List[StepSample] = []
     deadline = time.perf_counter() + timeout_s
+    # a lone decode at the shortest and at the longest prompt: a step's longest decode then varies apart from
+    # its decode count (Overhead.per_longest_key_ms; with one phase per batch the lone decode was always the
+    # shortest and every longer batch held the longest prompt)
+    phases = [(b, f) for b in batches for f in ((0, len(lengths(b)) - 1) if b == 1 and len(lengths(b)) > 1 else (0,))]
     try:
-        for b in batches if warmup else ():  # first runs of each shape (allocations, graph captures)
-            phase(b)
-        for b in batches:
-            got, dropped = phase(b)
+        for b, f in phases if warmup else ():  # first runs of each shape (allocations, graph captures)
+            phase(b, f)
+        for b, f in phases:
+            got, dropped = phase(b, f)
             samples += got
-            log(f"spear_compile: calibration, decode batch {b}: {len(got)} steps"
-                + (f" ({dropped} more captured or compiled a graph: left out)" if dropped else ""))
+            log(f"spear_compile: calibration, decode batch {b}" + (f" (prompt {lengths(b)[f]})" if f else "")
+                + f": {len(got)} steps" + (f" ({dropped} more captured or compiled a graph: left out)" if dropped else ""))
     finally:
         engine.set_policy(saved)
     if len(samples) < 8:

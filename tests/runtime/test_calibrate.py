@@ -108,6 +108,20 @@ def test_calibration_corrects_a_model_blind_to_the_engine_overhead(tiny):
     assert report.median_abs_rel_err < 0.5 and report.n == len(samples) // 2
 
 
+def test_a_lone_decode_is_calibrated_at_the_shortest_and_the_longest_prompt(tiny):
+    """Batch 1 runs twice, its decode at 64 and at 256 tokens of prompt (the lengths this cache and budget
+    allow): the sample holds one-decode steps at both, so the longest decode varies apart from the decode
+    count."""
+    logs = []
+    with Engine(tiny, policy=StaticChunkPolicy(64), block_size=16, num_blocks=64, max_batch_tokens=128,
+                max_queue=32, log=lambda m: None) as eng:
+        _, _, samples = calibrate(eng, _bare(), chunks=(16, 64), decode_batches=(1,), reps=1, warmup=False,
+                                  log=logs.append)
+    lone = sorted({s.decode_contexts[0] for s in samples if len(s.decode_contexts) == 1})
+    assert lone[0] < 128 and lone[-1] >= 256, lone
+    assert any("decode batch 1 (prompt 256)" in m for m in logs), logs
+
+
 def test_engine_with_an_slo_calibrates_once_and_then_loads_it(tiny, tmp_path, monkeypatch):
     from spear_compile.runtime import plan_of
 
