@@ -204,9 +204,11 @@ class Overhead:
     (measured one sequence at a time, where longest and total are the same) cannot hold. On the H200
     engine's steps (torch 2.11's varlen kernel, ``serving/2026-12-06_h200_plan_all_layers``) the served
     steps ran over the calibrated model by +0.47 / +1.22 / +2.00 ms at a longest decode of 0-1k / 1-2k /
-    2-3k tokens, whatever the total context; a term of ~0.7 us per key took the prediction's median error
-    on them from 8.5 to 2.6 % (``benchmarks/serving_refit.py --steps``). Zero for a kernel that splits the
-    keys (``lowering.split_kv_decode``): the fit finds no such term there."""
+    2-3k tokens, whatever the total context. Fitted on that run's calibration steps and checked on its served
+    steps, the term took the median error from 8.5 to 6.7 % (parts' factor held at 1) and from 8.0 to 1.6 %
+    (factor fitted; ``benchmarks/serving_refit.py --steps``,
+    ``benchmarks/results/serving/2026-12-07_longest_decode_term/``). For a kernel that splits the keys
+    (``lowering.split_kv_decode``) the term should fit near zero; that is not measured yet."""
 
     fixed_ms: float = 0.0
     per_token_ms: float = 0.0
