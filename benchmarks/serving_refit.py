@@ -93,9 +93,9 @@ def refit_steps(path: str, token_pad: Optional[int] = None, window: int = 8, qua
     from spear_compile.runtime.calibrate import TRIM
     from spear_compile.runtime.fit import StepSample, check, fit_scaled
     from spear_compile.runtime.latency import LatencyModel, Overhead
+    from spear_compile.runtime.online import replay
 
     terms = tuple(terms or Overhead.FIELDS)
-    from spear_compile.runtime.online import replay
 
     with open(path) as f:
         rec = json.load(f)

@@ -228,7 +228,9 @@ def calibrate(engine, latency_model: LatencyModel, chunks: Optional[Sequence[int
     # a lone decode at the shortest and at the longest prompt: a step's longest decode then varies apart from
     # its decode count (Overhead.per_longest_key_ms; with one phase per batch the lone decode was always the
     # shortest and every longer batch held the longest prompt)
-    phases = [(b, f) for b in batches for f in ((0, len(lengths(b)) - 1) if b == 1 and len(lengths(b)) > 1 else (0,))]
+    phases = [(b, 0) for b in batches]
+    if 1 in batches and len(lengths(1)) > 1:
+        phases.insert(phases.index((1, 0)) + 1, (1, len(lengths(1)) - 1))
     try:
         for b, f in phases if warmup else ():  # first runs of each shape (allocations, graph captures)
             phase(b, f)

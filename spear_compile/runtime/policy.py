@@ -293,10 +293,10 @@ class SloChunkPolicy:
         The search runs on one flat expression, ``U[units(tokens + c)] + k1 c + k2 c^2 <= slo - rest``
         (``_unit_costs``; everything else in the step is constant in c), because in the engine the plan
         runs with cold CPU caches and every method call of the composed model costs there; the answer is
-        then checked against the model's own ``step_ms`` (the sums are ordered differently, so they can
-        differ in the last bits, so it is asked only where the flat expression is within ``eps`` of the limit:
-        2-core CPU, ``sched_cost``'s 200 padded states, warm caches, the two in one process, same plans:
-        p50 28.1 -> 23.3 us, p99 40.4 -> 33.0)."""
+        settled against the model's own ``step_ms`` where the two could disagree: their sums are ordered
+        differently and can differ in the last bits, so ``step_ms`` is asked only where the flat expression is
+        within ``eps`` of the limit (2-core CPU, ``sched_cost``'s 200 padded states, warm caches, both versions
+        in one process, same plans: p50 28.1 -> 23.3 us, p99 40.4 -> 33.0)."""
         m, pad = self.model, self.model.token_pad
         o, a, L, s = m.overhead, m.attention, m.n_layers, seqs + 1
         U = self._unit_costs(-(-(tokens + hi) // pad))
