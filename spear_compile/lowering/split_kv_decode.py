@@ -35,6 +35,9 @@ decodes are then paid once, here. Decodes after another sequence keep their rows
 """
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple, Optional
+
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, next_pow2
@@ -145,7 +148,7 @@ def splits_for(heads: int, max_k: int, device) -> int:
     return max(1, min(want, -(-max_k // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
-def _check(q, k, v, cu_q, cu_k, out=None) -> None:
+def _check(q, k, v, cu_q, cu_k) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"split_kv_decode: q {tuple(q.shape)} must be (Tq, H, D) and k / v {tuple(k.shape)} / "
                          f"{tuple(v.shape)} (Tk, Hkv, D)")
@@ -155,28 +158,47 @@ def _check(q, k, v, cu_q, cu_k, out=None) -> None:
     if cu_q.shape != cu_k.shape or cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
         raise ValueError(f"split_kv_decode: cu_q {tuple(cu_q.shape)} {cu_q.dtype} and cu_k {tuple(cu_k.shape)} "
                          f"{cu_k.dtype} must be one (N + 1,) int32 vector each")
-    for name, t in (("cu_q", cu_q), ("cu_k", cu_k), ("k", k), ("v", v), ("out", out)):
-        if t is not None and t.device != q.device:
+    for name, t in (("cu_q", cu_q), ("cu_k", cu_k), ("k", k), ("v", v)):
+        if t.device != q.device:
             raise ValueError(f"split_kv_decode: {name} is on {t.device}, q on {q.device}")
     if not (cu_q.is_contiguous() and cu_k.is_contiguous()):
         raise ValueError("split_kv_decode: cu_q and cu_k must be contiguous")
-    if out is not None and out.shape != q.shape:
-        raise ValueError(f"split_kv_decode: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is not None and t.stride(2) != 1:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1:
             raise ValueError(f"split_kv_decode: {name} must be contiguous in its last dimension")
+
+
+class Partials(NamedTuple):
+    """What ``split_kv_partials`` leaves for ``combine_``: each (sequence, head, slice)'s running max ``m``,
+    sum ``l`` and weighted value sum ``acc`` (fp32), and the launch sizes."""
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    n: int
+    S: int
 
 
 def split_kv_decode_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                      cu_k: torch.Tensor, max_k: int, scale=None) -> torch.Tensor:
     """Overwrite the rows of ``out`` of the one-query sequences with their attention (module docstring);
-    returns ``out``."""
+    returns ``out``. ``split_kv_partials`` then ``combine_``."""
+    if out.shape != q.shape:
+        raise ValueError(f"split_kv_decode: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    return combine_(out, cu_q, split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale))
+
+
+def split_kv_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                      max_k: int, scale=None, stream=None) -> Optional[Partials]:
+    """The first launch alone: every one-query sequence's slices, nothing written to any output (None when
+    the step has no sequence or no key). With ``stream`` the buffers are allocated on the current stream and
+    the launch goes to ``stream``, so it can run beside another kernel of the current stream (the caller
+    joins the streams before ``combine_``)."""
     if not HAS_TRITON:
-        raise RuntimeError("split_kv_decode_ needs Triton")
-    _check(q, k, v, cu_q, cu_k, out)
+        raise RuntimeError("split_kv_decode needs Triton")
+    _check(q, k, v, cu_q, cu_k)
     n, H, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
     if n <= 0 or max_k <= 0:
-        return out
+        return None
     scale = float(scale) if scale is not None else D ** -0.5
     S = splits_for(H, max_k, q.device)
     kps = -(-max_k // (S * BLOCK_N)) * BLOCK_N  # keys per slice: ceil(max_k / S), rounded up to whole blocks
@@ -184,11 +206,29 @@ def split_kv_decode_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     m = torch.empty(n * H * S, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(n * H * S * D_P, device=q.device, dtype=torch.float32)
-    _partial[(n, H, S)](q, k, v, cu_q, cu_k, m, l_, acc, scale, kps,
-                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                        H=H, GROUP=H // k.shape[1], D=D, D_P=D_P, BLOCK_N=BLOCK_N)
-    _combine[(n, H)](out, cu_q, m, l_, acc, out.stride(0), out.stride(1),
-                     H=H, S=S, S_P=next_pow2(S), D=D, D_P=D_P)
+    with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        _partial[(n, H, S)](q, k, v, cu_q, cu_k, m, l_, acc, scale, kps,
+                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                            H=H, GROUP=H // k.shape[1], D=D, D_P=D_P, BLOCK_N=BLOCK_N)
+    return Partials(m, l_, acc, n, S)
+
+
+def combine_(out: torch.Tensor, cu_q: torch.Tensor, parts: Optional[Partials]) -> torch.Tensor:
+    """The second launch: merge each one-query sequence's slices into its row of ``out`` (Tq, H, D); the
+    other rows are left as they were. Returns ``out``."""
+    if out.dim() != 3 or out.stride(2) != 1:
+        raise ValueError(f"split_kv_decode: out {tuple(out.shape)} must be (Tq, H, D), contiguous in its last "
+                         f"dimension")
+    if parts is None:
+        return out
+    if out.device != parts.m.device:
+        raise ValueError(f"split_kv_decode: out is on {out.device}, the partials on {parts.m.device}")
+    H, D = out.shape[1], out.shape[2]
+    if cu_q.numel() - 1 != parts.n or parts.m.numel() != parts.n * H * parts.S:
+        raise ValueError(f"split_kv_decode: combine_ got partials of {parts.n} sequences x {parts.S} slices "
+                         f"for cu_q {tuple(cu_q.shape)} and out {tuple(out.shape)}")
+    _combine[(parts.n, H)](out, cu_q, parts.m, parts.l, parts.acc, out.stride(0), out.stride(1),
+                           H=H, S=parts.S, S_P=next_pow2(parts.S), D=D, D_P=next_pow2(D))
     return out
 
 
@@ -204,4 +244,4 @@ def without_leading_decodes(cu_q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["split_kv_decode_", "splits_for", "without_leading_decodes"]
+__all__ = ["Partials", "combine_", "split_kv_decode_", "split_kv_partials", "splits_for", "without_leading_decodes"]

@@ -108,21 +108,49 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optiona
 
 
 def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
-                  prefill_cu_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  prefill_cu_q: Optional[torch.Tensor] = None, overlap: bool = True) -> torch.Tensor:
     """``varlen`` (a function of ``varlen_attention``'s arguments less ``prefill_cu_q``) for the sequences of
-    several queries, ``split_kv_decode_`` for those of one: ``varlen`` gets ``prefill_cu_q`` (default
+    several queries, the split-KV kernel for those of one: ``varlen`` gets ``prefill_cu_q`` (default
     ``without_leading_decodes(cu_q)``), so it skips the leading decodes, and the split-KV kernel then writes
     every decode's row. A step whose ``max_q`` is 1 does not call ``varlen`` at all; in the engine that is
-    only an eager step (under CUDA graphs transformers passes the padded token count as ``max_q``)."""
-    from ..lowering.split_kv_decode import split_kv_decode_, without_leading_decodes
+    only an eager step (under CUDA graphs transformers passes the padded token count as ``max_q``).
+
+    ``overlap`` (CUDA): the split's first launch (the decodes' key reads, memory-bound) runs on a side stream
+    beside ``varlen`` (a prefill piece's compute-bound kernel), joined before its second launch writes the
+    decode rows. Serialised, a step with a prefill piece ran 15-58 % slower than torch's kernel alone, which
+    runs both kinds of sequence side by side in one launch (H100, ``benchmarks/results/decode_attention/
+    2026-12-07_h100``). A CUDA graph captures the fork and the join."""
+    from ..lowering.split_kv_decode import combine_, split_kv_partials, without_leading_decodes
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     if int(max_q) <= 1:
         out = torch.zeros_like(q)  # (rows of no sequence: transformers' padding, never read)
-    else:
-        pre = without_leading_decodes(cu_q) if prefill_cu_q is None else prefill_cu_q
+        return combine_(out, cu_q, split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale))
+    pre = without_leading_decodes(cu_q) if prefill_cu_q is None else prefill_cu_q
+    if not (overlap and q.is_cuda):
         out = varlen(q, k, v, pre, cu_k, max_q, max_k, scale)
-    return split_kv_decode_(out, q, k, v, cu_q, cu_k, max_k, scale)
+        return combine_(out, cu_q, split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale))
+    main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+    side.wait_stream(main)  # the step's q / k / v / cu are written on main
+    parts = split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale, stream=side)  # buffers on main, launch on side
+    out = varlen(q, k, v, pre, cu_k, max_q, max_k, scale)
+    main.wait_stream(side)
+    return combine_(out, cu_q, parts)
+
+
+_SIDE = threading.local()  # .streams: {device index: the side stream of decodes_split on this thread}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per device and thread (engines on two threads never join each other's work)."""
+    streams = getattr(_SIDE, "streams", None)
+    if streams is None:
+        streams = _SIDE.streams = {}
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in streams:
+        streams[idx] = torch.cuda.Stream(device=idx)
+    return streams[idx]
 
 
 def _torch_varlen(got, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:

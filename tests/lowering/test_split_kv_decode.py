@@ -98,10 +98,12 @@ def test_bad_inputs_are_named():
     ([1, 1, 1], [3, 200, 64]),         # decodes only: the varlen kernel is not called
     ([4, 3], [4, 20]),                 # no decode
 ])
-def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens, overlap):
     """``runtime.attention.decodes_split``: the varlen kernel (here ``varlen_reference``, as it runs on CPU) on
     the step without its leading decodes, then the split-KV kernel for every decode, equals the reference
-    over the whole step (padding rows excluded)."""
+    over the whole step (padding rows excluded). ``overlap`` puts the split's first launch on a side stream
+    on CUDA (on CPU both run in order)."""
     from spear_compile.runtime.attention import decodes_split, varlen_reference
 
     q, k, v, cu_q, cu_k = _step(q_lens, k_lens, 4, 2, 32, torch.bfloat16, pad_q=0, pad_k=5)
@@ -111,7 +113,7 @@ def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens):
         calls.append(cu_q_.tolist())
         return varlen_reference(q_, k_, v_, cu_q_, cu_k_, scale)
 
-    out = decodes_split(varlen, q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.25)
+    out = decodes_split(varlen, q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.25, overlap=overlap)
     ref = varlen_reference(q, k, v, cu_q, cu_k, 0.25)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     if max(q_lens) == 1:
@@ -119,6 +121,23 @@ def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens):
     else:
         leading = next(i for i, x in enumerate(q_lens + [0]) if x != 1)
         assert len(calls) == 1 and calls[0][0] == leading, calls  # its step starts after the leading decodes
+
+
+def test_the_two_launches_apart_equal_the_one_call_and_check_their_partials():
+    """``split_kv_partials`` then ``combine_`` (the overlapped path's two halves) write what
+    ``split_kv_decode_`` writes, leave the other rows alone, and a partials set of another step is refused."""
+    from spear_compile.lowering.split_kv_decode import combine_, split_kv_decode_, split_kv_partials
+
+    q, k, v, cu_q, cu_k = _step([1, 5, 1], [90, 20, 33], 4, 2, 32, torch.float16)
+    sentinel = torch.full_like(q, 7.0)
+    one = split_kv_decode_(sentinel.clone(), q, k, v, cu_q, cu_k, 90)
+    parts = split_kv_partials(q, k, v, cu_q, cu_k, 90)
+    two = combine_(sentinel.clone(), cu_q, parts)
+    assert torch.equal(one, two)
+    assert torch.equal(two[1:6], sentinel[1:6]), "the prefill piece's rows are not written"
+    assert split_kv_partials(q, k, v, cu_q[:1], cu_k[:1], 90) is None, "a step of no sequence launches nothing"
+    with pytest.raises(ValueError, match="partials of 3 sequences"):
+        combine_(sentinel.clone(), cu_q[:3], parts)
 
 
 def test_a_max_k_below_the_longest_sequence_still_attends_every_key():
