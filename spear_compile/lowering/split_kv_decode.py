@@ -16,8 +16,12 @@ slices, one program per (sequence, head, slice), each keeping a running max, sum
 in fp32 (``_partial``); a second launch merges the slices per (sequence, head) (``_combine``).
 
 Status: checked against its reference under Triton's interpreter (``tests/lowering/test_split_kv_decode.py``)
-only; the engine takes it when ``SPEAR_SPLIT_KV=1`` (``envs``) until a GPU run has checked and timed it
-(``benchmarks/decode_attention.py``, ``tests/runtime/test_attention_cuda.py``).
+and on an H100 (``tests/runtime/test_attention_cuda.py``, ``benchmarks/results/gpu_tests/2026-12-07_h100_split_kv``).
+Timed there (``benchmarks/decode_attention.py``, ``benchmarks/results/decode_attention/2026-12-07_h100``): one
+decode at 2k keys 0.17-0.53x torch's kernel, steps with a prefill piece 1.11-1.58x when the two launches run
+one after the other (hence ``split_kv_partials`` / ``combine_``: the engine runs the first beside torch's
+kernel, ``runtime.attention.decodes_split``). The engine takes it only when ``SPEAR_SPLIT_KV=1`` (``envs``):
+served with the serial composition, its SLO run was worse (``benchmarks/results/serving/2026-12-07_h100_split_kv``).
 
 Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) with H a multiple of Hkv,
 ``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
