@@ -21,12 +21,14 @@ measurements and as an escape hatch if a kernel misbehaves on some GPU or driver
   H200 (2026-12-04, world size 1) the compiled sharded model through it is as close to the fp32 model as
   the single-process compiled model (``tests/parallel/test_sharding.py``); it has not yet run on several
   GPUs.
-Opt-in switches (same numerics within rounding, a kernel not yet measured on a GPU):
+Opt-in switches (same numerics within rounding; off until a GPU run has measured them faster where users run them):
 
 * ``SPEAR_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) hands the one-query
   sequences (the decodes) to the split-KV decode kernel (``lowering/split_kv_decode.py``) and torch's
-  variable-length kernel only the rest. It matches its reference under Triton's interpreter; it becomes
-  the default once a GPU run has checked and timed it (``benchmarks/decode_attention.py``).
+  variable-length kernel only the rest. Checked on an H100; there, served with the two launches one after
+  the other, decode-only steps ran 9 % faster but steps with a prefill piece slower, and the 16 ms SLO run
+  was worse (p99 ITL 28.3 against 17.9 ms: ``benchmarks/results/serving/2026-12-07_h100_split_kv``). The
+  decodes' launch now runs beside torch's kernel; that has not yet been served on a GPU.
 
 Paths:
 
