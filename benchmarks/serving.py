@@ -208,6 +208,12 @@ class TimedPolicy:
                            tuple((c, done.get(r, 0)) for r, c in p.prefill), mark, offset))
         return p
 
+    def idle(self):
+        """The engine found no request left (``PolicyScheduler.has_pending_requests``): the last step's gap
+        ends here, and the wait that follows is recorded as a call that planned nothing (no step's time)."""
+        mark = self.marker() if self.marker is not None else None
+        self.steps.append((time.perf_counter_ns() / 1e6, (), (), mark, None))
+
 
 def measured_steps(steps: list, lag: int = 0):
     """``(decode contexts, prefill pieces, measured ms, first use, online offset)`` for each of

@@ -103,11 +103,11 @@ class SchedulerHooks:
     more KV than the cache has); the scheduler cancels it and the engine reports the message;
     ``on_step(state, plan, scheduled)``: every planned step, with what was scheduled as
     ``((request_id, tokens), ...)`` in batch order (for tests and statistics);
-    ``on_tick(plan, ms)``: at every call of ``schedule_batch``, the milliseconds since the previous call
-    and the plan of the step that gap measures (``step_gaps``: the previous call's plan, or with
-    asynchronous batching (``PolicyScheduler.lag`` 1) the plan of the call before it), or None when the
-    gap measures no step (a call in between planned nothing). The engine's online correction of the
-    latency model reads it."""
+    ``on_tick(plan, ms)``: at every call of ``schedule_batch`` and when the loop goes idle (``PolicyScheduler.
+    has_pending_requests``), the milliseconds since the previous of those and the plan of the step that gap
+    measures (``step_gaps``: the previous call's plan, or with asynchronous batching (``PolicyScheduler.lag``
+    1) the plan of the call before it), or None when the gap measures no step (a call in between planned
+    nothing, or the gap is an idle wait). The engine's online correction of the latency model reads it."""
 
     on_start: Optional[Callable[[str], None]] = None
     on_fail: Optional[Callable[[str, str], None]] = None
@@ -135,6 +135,7 @@ class PolicyScheduler(FIFOScheduler):
         self.last_state: Optional[SchedulerState] = None
         self.last_plan: Optional[StepPlan] = None
         self._tick_t, self._recent = time.perf_counter(), collections.deque(maxlen=check_lag(self.lag) + 1)
+        self._idle = True  # (no step has run: the first call's gap measures nothing)
 
     # -- translation
 
@@ -190,15 +191,37 @@ class PolicyScheduler(FIFOScheduler):
     # -- the one overridden method
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
+        self._tick()
+        self._idle = False
+        out = self._schedule(token_budget, cache_budget)
+        self._recent.append(self._tick_plan)
+        return out
+
+    def has_pending_requests(self) -> bool:
+        """transformers' check before each ``schedule_batch``; when it finds no request the loop waits for
+        one without calling ``schedule_batch``, so the gap from the last step's call to the next call would
+        hold that wait. The first False after a step therefore ends the step's gap here (``on_tick``), marks
+        the next gap as no step's, and tells a policy with an ``idle()`` method (the serving benchmark's
+        timer) that the engine went idle. Measured before this (H100 and H200, 2026-12-06/07 serving records):
+        a request's last decode step, followed by an idle wait, was recorded at 50-1273 ms."""
+        pending = super().has_pending_requests()
+        if not pending and not self._idle:
+            self._idle = True
+            self._tick()
+            self._recent.append(None)  # the next gap is the wait: no step's time
+            idle = getattr(self.policy, "idle", None)
+            if callable(idle):
+                idle()
+        return pending
+
+    def _tick(self) -> None:
+        """A gap ends now: ``on_tick`` with the plan it measures (``step_gaps``) or None."""
         now = time.perf_counter()
         if self.hooks.on_tick is not None:
             recent = self._recent
             measured = recent[0] if len(recent) == recent.maxlen and all(p is not None for p in recent) else None
             self.hooks.on_tick(measured, (now - self._tick_t) * 1e3)
         self._tick_t = now
-        out = self._schedule(token_budget, cache_budget)
-        self._recent.append(self._tick_plan)
-        return out
 
     def _schedule(self, token_budget: int, cache_budget: int):
         self._tick_plan = None  # the plan, once something is scheduled by it

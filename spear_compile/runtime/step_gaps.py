@@ -15,7 +15,9 @@ serving benchmark time a step as a gap between two calls (nothing else in the lo
 
 A gap is a step's time only while the loop is busy: after a call that planned nothing the loop waits for
 requests, so the gaps that touch such a call are skipped (with lag 1, the call before must have planned a
-step too).
+step too). When no request is left at all, transformers waits without calling the scheduler; the engine's
+scheduler then ends the last step's gap itself and records the wait as a call that planned nothing
+(``hf_scheduler.PolicyScheduler.has_pending_requests``; a policy's ``idle()`` is told).
 """
 from __future__ import annotations
 

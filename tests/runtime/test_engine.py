@@ -450,3 +450,58 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
         manager.destroy()
     finally:
         unregister_scheduler(name)
+
+
+def test_the_wait_after_the_last_request_is_no_steps_time():
+    """transformers checks ``has_pending_requests`` before each ``schedule_batch`` and, with no request left,
+    waits without calling the scheduler. The scheduler ends the last step's gap at that check (``on_tick``
+    with its plan, well under the wait), reports the gap that holds the wait with no plan, and tells a
+    policy with ``idle()`` once per wait. Before, the last decode of a request was recorded at 50-1273 ms."""
+    import time
+
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import RequestState
+
+    from spear_compile.models import load
+    from spear_compile.runtime.hf_scheduler import (SchedulerHooks, config_kwargs, make_scheduler_class,
+                                                    register_scheduler, unregister_scheduler)
+
+    class Scripted:
+        def __init__(self):
+            self.idles = 0
+
+        def plan(self, state):
+            return StepPlan((), tuple((w.request_id, w.remaining_prompt) for w in state.waiting))
+
+        def idle(self):
+            self.idles += 1
+
+    policy, ticks, wait_s = Scripted(), [], 0.2
+    cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))))
+    name = register_scheduler(cls)
+    model, _ = load("tiny-llama")
+    try:
+        cb = ContinuousBatchingConfig(**config_kwargs(16, num_blocks=16, max_batch_tokens=64, scheduler_type=name,
+                                                      allow_block_sharing=False))
+        gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        manager.warmup()
+        sched = manager.batch_processor.scheduler
+        for rid in ("a", "b"):
+            sched.add_waiting_request(RequestState(request_id=rid, initial_tokens=[1, 2, 3], max_new_tokens=4,
+                                                   eos_token_id=-1))
+            assert sched.has_pending_requests()
+            batch, _, _, _ = sched.schedule_batch(64, 10_000)
+            assert [fs.state.request_id for fs in batch] == [rid]
+            sched.finish_request(rid)  # the request ends with this step
+            assert not sched.has_pending_requests() and not sched.has_pending_requests()  # the loop polls
+            time.sleep(wait_s)
+        assert policy.idles == 2, "idle() once per wait"
+        # call a; a's step ends at the first empty check; the wait; call b; b's step; the wait
+        assert [p is not None for p, _ in ticks] == [False, True, False, True]
+        assert ticks[1][0].prefill == (("a", 3),) and ticks[3][0].prefill == (("b", 3),)
+        assert ticks[1][1] < 1e3 * wait_s / 2 and ticks[2][1] >= 1e3 * wait_s, ticks
+        manager.destroy()
+    finally:
+        unregister_scheduler(name)

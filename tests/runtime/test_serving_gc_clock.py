@@ -50,3 +50,23 @@ def test_a_collection_inside_a_plan_is_charged_to_it_and_counted():
     assert share["sched_us_p99_without_gc"] < timed.us[1], "the collecting plan's time less its collection"
     summary = S.GC_CLOCK.summary(since)
     assert summary["gc_collections"][2] >= 1 and summary["gc_max_pause_ms"] > 0
+
+
+def test_the_benchmarks_step_record_ends_a_step_when_the_engine_goes_idle():
+    """``TimedPolicy.idle`` (called by the scheduler when no request is left) records a call that planned
+    nothing: the last step is timed up to it, and the wait after it is no step's time."""
+    import time
+
+    from spear_compile.runtime.state import KVCache, RunningDecode, SchedulerState
+
+    S = _serving()
+    timed = S.TimedPolicy(_Plans(collect_on=set()))
+    busy = SchedulerState((RunningDecode("a", 9),), (), KVCache(16, 8))
+    timed.plan(busy)
+    timed.idle()
+    time.sleep(0.05)  # the engine waits for a request
+    timed.plan(busy)
+    timed.plan(busy)
+    steps = list(S.measured_steps(timed.steps))
+    assert len(steps) == 2, "the step before the wait and the one after; the wait itself is no step"
+    assert all(ms < 40 for _, _, ms, _, _ in steps), steps
