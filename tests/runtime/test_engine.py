@@ -8,6 +8,7 @@ it. The scheduler adapter is also tested on its own, with a scripted policy and 
 scheduler and paged cache (a tiny random Llama, no generation thread).
 """
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -374,15 +375,36 @@ def test_default_policy_of_a_model_nothing_was_compiled_for_plans_it_eagerly(tmp
 # ------------------------------------------------------------------ the adapter on its own
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
+@contextlib.contextmanager
+def _bare_scheduler(cls):
+    """transformers' batch processor on the tiny model with scheduler class ``cls`` registered (blocks of 16
+    tokens, 16 blocks, 64 tokens a step), warmed up so that its scheduler exists; no generation thread."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching import RequestState, RequestStatus
 
     from spear_compile.models import load
-    from spear_compile.runtime.hf_scheduler import (PolicyScheduler, SchedulerHooks, config_kwargs,
-                                                    make_scheduler_class, register_scheduler, unregister_scheduler)
+    from spear_compile.runtime.hf_scheduler import config_kwargs, register_scheduler, unregister_scheduler
+
+    name = register_scheduler(cls)
+    model, _ = load("tiny-llama")
+    try:
+        cb = ContinuousBatchingConfig(**config_kwargs(16, num_blocks=16, max_batch_tokens=64, scheduler_type=name,
+                                                      allow_block_sharing=False))
+        gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        manager.warmup()  # builds the batch processor (cache and our scheduler); no generation thread
+        yield manager.batch_processor.scheduler
+        manager.destroy()
+    finally:
+        unregister_scheduler(name)
+
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
+    from transformers.generation.continuous_batching import RequestState, RequestStatus
+
+    from spear_compile.runtime.hf_scheduler import PolicyScheduler, SchedulerHooks, make_scheduler_class
 
     class Scripted:
         def __init__(self, plans):
@@ -401,15 +423,7 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
     ])
     plans, ticks = list(policy.plans), []
     cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))), lag=lag)
-    name = register_scheduler(cls)
-    model, _ = load("tiny-llama")
-    try:
-        cb = ContinuousBatchingConfig(**config_kwargs(16, num_blocks=16, max_batch_tokens=64, scheduler_type=name,
-                                                      allow_block_sharing=False))
-        gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
-        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
-        manager.warmup()  # builds the batch processor (cache and our scheduler); no generation thread
-        sched = manager.batch_processor.scheduler
+    with _bare_scheduler(cls) as sched:
         assert isinstance(sched, cls) and isinstance(sched, PolicyScheduler)
         for rid, n in (("a", 40), ("b", 30), ("c", 10)):
             sched.add_waiting_request(RequestState(request_id=rid, initial_tokens=list(range(1, n + 1)),
@@ -447,9 +461,6 @@ def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
         # every call reported the time since the previous call and the plan of the step that gap times
         # (step_gaps): the previous call's, or with asynchronous batching (lag 1) the one before it
         assert [p for p, _ in ticks] == [None] * (1 + lag) + plans[:4 - lag] and all(ms >= 0 for _, ms in ticks)
-        manager.destroy()
-    finally:
-        unregister_scheduler(name)
 
 
 def test_the_wait_after_the_last_request_is_no_steps_time():
@@ -459,13 +470,9 @@ def test_the_wait_after_the_last_request_is_no_steps_time():
     policy with ``idle()`` once per wait. Before, the last decode of a request was recorded at 50-1273 ms."""
     import time
 
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import RequestState
 
-    from spear_compile.models import load
-    from spear_compile.runtime.hf_scheduler import (SchedulerHooks, config_kwargs, make_scheduler_class,
-                                                    register_scheduler, unregister_scheduler)
+    from spear_compile.runtime.hf_scheduler import SchedulerHooks, make_scheduler_class
 
     class Scripted:
         def __init__(self):
@@ -479,15 +486,7 @@ def test_the_wait_after_the_last_request_is_no_steps_time():
 
     policy, ticks, wait_s = Scripted(), [], 0.2
     cls = make_scheduler_class(policy, SchedulerHooks(on_tick=lambda plan, ms: ticks.append((plan, ms))))
-    name = register_scheduler(cls)
-    model, _ = load("tiny-llama")
-    try:
-        cb = ContinuousBatchingConfig(**config_kwargs(16, num_blocks=16, max_batch_tokens=64, scheduler_type=name,
-                                                      allow_block_sharing=False))
-        gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
-        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
-        manager.warmup()
-        sched = manager.batch_processor.scheduler
+    with _bare_scheduler(cls) as sched:
         for rid in ("a", "b"):
             sched.add_waiting_request(RequestState(request_id=rid, initial_tokens=[1, 2, 3], max_new_tokens=4,
                                                    eos_token_id=-1))
@@ -502,6 +501,3 @@ def test_the_wait_after_the_last_request_is_no_steps_time():
         assert [p is not None for p, _ in ticks] == [False, True, False, True]
         assert ticks[1][0].prefill == (("a", 3),) and ticks[3][0].prefill == (("b", 3),)
         assert ticks[1][1] < 1e3 * wait_s / 2 and ticks[2][1] >= 1e3 * wait_s, ticks
-        manager.destroy()
-    finally:
-        unregister_scheduler(name)
