@@ -113,7 +113,8 @@ def main(argv=None) -> None:
                                                           overlap=False), calls=20)
             kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
             row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "engine_padding": padded, "torch_varlen_us": t_old, "split_us": t_new,
-                   "split_over_torch": t_new / t_old, "split_serial_us": t_ser, "split_serial_over_torch": t_ser / t_old, "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
+                   "split_over_torch": t_new / t_old, "split_serial_us": t_ser, "split_serial_over_torch": t_ser / t_old,
+                   "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
                    "max_abs_err_split": err_new, "max_abs_err_split_serial": err_ser, "max_abs_err_torch": err_old}
             rows.append(row)
             print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)

@@ -120,16 +120,15 @@ def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Op
     decode rows. Serialised, a step with a prefill piece ran 15-58 % slower than torch's kernel alone, which
     runs both kinds of sequence side by side in one launch (H100, ``benchmarks/results/decode_attention/
     2026-12-07_h100``). A CUDA graph captures the fork and the join."""
-    from ..lowering.split_kv_decode import combine_, split_kv_partials, without_leading_decodes
+    from ..lowering.split_kv_decode import combine_, split_kv_decode_, split_kv_partials, without_leading_decodes
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     if int(max_q) <= 1:
         out = torch.zeros_like(q)  # (rows of no sequence: transformers' padding, never read)
-        return combine_(out, cu_q, split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale))
+        return split_kv_decode_(out, q, k, v, cu_q, cu_k, max_k, scale)
     pre = without_leading_decodes(cu_q) if prefill_cu_q is None else prefill_cu_q
     if not (overlap and q.is_cuda):
-        out = varlen(q, k, v, pre, cu_k, max_q, max_k, scale)
-        return combine_(out, cu_q, split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale))
+        return split_kv_decode_(varlen(q, k, v, pre, cu_k, max_q, max_k, scale), q, k, v, cu_q, cu_k, max_k, scale)
     main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
     side.wait_stream(main)  # the step's q / k / v / cu are written on main
     parts = split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale, stream=side)  # buffers on main, launch on side

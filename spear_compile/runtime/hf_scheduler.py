@@ -2,7 +2,8 @@
 
 transformers' ``ContinuousBatchingManager`` runs a generation loop that, every step, asks its scheduler
 ``schedule_batch(token_budget, cache_budget)`` which requests run and how many tokens each processes.
-:class:`PolicyScheduler` subclasses its ``FIFOScheduler`` and overrides only that method:
+:class:`PolicyScheduler` subclasses its ``FIFOScheduler`` and overrides that method (and, to time steps,
+``has_pending_requests``, which it only observes):
 
 1. translate the scheduler's request states and the paged cache into our :class:`SchedulerState`
    (``scheduler_state``): ``DECODING`` requests become :class:`RunningDecode` (context = the tokens in
@@ -116,7 +117,8 @@ class SchedulerHooks:
 
 
 class PolicyScheduler(FIFOScheduler):
-    """transformers' FIFO scheduler with ``schedule_batch`` replaced by our policy (module docstring).
+    """transformers' FIFO scheduler with ``schedule_batch`` replaced by our policy and ``has_pending_requests``
+    observed for the step timing (module docstring).
     Instantiated by transformers (``cache, safety_margin, max_requests_per_batch``); the policy and the
     hooks are class attributes set by :func:`make_scheduler_class`."""
 
@@ -188,7 +190,7 @@ class PolicyScheduler(FIFOScheduler):
         self.finish_request(state.request_id)
         self.add_waiting_request(new_state)
 
-    # -- the one overridden method
+    # -- the overridden methods
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
         self._tick()

@@ -399,7 +399,6 @@ def _bare_scheduler(cls):
         unregister_scheduler(name)
 
 
-
 @pytest.mark.parametrize("lag", [0, 1])
 def test_scheduler_adapter_schedules_exactly_the_planned_pieces(lag):
     from transformers.generation.continuous_batching import RequestState, RequestStatus
