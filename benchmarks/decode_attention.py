@@ -7,22 +7,18 @@ and a GQA case of 32 query / 8 KV heads), as the engine hands it to the attentio
 * checks ``runtime.attention.decodes_split`` (the engine's path on CUDA under ``SPEAR_SPLIT_KV=1``) and
   torch's varlen kernel alone against ``varlen_reference`` (max abs error over the sequences' rows);
 * times, as CUDA-graph replays of one layer's attention (``dispatch.tuning.bench_graph``): ``torch_varlen``
-  (torch's kernel for every sequence: the path before the split), ``split`` (the split-KV kernel for the
-  decodes on a side stream beside torch's kernel for the rest, ``without_leading_decodes`` included: the
-  engine's path), ``split_serial`` (the same launches one after the other) and ``floor_us``, the byte floor:
-  K and V of every sequence read once at ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e).
+  (torch's kernel for every sequence: the path without the split), ``split`` (the engine's path: ``route_rows``
+  decides on the device, a step of decodes only to the split-KV kernel, a step with a prefill piece to torch's
+  kernel whole; the split's first launch on a side stream beside torch's), ``split_serial`` (the same launches
+  one after the other) and ``floor_us``, the byte floor: K and V of every sequence read once at
+  ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e).
 
-Expected, before any GPU run: the steps whose decodes leave most SMs idle (one or a few sequences: 32
-programs per sequence without a split) gain several-fold. One decode at 2k context: the H200 serving record of
-2026-12-06 puts torch's kernel (with the gather before it) near 110 us a layer; its K and V are 33.5 MB, 7 us at
-the byte floor, so the split should land near 15-25 us with its three launches and torch's kernel (which,
-under the engine's padding, still launches for the empty decodes and the padding). Steps of 16-64 decodes already
-fill the SMs and should gain little; a prefill piece's time should not change.
-
-Measured (H100, ``benchmarks/results/decode_attention/2026-12-07_h100``, serial split): one decode at 2k 0.17-0.53x
-torch's time, but steps with a prefill piece 1.11-1.58x: serialised, the decodes' memory-bound reads wait for
-the piece's compute-bound kernel, which torch's one launch runs beside them. Expected of the overlapped split:
-those steps back to within 5 % of torch's (the two launches share the SMs), decode-only steps unchanged.
+Measured (H100, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``), when the split took every step's
+decodes and torch's kernel the rest: decode-only steps 0.16-0.53x torch's time at 1-2 sequences, but steps with a
+prefill piece 1.02-1.69x, overlapped or not (the piece's kernel fills the SMs; torch's one launch runs the
+decodes in its idle tail). Expected of the routing by step: steps with a prefill piece within 5 % of torch's
+(the split's launches find no sequence), decode-only steps as before; the one loss by design is a long decode
+beside a short piece (``1 decode @4k + 32 piece``), which torch's kernel then runs unsplit.
 
     python benchmarks/decode_attention.py --out OUT
 """
@@ -58,6 +54,7 @@ STEPS = [
     ("64 decodes @1k", [1024] * 64, None),
     ("4 decodes @1k + 512 piece @1k", [1024] * 4, (512, 1024)),
     ("1 decode @2k + 2048 piece @0", [2048], (2048, 0)),
+    ("1 decode @4k + 32 piece @0", [4096], (32, 0)),
 ]
 
 

@@ -17,11 +17,10 @@ in fp32 (``_partial``); a second launch merges the slices per (sequence, head) (
 
 Status: checked against its reference under Triton's interpreter (``tests/lowering/test_split_kv_decode.py``)
 and on an H100 (``tests/runtime/test_attention_cuda.py``, ``benchmarks/results/gpu_tests/2026-12-07_h100_split_kv``).
-Timed there (``benchmarks/decode_attention.py``, ``benchmarks/results/decode_attention/2026-12-07_h100``): one
-decode at 2k keys 0.17-0.53x torch's kernel, steps with a prefill piece 1.11-1.58x when the two launches run
-one after the other (hence ``split_kv_partials`` / ``combine_``: the engine runs the first beside torch's
-kernel, ``runtime.attention.decodes_split``). The engine takes it only when ``SPEAR_SPLIT_KV=1`` (``envs``):
-served with the serial composition, its SLO run was worse (``benchmarks/results/serving/2026-12-07_h100_split_kv``).
+Timed there (``benchmarks/decode_attention.py``, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``),
+decode-only steps against torch's kernel: one decode at 0.5-4k keys 0.30-0.70x (32 KV heads) and 0.16-0.44x
+(8 KV heads, where torch 2.11 repeats the keys per query head), 16-64 decodes at 1k 0.88-1.02x (32 KV heads).
+The engine takes it only when ``SPEAR_SPLIT_KV=1`` (``envs``).
 
 Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) with H a multiple of Hkv,
 ``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
@@ -31,11 +30,15 @@ keys; every other row is left as it was. ``max_k`` sizes the slices only: the la
 the others leave, so a sequence longer than ``max_k`` is still attended whole. Everything the launch reads about the step is on the device and
 the grid depends only on N, H and ``max_k`` (host ints), so a CUDA graph captures and replays it.
 
-``without_leading_decodes(cu_q)``: ``cu_q`` with the one-query sequences at the front of the step made
-empty (their start moved to the first row of the first other sequence), so the varlen kernel given it
-exits at once for them (its programs return when their block starts past the sequence's length): the
-decodes are then paid once, here. Decodes after another sequence keep their rows there (still correct:
-``split_kv_decode_`` overwrites them with the same attention); the SPEAR scheduler plans decodes first.
+``route_rows(cu_q)``: which kernel takes which sequences, decided on the device (under CUDA graphs the host
+only knows padded sizes: transformers passes the padded token count as ``max_q``). A step of decodes only:
+every decode to the split-KV kernel, the varlen kernel given a ``cu_q`` of empty sequences (its programs
+return when their block starts past the sequence's length). A step with a prefill piece: every sequence to
+the varlen kernel, none to the split. Measured before this rule (H100, ``benchmarks/results/decode_attention/
+2026-12-07_h100_overlap``): with the decodes split off and run beside torch's kernel, steps with a prefill
+piece were 1.02-1.69x torch's kernel alone, overlapped or not: the piece's kernel fills every SM, and torch
+runs the decodes in its own launch's idle tail, where the split's reads (about twice their byte floor at 4-16
+decodes) had to wait.
 """
 from __future__ import annotations
 
@@ -129,14 +132,17 @@ if HAS_TRITON:
                  mask=(offs_d < D) & (q1 - q0 == 1))
 
     @triton.jit
-    def _without_leading(CU_Q, OUT, N, BLOCK: tl.constexpr):
-        """OUT = max(CU_Q, CU_Q[f]) where f is the first sequence without exactly one query (N if none)."""
+    def _route(CU_Q, OUT, N, BLOCK: tl.constexpr):
+        """OUT (2, N + 1): a step with a sequence of several queries: row 0 CU_Q (the varlen kernel attends
+        every sequence), row 1 zeros (the split-KV kernel none); a step of decodes only: row 0 CU_Q[N] (every
+        sequence empty), row 1 CU_Q."""
         i = tl.arange(0, BLOCK)
         c = tl.load(CU_Q + i, mask=i <= N, other=0)
         nxt = tl.load(CU_Q + i + 1, mask=i < N, other=0)
-        f = tl.min(tl.where((i < N) & (nxt - c != 1), i, N), axis=0)
-        start = tl.load(CU_Q + f)
-        tl.store(OUT + i, tl.maximum(c, start), mask=i <= N)
+        mixed = tl.max(tl.where((i < N) & (nxt - c > 1), 1, 0), axis=0) > 0
+        end = tl.load(CU_Q + N)
+        tl.store(OUT + i, tl.where(mixed, c, end), mask=i <= N)
+        tl.store(OUT + N + 1 + i, tl.where(mixed, 0, c), mask=i <= N)
 
 
 def splits_for(heads: int, max_k: int, device) -> int:
@@ -236,16 +242,18 @@ def combine_(out: torch.Tensor, cu_q: torch.Tensor, parts: Optional[Partials]) -
     return out
 
 
-def without_leading_decodes(cu_q: torch.Tensor) -> torch.Tensor:
-    """``cu_q`` with the one-query sequences at the front made empty (module docstring); one launch."""
+def route_rows(cu_q: torch.Tensor) -> torch.Tensor:
+    """Which kernel attends which sequences of the step (module docstring), decided on the device in one
+    launch: a (2, N + 1) int32 tensor, row 0 the ``cu_q`` to give the varlen kernel, row 1 the one to give
+    the split-KV kernel (each row contiguous)."""
     if not HAS_TRITON:
-        raise RuntimeError("without_leading_decodes needs Triton")
+        raise RuntimeError("route_rows needs Triton")
     if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 1:
-        raise ValueError(f"without_leading_decodes: cu_q {tuple(cu_q.shape)} {cu_q.dtype} must be (N + 1,) int32")
-    out = torch.empty_like(cu_q)
+        raise ValueError(f"route_rows: cu_q {tuple(cu_q.shape)} {cu_q.dtype} must be (N + 1,) int32")
     n = cu_q.numel() - 1
-    _without_leading[(1,)](cu_q, out, n, BLOCK=next_pow2(n + 1))
+    out = torch.empty((2, n + 1), device=cu_q.device, dtype=torch.int32)
+    _route[(1,)](cu_q, out, n, BLOCK=next_pow2(n + 1))
     return out
 
 
-__all__ = ["Partials", "combine_", "split_kv_decode_", "split_kv_partials", "splits_for", "without_leading_decodes"]
+__all__ = ["Partials", "combine_", "route_rows", "split_kv_decode_", "split_kv_partials", "splits_for"]

@@ -92,49 +92,51 @@ def split_kv_available(device) -> bool:
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
-                     prefill_cu_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     routes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal variable-length attention (the contract of ``varlen_reference``): torch's kernel on CUDA, the
-    reference elsewhere. With ``split_kv_available`` (CUDA, ``SPEAR_SPLIT_KV=1``) the sequences of one query
-    (the decodes) go to the split-KV kernel (``lowering/split_kv_decode``) and torch's kernel gets ``cu_q``
-    without the leading ones (``prefill_cu_q``: ``without_leading_decodes(cu_q)``, made here when not
-    given)."""
+    reference elsewhere. With ``split_kv_available`` (CUDA, ``SPEAR_SPLIT_KV=1``) a step of decodes only goes
+    to the split-KV kernel (``lowering/split_kv_decode``), a step with a prefill piece to torch's kernel whole
+    (``decodes_split``; ``routes``: ``route_rows(cu_q)``, made here when not given)."""
     got = _kernel() if q.is_cuda else None
     if got is None:
         return varlen_reference(q, k, v, cu_q, cu_k, scale)
     if not split_kv_available(q.device):
         return _torch_varlen(got, q, k, v, cu_q, cu_k, max_q, max_k, scale)
-    return decodes_split(functools.partial(_torch_varlen, got), q, k, v, cu_q, cu_k, max_q, max_k, scale,
-                         prefill_cu_q)
+    return decodes_split(functools.partial(_torch_varlen, got), q, k, v, cu_q, cu_k, max_q, max_k, scale, routes)
 
 
 def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
-                  prefill_cu_q: Optional[torch.Tensor] = None, overlap: bool = True) -> torch.Tensor:
-    """``varlen`` (a function of ``varlen_attention``'s arguments less ``prefill_cu_q``) for the sequences of
-    several queries, the split-KV kernel for those of one: ``varlen`` gets ``prefill_cu_q`` (default
-    ``without_leading_decodes(cu_q)``), so it skips the leading decodes, and the split-KV kernel then writes
-    every decode's row. A step whose ``max_q`` is 1 does not call ``varlen`` at all; in the engine that is
-    only an eager step (under CUDA graphs transformers passes the padded token count as ``max_q``).
+                  routes: Optional[torch.Tensor] = None, overlap: bool = True) -> torch.Tensor:
+    """``varlen`` (a function of ``varlen_attention``'s arguments less ``routes``) for a step with a sequence
+    of several queries, the split-KV kernel for a step of decodes only, chosen on the device by ``routes``
+    (``lowering.split_kv_decode.route_rows(cu_q)``, made here when not given): both launch every step, and
+    the one not chosen gets a ``cu_q`` of empty sequences. A step whose ``max_q`` is 1 does not call
+    ``varlen`` at all; in the engine that is only an eager step (under CUDA graphs transformers passes the
+    padded token count as ``max_q``).
 
-    ``overlap`` (CUDA): the split's first launch (the decodes' key reads, memory-bound) runs on a side stream
-    beside ``varlen`` (a prefill piece's compute-bound kernel), joined before its second launch writes the
-    decode rows. Serialised, a step with a prefill piece ran 15-58 % slower than torch's kernel alone, which
-    runs both kinds of sequence side by side in one launch (H100, ``benchmarks/results/decode_attention/
-    2026-12-07_h100``). A CUDA graph captures the fork and the join."""
-    from ..lowering.split_kv_decode import combine_, split_kv_decode_, split_kv_partials, without_leading_decodes
+    ``overlap`` (CUDA): the split's first launch runs on a side stream beside ``varlen``, joined before its
+    second launch writes the decode rows, so that part of what the idle one costs leaves the step's path:
+    torch's kernel given only empty sequences still starts a program per (sequence, head), and under the
+    engine's padding to 64 sequences one decode at 2k keys took 45 us a layer overlapped, 51 us serial and
+    20 us unpadded (32 KV heads, H100, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``). A CUDA graph
+    captures the fork and the join."""
+    from ..lowering.split_kv_decode import combine_, route_rows, split_kv_decode_, split_kv_partials
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     if int(max_q) <= 1:
         out = torch.zeros_like(q)  # (rows of no sequence: transformers' padding, never read)
         return split_kv_decode_(out, q, k, v, cu_q, cu_k, max_k, scale)
-    pre = without_leading_decodes(cu_q) if prefill_cu_q is None else prefill_cu_q
+    routes = route_rows(cu_q) if routes is None else routes
+    to_varlen, to_split = routes[0], routes[1]
     if not (overlap and q.is_cuda):
-        return split_kv_decode_(varlen(q, k, v, pre, cu_k, max_q, max_k, scale), q, k, v, cu_q, cu_k, max_k, scale)
+        out = varlen(q, k, v, to_varlen, cu_k, max_q, max_k, scale)
+        return split_kv_decode_(out, q, k, v, to_split, cu_k, max_k, scale)
     main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
     side.wait_stream(main)  # the step's q / k / v / cu are written on main
-    parts = split_kv_partials(q, k, v, cu_q, cu_k, max_k, scale, stream=side)  # buffers on main, launch on side
-    out = varlen(q, k, v, pre, cu_k, max_q, max_k, scale)
+    parts = split_kv_partials(q, k, v, to_split, cu_k, max_k, scale, stream=side)  # buffers on main, launch on side
+    out = varlen(q, k, v, to_varlen, cu_k, max_q, max_k, scale)
     main.wait_stream(side)
-    return combine_(out, cu_q, parts)
+    return combine_(out, to_split, parts)
 
 
 _SIDE = threading.local()  # .streams: {device index: the side stream of decodes_split on this thread}
@@ -201,27 +203,27 @@ def _paged_step(module, query, key, value, scaling, kwargs) -> torch.Tensor:
                                   read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     q = query.transpose(1, 2).squeeze(0).contiguous()
     cu_q = kwargs["cu_seq_lens_q"]
-    pre = _prefill_cu_q(module, cu_q) if split_kv_available(q.device) else None
+    routes = _routes(module, cu_q) if split_kv_available(q.device) else None
     return varlen_attention(q, k.contiguous(), v.contiguous(), cu_q, cu_k, kwargs["max_seqlen_q"], max_k, scaling,
-                            prefill_cu_q=pre)
+                            routes=routes)
 
 
-_MEMO = threading.local()  # .last: (cu_seq_lens_q of the forward, capturing, its copy without the leading decodes)
+_MEMO = threading.local()  # .last: (cu_seq_lens_q of the forward, capturing, its route_rows)
 
 
-def _prefill_cu_q(module, cu_q: torch.Tensor) -> torch.Tensor:
-    """``without_leading_decodes(cu_q)``, made by the first layer of each forward and reused by the others
+def _routes(module, cu_q: torch.Tensor) -> torch.Tensor:
+    """``route_rows(cu_q)``, made by the first layer of each forward and reused by the others
     (one launch per step instead of one per layer). It is remade at layer 0 (every forward, and every
     CUDA-graph capture of one, starts there, so a graph never reads a copy another graph or an eager
     warm-up made), for another ``cu_q`` object, and when CUDA-graph capture started or stopped since it was
     made (a model whose attention has no layer 0, e.g. a pipeline stage, still gets it made inside the
     capture). One memo per thread: engines on two threads never share it."""
-    from ..lowering.split_kv_decode import without_leading_decodes
+    from ..lowering.split_kv_decode import route_rows
 
     capturing = bool(cu_q.is_cuda and torch.cuda.is_current_stream_capturing())
     last = getattr(_MEMO, "last", None)
     if last is None or getattr(module, "layer_idx", 0) == 0 or last[0] is not cu_q or last[1] != capturing:
-        made = without_leading_decodes(cu_q.to(torch.int32))
+        made = route_rows(cu_q.to(torch.int32))
         _MEMO.last = (cu_q, capturing, made)
         return made
     return last[2]

@@ -70,16 +70,21 @@ def test_a_long_decode_among_transformers_padding_sequences_is_split_and_exact()
     assert torch.equal(out[1:], sentinel[1:])
 
 
-@pytest.mark.parametrize("q_lens,expect", [
-    ([1, 1, 4, 1], [2, 2, 2, 6, 7]),  # the leading decodes emptied, the later one kept
-    ([5, 1], [0, 5, 6]),             # no leading decode: unchanged
-    ([1, 1], [2, 2, 2]),             # only decodes: all empty
+@pytest.mark.parametrize("q_lens,to_varlen,to_split", [
+    ([1, 1, 4, 1], [0, 1, 2, 6, 7], [0, 0, 0, 0, 0]),  # a prefill piece: every sequence to the varlen kernel
+    ([5, 1, 0], [0, 5, 6, 6], [0, 0, 0, 0]),
+    ([1, 1, 0, 0], [2, 2, 2, 2, 2], [0, 1, 2, 2, 2]),  # decodes and padding only: every decode to the split
+    ([0, 0], [0, 0, 0], [0, 0, 0]),                    # nothing
 ])
-def test_without_leading_decodes(q_lens, expect):
-    from spear_compile.lowering.split_kv_decode import without_leading_decodes
+def test_route_rows(q_lens, to_varlen, to_split):
+    from spear_compile.lowering.split_kv_decode import route_rows
 
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    assert without_leading_decodes(cu).tolist() == expect
+    routes = route_rows(cu)
+    assert routes.dtype == torch.int32 and routes.shape == (2, len(q_lens) + 1)
+    assert routes[0].tolist() == to_varlen and routes[1].tolist() == to_split
+    with pytest.raises(ValueError, match="int32"):
+        route_rows(cu.long())
 
 
 def test_bad_inputs_are_named():
@@ -94,16 +99,17 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.parametrize("q_lens,k_lens", [
-    ([1, 1, 6, 1], [40, 300, 90, 7]),  # leading decodes, a prefill piece, a decode after it
-    ([1, 1, 1], [3, 200, 64]),         # decodes only: the varlen kernel is not called
+    ([1, 1, 6, 1], [40, 300, 90, 7]),  # decodes around a prefill piece: the varlen kernel takes the whole step
+    ([1, 1, 1], [3, 200, 64]),         # decodes only, max_q 1: the varlen kernel is not called
+    ([1, 1, 0, 0], [3, 200, 0, 0]),    # decodes and padding under a padded max_q: the varlen kernel gets nothing
     ([4, 3], [4, 20]),                 # no decode
 ])
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens, overlap):
-    """``runtime.attention.decodes_split``: the varlen kernel (here ``varlen_reference``, as it runs on CPU) on
-    the step without its leading decodes, then the split-KV kernel for every decode, equals the reference
-    over the whole step (padding rows excluded). ``overlap`` puts the split's first launch on a side stream
-    on CUDA (on CPU both run in order)."""
+    """``runtime.attention.decodes_split``: a step with a prefill piece all to the varlen kernel (here
+    ``varlen_reference``, as it runs on CPU), a step of decodes only all to the split-KV kernel; either way
+    equal to the reference over the whole step (padding rows excluded). ``overlap`` puts the split's first
+    launch on a side stream on CUDA (on CPU both run in order)."""
     from spear_compile.runtime.attention import decodes_split, varlen_reference
 
     q, k, v, cu_q, cu_k = _step(q_lens, k_lens, 4, 2, 32, torch.bfloat16, pad_q=0, pad_k=5)
@@ -113,14 +119,17 @@ def test_engine_composition_equals_the_per_sequence_reference(q_lens, k_lens, ov
         calls.append(cu_q_.tolist())
         return varlen_reference(q_, k_, v_, cu_q_, cu_k_, scale)
 
-    out = decodes_split(varlen, q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.25, overlap=overlap)
+    max_q = 64 if q_lens == [1, 1, 0, 0] else max(q_lens)  # (transformers' padded token count)
+    out = decodes_split(varlen, q, k, v, cu_q, cu_k, max_q, max(k_lens), 0.25, overlap=overlap)
     ref = varlen_reference(q, k, v, cu_q, cu_k, 0.25)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    if max(q_lens) == 1:
+    n = int(cu_q[-1])
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=2e-2, rtol=2e-2)
+    if max_q == 1:
         assert calls == []
+    elif max(q_lens) == 1:
+        assert calls == [[n] * (len(q_lens) + 1)], calls  # every sequence empty
     else:
-        leading = next(i for i, x in enumerate(q_lens + [0]) if x != 1)
-        assert len(calls) == 1 and calls[0][0] == leading, calls  # its step starts after the leading decodes
+        assert calls == [cu_q.tolist()], calls
 
 
 def test_the_two_launches_apart_equal_the_one_call_and_check_their_partials():
@@ -151,8 +160,8 @@ def test_a_max_k_below_the_longest_sequence_still_attends_every_key():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_the_first_layer_remakes_the_step_without_leading_decodes_and_the_others_reuse_it():
-    """``runtime.attention._prefill_cu_q``: one launch per forward, made by layer 0 (every forward and every
+def test_the_first_layer_remakes_the_step_routes_and_the_others_reuse_them():
+    """``runtime.attention._routes``: one launch per forward, made by layer 0 (every forward and every
     CUDA-graph capture starts there, so no graph reads a tensor another graph made)."""
     from types import SimpleNamespace
 
@@ -160,10 +169,10 @@ def test_the_first_layer_remakes_the_step_without_leading_decodes_and_the_others
 
     layer = [SimpleNamespace(layer_idx=i) for i in range(3)]
     cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32, device=DEV)
-    first = A._prefill_cu_q(layer[0], cu)
-    assert first.tolist() == [2, 2, 2, 6]
-    assert A._prefill_cu_q(layer[1], cu) is first and A._prefill_cu_q(layer[2], cu) is first
-    again = A._prefill_cu_q(layer[0], cu)
-    assert again is not first and A._prefill_cu_q(layer[1], cu) is again, "a new forward remakes it at layer 0"
-    other = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEV)
-    assert A._prefill_cu_q(layer[1], other).tolist() == [0, 4, 5], "another step's lengths are never reused"
+    first = A._routes(layer[0], cu)
+    assert first.tolist() == [[0, 1, 2, 6], [0, 0, 0, 0]]
+    assert A._routes(layer[1], cu) is first and A._routes(layer[2], cu) is first
+    again = A._routes(layer[0], cu)
+    assert again is not first and A._routes(layer[1], cu) is again, "a new forward remakes it at layer 0"
+    other = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    assert A._routes(layer[1], other).tolist() == [[2, 2, 2], [0, 1, 2]], "another step's lengths are never reused"

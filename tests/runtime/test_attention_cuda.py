@@ -35,23 +35,27 @@ def test_kernel_equals_reference(seqs, gqa, split_kv, monkeypatch):
     torch.testing.assert_close(got[:n].float(), want[:n], atol=2e-2, rtol=2e-2)
 
 
-def test_overlapped_split_replays_in_a_cuda_graph_and_equals_the_serial_one():
+def test_overlapped_split_replays_in_a_cuda_graph_and_routes_each_replay_on_the_device():
     """``decodes_split(overlap=True)`` forks the split's first launch onto a side stream and joins it: a CUDA
-    graph captures both streams, and its replays over new inputs equal the serial path (the same kernels,
-    bit for bit) and the reference."""
+    graph captures both streams. Replayed with the lengths of a step with a prefill piece and then, in the
+    same tensors, of a step of decodes only (``route_rows`` decides on the device which kernel attends), it
+    equals the serial path (the same kernels, bit for bit) and the reference."""
     import functools
 
+    from spear_compile.lowering.split_kv_decode import route_rows
     from spear_compile.runtime import attention as A
 
     g = torch.Generator(device="cuda").manual_seed(1)
     H, Hkv, D = 32, 8, 128
-    q_lens, k_lens = [1, 1, 1, 200, 0], [1500, 40, 3000, 700, 0]  # leading decodes, a piece, a padding sequence
     cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    cu_q, cu_k = cu(q_lens), cu(k_lens)
-    q = torch.randn(sum(q_lens) + 53, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(sum(k_lens), Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    steps = [([1, 1, 1, 200, 0], [1500, 40, 3000, 700, 0]),  # decodes, a piece, a padding sequence
+             ([1, 1, 1, 0, 0], [1500, 40, 3700, 0, 0])]      # decodes only, in the same buffers
+    cu_q, cu_k = cu(steps[0][0]), cu(steps[0][1])
+    q = torch.randn(256, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(5240, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     varlen = functools.partial(A._torch_varlen, A._kernel())
-    run = lambda overlap: A.decodes_split(varlen, q, k, v, cu_q, cu_k, 256, 4096, D ** -0.5, overlap=overlap)
+    run = lambda overlap: A.decodes_split(varlen, q, k, v, cu_q, cu_k, 256, 4096, D ** -0.5,
+                                          routes=route_rows(cu_q), overlap=overlap)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (Triton compiles) off the capture
@@ -60,13 +64,15 @@ def test_overlapped_split_replays_in_a_cuda_graph_and_equals_the_serial_one():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run(True)
-    n = int(cu_q[-1])
-    for _ in range(2):
+    for q_lens, k_lens in steps + steps:
+        cu_q.copy_(cu(q_lens))
+        cu_k.copy_(cu(k_lens))
         q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g))
         k.copy_(torch.randn(k.shape, device="cuda", dtype=k.dtype, generator=g))
         graph.replay()
         serial = run(False)
         torch.cuda.synchronize()
-        assert torch.equal(out[:n], serial[:n])
+        n = sum(q_lens)
+        assert torch.equal(out[:n], serial[:n]), q_lens
         want = varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, D ** -0.5)
         torch.testing.assert_close(out[:n].float(), want[:n], atol=2e-2, rtol=2e-2)
