@@ -457,9 +457,10 @@ def main(argv=None) -> None:
                     help="token padding of a step (cb_config q_padding_interval_size; default: transformers' 64): "
                          "smaller pads small decode batches less (a smaller M for the W4 GEMMs) at the price of "
                          "more CUDA-graph shapes")
-    ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["off"],
-                    help="dynamic runs without the engine's online correction of the latency model (off, "
-                         "label 'dynamic'), with it (on, 'dynamic_online'), or both, each its own run")
+    ap.add_argument("--correction", nargs="+", choices=("on", "off"), default=["on"],
+                    help="dynamic runs with the engine's online correction of the latency model (on, the "
+                         "engine's default, label 'dynamic_online'), without it (off, 'dynamic'), or both, "
+                         "each its own run")
     ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
                     help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
                          "CUDA, varlen attention); 'off on' runs both, one engine each")

@@ -23,12 +23,12 @@ measurements and as an escape hatch if a kernel misbehaves on some GPU or driver
   GPUs.
 Opt-in switches (same numerics within rounding; off until a GPU run has measured them faster where users run them):
 
-* ``SPEAR_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) hands the one-query
-  sequences (the decodes) to the split-KV decode kernel (``lowering/split_kv_decode.py``) and torch's
-  variable-length kernel only the rest. Checked on an H100; there, served with the two launches one after
-  the other, decode-only steps ran 9 % faster but steps with a prefill piece slower, and the 16 ms SLO run
-  was worse (p99 ITL 28.3 against 17.9 ms: ``benchmarks/results/serving/2026-12-07_h100_split_kv``). The
-  decodes' launch now runs beside torch's kernel; that has not yet been served on a GPU.
+* ``SPEAR_SPLIT_KV=1``: the engine's varlen attention (``runtime/attention.py``) hands a step of decodes
+  only to the split-KV decode kernel (``lowering/split_kv_decode.py``) and a step with a prefill piece to
+  torch's variable-length kernel whole. Checked on an H100; served there at a 16 ms SLO it lost on p99 ITL
+  (16.3 ms against 15.9-16.0 with the online correction, 19.3-19.4 against 16.4-18.1 without:
+  ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``), though one decode at 2k keys takes
+  0.30-0.47x torch's kernel time a layer.
 
 Paths:
 

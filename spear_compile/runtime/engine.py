@@ -145,7 +145,8 @@ class Engine:
     attention implementation is restored when the engine stops); ``online_correction``: the SLO policy the
     engine builds plans against its latency model corrected online by the engine's measured steps
     (``online.StepTimeCorrection``, ``Engine.correction``; steps that captured or compiled a graph
-    are left out). Off by default: its one closed-loop run lowered SLO attainment (``runtime.online``);
+    are left out). On by default: on an H100 (Llama-2-7B-shaped W4, ECs on 25 %, 16 ms SLO) it took p99 ITL
+    from 16.4-18.1 to 15.9-16.0 ms and attainment from 0.79-0.95 to 0.99 (``runtime.online``);
     ``async_batching``: transformers' asynchronous batching (``use_async_batching``: two sets of step
     buffers on CUDA, so the host prepares, plans and launches step k while the GPU runs step k - 1; the
     engine then times each step by the gap one call later, ``step_gaps``). Needs CUDA and an attention
@@ -158,7 +159,7 @@ class Engine:
                  max_batch_tokens: Optional[int] = None, max_requests_per_batch: Optional[int] = None,
                  generation_config=None, cb_config: Optional[dict] = None,
                  recompile_limit: Optional[int] = None, calibrate: bool = True, attention: Optional[str] = None,
-                 online_correction: bool = False, async_batching: bool = False,
+                 online_correction: bool = True, async_batching: bool = False,
                  log: Callable[[str], None] = logger.info) -> None:
         if policy is not None and not callable(getattr(policy, "plan", None)):
             raise TypeError(f"Engine: policy={policy!r} must have a plan(state) -> StepPlan method")

@@ -27,8 +27,12 @@ whenever its residual exceeds the offset. On that run's uncorrected steps with p
 p10 / 50 / 90 / 99: the model over-predicts the typical step and under-predicts a tail, so the median
 offset (-0.5 ms) made 49-53 % of the steps exceed their corrected prediction (9-21 % by more than 5 %),
 while the 0.9 quantile of 32 (+0.25 ms on average) made 18 % exceed it (4.6 % by more than 5 %).
-``Engine`` leaves the correction off unless asked (``online_correction=True``) until a closed-loop run
-shows it holds the SLO better than the uncorrected policy. Steps that captured a CUDA graph or compiled
+``Engine`` turns it on by default (``online_correction=False`` turns it off) since the closed-loop A/B of
+2026-12-07 (H100, Llama-2-7B-shaped W4 g128, ECs on 25 %, 16 ms SLO, 32 requests at 2 / s, torch's varlen
+attention, ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``): uncorrected p99 ITL 18.06 and
+16.41 ms (attainment 0.79 / 0.95, mean TTFT 337 / 329 ms) in two runs, corrected 16.02 and 15.92 ms (0.99 /
+0.99, 265 / 276 ms); corrected at 0 / 50 / 100 % EC density 16.11 / 15.97 / 17.03 ms (0.99 / 0.99 / 0.94).
+Steps that captured a CUDA graph or compiled
 one (``first_use``) are not observed: they are one-off costs, not the model's error. The correction is a
 quantile of an additive residual, so a step whose content differs from the recent ones still gets its
 own prediction plus the recent residual, not the recent steps' time.

@@ -156,20 +156,19 @@ def test_concurrent_requests_with_chunked_prefill_give_the_same_tokens(engine, s
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_online_correction_learns_from_the_engines_steps_and_keeps_the_tokens(engine, smol):
-    """An SLO policy that reads the engine's correction (``online_correction=True``; here set on the shared
-    engine): the engine feeds it each prefill step's wall time (its 1 ms-per-token model under-predicts CPU
-    steps of tens of ms, so the offset grows positive and the pieces shrink to forced minimal ones), and the
-    tokens stay those of ``generate``. A policy that does not read this correction leaves it untouched."""
+    """An SLO policy that reads the engine's correction (``online_correction``, on by default; here a fresh
+    one on the shared engine): the engine feeds it each prefill step's wall time (its 1 ms-per-token model
+    under-predicts CPU steps of tens of ms, so the offset grows positive and the pieces shrink to forced
+    minimal ones), and the tokens stay those of ``generate``. A policy that does not read this correction leaves it untouched."""
     from spear_compile.runtime import StepTimeCorrection
 
     eng, _ = engine
     _, _, ids, refs = smol
     lm = LatencyModel((LinearTable("all", 1, LatencyTable((1, 64), (1.0, 64.0))),),
                       LatencyTable((1, 64), (0.0, 0.0)), AttentionCost(), 1)
-    assert eng.correction is None  # off unless asked
-    eng.correction = StepTimeCorrection()
+    assert isinstance(eng.correction, StepTimeCorrection)  # on by default
+    default, eng.correction = eng.correction, StepTimeCorrection()
     eng.set_policy(SloChunkPolicy(lm, 12.0, max_chunk=64, min_chunk=4))
     try:
         assert eng.generate(ids[:1], max_new_tokens=4) == [refs[0][:4]]
@@ -179,7 +178,7 @@ def test_online_correction_learns_from_the_engines_steps_and_keeps_the_tokens(en
         assert eng.generate(ids, max_new_tokens=NEW) == refs
     finally:
         eng.set_policy(StaticChunkPolicy(64))
-        corr, eng.correction = eng.correction, None
+        corr, eng.correction = eng.correction, default
     assert corr.observed >= 3 and corr.offset_ms > 0 and corr.offset_for(False) > 0
     assert any(plan.forced for _, plan, _ in eng.steps)
     _steps_match_plans(eng.steps)
