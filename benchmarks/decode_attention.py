@@ -11,7 +11,11 @@ and a GQA case of 32 query / 8 KV heads), as the engine hands it to the attentio
   decides on the device, a step of decodes only to the split-KV kernel, a step with a prefill piece to torch's
   kernel whole; the split's first launch on a side stream beside torch's), ``split_serial`` (the same launches
   one after the other) and ``floor_us``, the byte floor: K and V of every sequence read once at
-  ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e).
+  ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e); on a torch whose kernel takes no ``enable_gqa``
+  (2.11), the GQA rows also time ``torch_grouped`` (``_torch_varlen(gqa="grouped")``: one call per position in
+  the head group on K and V as they are, instead of repeating them). Expected of it: decode-heavy GQA steps
+  near the 32 / 32 rows' time (64 decodes at 1k: about 500 us against 1553 with the repeat), prefill pieces
+  about unchanged.
 
 Measured (H100, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``), when the split took every step's
 decodes and torch's kernel the rest: decode-only steps 0.16-0.53x torch's time at 1-2 sequences, but steps with a
@@ -108,11 +112,20 @@ def main(argv=None) -> None:
             t_new = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             t_ser = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale,
                                                           overlap=False), calls=20)
+            if Hkv != H and "enable_gqa" not in got[1]:  # torch 2.11: K / V repeated, or one call per group position
+                grouped = functools.partial(A._torch_varlen, got, gqa="grouped")
+                out_g = grouped(q, k, v, cu_q, cu_k, mq, mk, scale)
+                t_g = bench_graph(lambda i: grouped(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
+                row_g = {"torch_grouped_us": t_g, "torch_grouped_over_torch": t_g / t_old,
+                         "max_abs_err_torch_grouped": (out_g[:n].float() - ref[:n]).abs().max().item()}
+            else:
+                row_g = {}
             kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
             row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "engine_padding": padded, "torch_varlen_us": t_old, "split_us": t_new,
                    "split_over_torch": t_new / t_old, "split_serial_us": t_ser, "split_serial_over_torch": t_ser / t_old,
                    "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
-                   "max_abs_err_split": err_new, "max_abs_err_split_serial": err_ser, "max_abs_err_torch": err_old}
+                   "max_abs_err_split": err_new, "max_abs_err_split_serial": err_ser, "max_abs_err_torch": err_old,
+                   **row_g}
             rows.append(row)
             print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     os.makedirs(args.out, exist_ok=True)

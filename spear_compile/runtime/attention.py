@@ -154,7 +154,15 @@ def _side_stream(device) -> "torch.cuda.Stream":
     return streams[idx]
 
 
-def _torch_varlen(got, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:
+def _torch_varlen(got, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float],
+                  gqa: str = "repeat") -> torch.Tensor:
+    """torch's kernel (``got``: ``_kernel()``), causal aligned to the end of each sequence's keys. Grouped
+    query heads go to the kernel's ``enable_gqa`` where it has one (torch 2.13); on a kernel without it
+    (torch 2.11) ``gqa`` says how: ``"repeat"`` (K and V repeated per query head, the engine's path) or
+    ``"grouped"`` (``_per_group_position``, a candidate not yet timed on a GPU:
+    ``benchmarks/decode_attention.py`` times both). Measured (H100, torch 2.11,
+    ``benchmarks/results/decode_attention/2026-12-07_h100_routed``): with the repeat, 64 decodes at 1k keys
+    on 32 / 8 heads took 1553 us against 498 us on 32 / 32."""
     fn, params = got
     kw = {"scale": scale}
     if "window_size" in params:
@@ -163,13 +171,31 @@ def _torch_varlen(got, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optio
         kw["is_causal"] = True
     else:  # a torch whose kernel cannot be made causal
         return varlen_reference(q, k, v, cu_q, cu_k, scale)
+    cu_q, cu_k, max_q, max_k = cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
-        else:
+        elif gqa == "grouped":
+            return _per_group_position(fn, q, k, v, cu_q, cu_k, max_q, max_k, kw)
+        elif gqa == "repeat":
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return fn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), **kw)
+        else:
+            raise ValueError(f"varlen attention: gqa={gqa!r} must be 'repeat' or 'grouped'")
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+def _per_group_position(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, kw: dict) -> torch.Tensor:
+    """Grouped-query attention on a kernel without ``enable_gqa``, K and V never repeated: query head
+    ``j * r + i`` reads KV head ``j`` (``repeat_interleave``'s order), so the ``i``-th heads of every group
+    form one multi-head call against K and V as they are, one call per ``i``, and the ``r`` outputs are
+    interleaved back. Reads K and V ``r`` times, as the kernel on repeated K and V does, but writes no
+    copy of them (``r`` times their size); launches ``r`` kernels of ``Hkv`` heads each."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(T, Hkv, H // Hkv, D)
+    outs = [fn(qg[:, :, i].contiguous(), k, v, cu_q, cu_k, max_q, max_k, **kw) for i in range(H // Hkv)]
+    return torch.stack(outs, dim=2).view(T, H, D)
 
 
 def paged_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

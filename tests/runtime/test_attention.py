@@ -49,6 +49,34 @@ def test_reference_equals_the_masked_packed_step(seqs, pad, gqa, seed):
     torch.testing.assert_close(varlen_attention(q, k, v, cu_q, cu_k, 9, 21, 0.3), want)  # CPU: the reference
 
 
+@pytest.mark.parametrize("gqa", ["repeat", "grouped"])
+def test_a_kernel_without_enable_gqa_gets_grouped_heads_either_way(gqa):
+    """torch 2.11's ``varlen_attn`` takes no ``enable_gqa``: ``_torch_varlen`` repeats K and V per query head
+    (``"repeat"``) or calls the kernel once per position in the group on K and V as they are (``"grouped"``).
+    Here a kernel standing in for torch's (the reference, refusing unequal head counts as a kernel without
+    GQA would) must give the reference's attention both ways; ``"grouped"`` never hands it repeated K / V."""
+    from spear_compile.runtime.attention import _torch_varlen
+
+    seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert q.shape[1] == k.shape[1] and window_size == (-1, 0) and cu_q.dtype == torch.int32
+        seen.append(k.data_ptr())
+        return varlen_reference(q, k, v, cu_q, cu_k, scale)
+
+    g = torch.Generator().manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 1, 6, 7]), torch.tensor([0, 9, 16, 20])  # a decode, a piece, a decode
+    q = torch.randn(8, 12, 16, generator=g)
+    k, v = (torch.randn(20, 3, 16, generator=g) for _ in range(2))
+    got = _torch_varlen((kernel, frozenset({"scale", "window_size"})), q, k, v, cu_q, cu_k, 5, 9, 0.25, gqa=gqa)
+    want = varlen_reference(q, k, v, cu_q, cu_k, 0.25)
+    torch.testing.assert_close(got[:7], want[:7])
+    assert len(seen) == (4 if gqa == "grouped" else 1)
+    assert (set(seen) == {k.data_ptr()}) == (gqa == "grouped")
+    with pytest.raises(ValueError, match="gqa='tiled'"):
+        _torch_varlen((kernel, frozenset({"scale", "window_size"})), q, k, v, cu_q, cu_k, 5, 9, 0.25, gqa="tiled")
+
+
 def test_reference_names_bad_input():
     q, k = torch.randn(3, 4, 8), torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match="multiple of 3 KV heads"):
