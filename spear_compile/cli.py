@@ -319,6 +319,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = ServeConfig(model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                           host=args.host, port=args.port, device=args.device, group_size=args.group_size,
                           ec=args.ec, ec_rank=args.ec_rank, slo_itl_ms=args.slo_itl_ms, policy=args.policy,
+                          online_correction=args.online_correction,
                           max_queue=args.max_queue, max_tokens=args.max_tokens, max_model_len=args.max_model_len,
                           num_blocks=args.num_blocks, block_size=args.block_size,
                           max_batch_tokens=args.max_batch_tokens, compile=args.compile,
@@ -399,6 +400,8 @@ def _add_serve_parser(sub) -> None:
                    help="inter-token latency SLO: /metrics scores against it; --policy auto schedules under it")
     s.add_argument("--policy", default="auto", choices=POLICIES,
                    help="auto: the SLO chunk policy with --slo-itl-ms (else static); static: fixed step budget")
+    s.add_argument("--online-correction", action=argparse.BooleanOptionalAction, default=True,
+                   help="--policy auto: plan against the latency model corrected by the served steps (default on)")
     s.add_argument("--max-queue", type=_positive("--max-queue"), default=64,
                    help="admitted requests that may wait to start; more get 429")
     s.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512, help="most output tokens per request")

@@ -19,8 +19,12 @@ Status: checked against its reference under Triton's interpreter (``tests/loweri
 and on an H100 (``tests/runtime/test_attention_cuda.py``, ``benchmarks/results/gpu_tests/2026-12-07_h100_split_kv``).
 Timed there (``benchmarks/decode_attention.py``, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``),
 decode-only steps against torch's kernel: one decode at 0.5-4k keys 0.30-0.70x (32 KV heads) and 0.16-0.44x
-(8 KV heads, where torch 2.11 repeats the keys per query head), 16-64 decodes at 1k 0.88-1.02x (32 KV heads).
-The engine takes it only when ``SPEAR_SPLIT_KV=1`` (``envs``).
+(8 KV heads, where torch 2.11 repeats the keys per query head), 16-64 decodes at 1k 0.88-1.03x (32 KV heads).
+Routed per step (below), steps with a prefill piece cost 4-19 % over torch's kernel alone, 7-25 us a layer
+for ``route_rows`` and the split's two launches over empty sequences
+(``benchmarks/results/decode_attention/2026-12-07_h100_routed``). The engine takes it only when
+``SPEAR_SPLIT_KV=1`` (``envs``): served, it lost on p99 ITL
+(``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``).
 
 Contract of ``split_kv_decode_``: ``q`` (Tq, H, D), ``k`` / ``v`` (Tk, Hkv, D) with H a multiple of Hkv,
 ``cu_q`` / ``cu_k`` (N + 1,) int32 on the device, as the varlen kernel takes them (sequence i: query rows
@@ -248,8 +252,9 @@ def route_rows(cu_q: torch.Tensor) -> torch.Tensor:
     the split-KV kernel (each row contiguous)."""
     if not HAS_TRITON:
         raise RuntimeError("route_rows needs Triton")
-    if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 1:
-        raise ValueError(f"route_rows: cu_q {tuple(cu_q.shape)} {cu_q.dtype} must be (N + 1,) int32")
+    if cu_q.dim() != 1 or cu_q.dtype != torch.int32 or cu_q.numel() < 1 or not cu_q.is_contiguous():
+        raise ValueError(f"route_rows: cu_q {tuple(cu_q.shape)} {cu_q.dtype} must be a contiguous (N + 1,) int32 "
+                         f"vector")
     n = cu_q.numel() - 1
     out = torch.empty((2, n + 1), device=cu_q.device, dtype=torch.int32)
     _route[(1,)](cu_q, out, n, BLOCK=next_pow2(n + 1))

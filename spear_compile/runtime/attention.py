@@ -106,7 +106,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optiona
 
 
 def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Optional[float] = None,
-                  routes: Optional[torch.Tensor] = None, overlap: bool = True) -> torch.Tensor:
+                  routes: Optional[torch.Tensor] = None, overlap: bool = False) -> torch.Tensor:
     """``varlen`` (a function of ``varlen_attention``'s arguments less ``routes``) for a step with a sequence
     of several queries, the split-KV kernel for a step of decodes only, chosen on the device by ``routes``
     (``lowering.split_kv_decode.route_rows(cu_q)``, made here when not given): both launch every step, and
@@ -114,12 +114,15 @@ def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Op
     ``varlen`` at all; in the engine that is only an eager step (under CUDA graphs transformers passes the
     padded token count as ``max_q``).
 
-    ``overlap`` (CUDA): the split's first launch runs on a side stream beside ``varlen``, joined before its
-    second launch writes the decode rows, so that part of what the idle one costs leaves the step's path:
-    torch's kernel given only empty sequences still starts a program per (sequence, head), and under the
-    engine's padding to 64 sequences one decode at 2k keys took 45 us a layer overlapped, 51 us serial and
-    20 us unpadded (32 KV heads, H100, ``benchmarks/results/decode_attention/2026-12-07_h100_overlap``). A CUDA graph
-    captures the fork and the join."""
+    ``overlap`` (CUDA; off by default): the split's first launch runs on a side stream beside ``varlen``,
+    joined before its second launch writes the decode rows, so that part of what the idle one costs leaves
+    the step's path. Measured with the routing (H100, ``benchmarks/results/decode_attention/
+    2026-12-07_h100_routed``): it saves 5 us a layer on one decode at 2k keys under the engine's padding
+    (46 against 51 us; torch's kernel over the 64 padded, empty sequences still starts a program per
+    sequence and head) and 17 us with 8 KV heads, but costs up to 77 us on steps with a prefill piece (one
+    decode at 4k beside a 32-token piece: 222 against 145 us serial, 131 torch alone; not profiled). Those
+    steps are the ones planned up to the SLO, hence serial. A CUDA graph captures the fork and the join.
+"""
     from ..lowering.split_kv_decode import combine_, route_rows, split_kv_decode_, split_kv_partials
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
@@ -193,7 +196,7 @@ def _per_group_position(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, kw: dic
     copy of them (``r`` times their size); launches ``r`` kernels of ``Hkv`` heads each."""
     T, H, D = q.shape
     Hkv = k.shape[1]
-    qg = q.view(T, Hkv, H // Hkv, D)
+    qg = q.reshape(T, Hkv, H // Hkv, D)
     outs = [fn(qg[:, :, i].contiguous(), k, v, cu_q, cu_k, max_q, max_k, **kw) for i in range(H // Hkv)]
     return torch.stack(outs, dim=2).view(T, H, D)
 

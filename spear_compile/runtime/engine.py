@@ -508,11 +508,11 @@ class Engine:
     def _on_tick(self, plan, ms: float) -> None:
         """The last step's wall time (``SchedulerHooks.on_tick``) into the online correction, when the
         planning policy reads this correction and the step captured or compiled no graph."""
-        if self.correction is None:
-            return
+        if self.correction is None or getattr(self.policy_inner(), "correction", None) is not self.correction:
+            return  # (a static policy: no graph walk per step; a stale mark at worst makes the next step unsteady)
         mark = self._first_use_mark()
         steady, self._tick_mark = mark == self._tick_mark, mark
-        if plan is not None and steady and getattr(self.policy_inner(), "correction", None) is self.correction:
+        if plan is not None and steady:
             self.correction.observe(plan.predicted_ms, ms, prefill=bool(plan.prefill))
 
     def policy_inner(self):

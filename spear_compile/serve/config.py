@@ -33,6 +33,8 @@ class ServeConfig:
     slo_itl_ms: the inter-token latency SLO: ``/metrics`` scores every gap against it, and with
         ``policy="auto"`` the engine plans each step with ``SloChunkPolicy`` under it (its latency model is
         measured once per device and cached); ``policy="static"``: a fixed token budget per step.
+        ``online_correction``: that policy plans against its latency model corrected by the served steps
+        (``runtime.online``; on, as ``Engine``'s default).
     max_queue: admitted requests that may wait to start (more: 429). ``max_tokens``: most output tokens
         per request. ``max_model_len``: most prompt + output tokens (default: the model's positions and the
         KV cache, whichever is smaller). ``num_blocks`` / ``block_size`` / ``max_batch_tokens``: the KV cache
@@ -51,6 +53,7 @@ class ServeConfig:
     ec_rank: int = 8
     slo_itl_ms: Optional[float] = None
     policy: str = "auto"
+    online_correction: bool = True
     max_queue: int = 64
     max_tokens: int = 512
     max_model_len: Optional[int] = None

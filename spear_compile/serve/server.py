@@ -114,7 +114,7 @@ def build_service(cfg: ServeConfig, model=None, tokenizer=None, log: Callable[[s
     policy = StaticChunkPolicy(cfg.max_batch_tokens or 1 << 30) if cfg.policy == "static" else None
     engine = Engine(model, tokenizer, policy=policy, slo_itl_ms=cfg.slo_itl_ms if policy is None else None,
                     max_queue=cfg.max_queue, compile=compile_on, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-                    max_batch_tokens=cfg.max_batch_tokens, log=log)
+                    max_batch_tokens=cfg.max_batch_tokens, online_correction=cfg.online_correction, log=log)
     engine.start()
     kv_tokens = engine.kv_total_blocks * engine.kv_block_size
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -18,6 +18,7 @@ from spear_compile.serve import protocol as P
     (dict(slo_itl_ms=-1.0), "ServeConfig.slo_itl_ms=-1.0"),
     (dict(compile="yes"), "ServeConfig.compile='yes'"),
     (dict(model=""), "ServeConfig.model is empty"),
+    (dict(online_correction="no"), "ServeConfig.online_correction='no'"),
 ])
 def test_serve_config_names_the_bad_field(kw, part):
     with pytest.raises(ValueError, match=part.replace("(", r"\(").replace(".", r"\.")):
@@ -39,6 +40,15 @@ def test_spear_serve_checks_its_flags_before_loading(argv, part, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", *argv])
     assert e.value.code == 2 and part in capsys.readouterr().err
+
+
+def test_spear_serve_turns_the_online_correction_off_on_request():
+    from spear_compile.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["serve"]).online_correction is True
+    assert p.parse_args(["serve", "--no-online-correction"]).online_correction is False
+    assert ServeConfig().online_correction is True
 
 
 def test_the_package_and_the_cli_import_without_the_serve_extra():
