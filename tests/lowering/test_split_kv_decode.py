@@ -85,6 +85,8 @@ def test_route_rows(q_lens, to_varlen, to_split):
     assert routes[0].tolist() == to_varlen and routes[1].tolist() == to_split
     with pytest.raises(ValueError, match="int32"):
         route_rows(cu.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        route_rows(torch.zeros(2 * len(cu), dtype=torch.int32, device=DEV)[::2])
 
 
 def test_bad_inputs_are_named():
