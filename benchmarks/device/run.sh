@@ -45,7 +45,8 @@
 #
 # OUT_DIR/meta.json: GPU name, torch / triton versions, date (UTC), commit, topic and the command.
 # With PACK=1 in the environment the folder ends packed as OUT_DIR.tgz (pack.sh), for a transfer
-# that returns a limited number of files. TIMEOUT_S (default 540) bounds the topic's main command.
+# that returns a limited number of files (8 from the lent GPU machines: a call running two serving topics
+# already writes 10; the files past the limit are lost). TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
 if [ $# -lt 2 ]; then sed -n '2,48p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
