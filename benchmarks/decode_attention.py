@@ -10,10 +10,10 @@ and a GQA case of 32 query / 8 KV heads), as the engine hands it to the attentio
   (torch's kernel for every sequence: the path without the split), ``split`` (the engine's path: ``route_rows``
   decides on the device, a step of decodes only to the split-KV kernel, a step with a prefill piece to torch's
   kernel whole; the launches one after the other), ``split_overlap`` (the split's first launch on a side
-  stream beside torch's kernel: ``decodes_split(overlap=True)``) and ``floor_us``, the byte floor: K and V of every sequence read once at
-  ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e); on a torch whose kernel takes no ``enable_gqa``
-  (2.11), the GQA rows also time ``torch_grouped`` (``_torch_varlen(gqa="grouped")``: one call per position in
-  the head group on K and V as they are, instead of repeating them). Expected of it: decode-heavy GQA steps
+  stream beside torch's kernel: ``decodes_split(overlap=True)``) and ``floor_us``, the byte floor: K and V of
+  every sequence read once at ``--bandwidth`` TB/s (default 4.8, the H200's HBM3e); on a torch whose kernel
+  takes no ``enable_gqa`` (2.11), the GQA rows also time ``torch_grouped`` (``_torch_varlen(gqa="grouped")``:
+  one call per position in the head group on K and V as they are, instead of repeating them). Expected of it: decode-heavy GQA steps
   near the 32 / 32 rows' time (64 decodes at 1k: about 500 us against 1553 with the repeat), prefill pieces
   about unchanged.
 
@@ -105,9 +105,8 @@ def main(argv=None) -> None:
             ovl = A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale, overlap=True)
             ref = A.varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
             n = int(cu_q[-1])
-            err_new = (new[:n].float() - ref[:n]).abs().max().item()
-            err_old = (old[:n].float() - ref[:n]).abs().max().item()
-            err_ovl = (ovl[:n].float() - ref[:n]).abs().max().item()
+            err = lambda out: (out[:n].float() - ref[:n]).abs().max().item()  # noqa: E731 (over the sequences' rows)
+            err_new, err_old, err_ovl = err(new), err(old), err(ovl)
             t_old = bench_graph(lambda i: torch_only(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             t_new = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
             t_ovl = bench_graph(lambda i: A.decodes_split(torch_only, q, k, v, cu_q, cu_k, mq, mk, scale,
@@ -117,12 +116,13 @@ def main(argv=None) -> None:
                 out_g = grouped(q, k, v, cu_q, cu_k, mq, mk, scale)
                 t_g = bench_graph(lambda i: grouped(q, k, v, cu_q, cu_k, mq, mk, scale), calls=20)
                 row_g = {"torch_grouped_us": t_g, "torch_grouped_over_torch": t_g / t_old,
-                         "max_abs_err_torch_grouped": (out_g[:n].float() - ref[:n]).abs().max().item()}
+                         "max_abs_err_torch_grouped": err(out_g)}
             else:
                 row_g = {}
             kv_bytes = 2 * cu_k[-1].item() * Hkv * D * 2
-            row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "engine_padding": padded, "torch_varlen_us": t_old, "split_us": t_new,
-                   "split_over_torch": t_new / t_old, "split_overlap_us": t_ovl, "split_overlap_over_torch": t_ovl / t_old,
+            row = {"step": label, "H": H, "Hkv": Hkv, "D": D, "engine_padding": padded, "torch_varlen_us": t_old,
+                   "split_us": t_new, "split_over_torch": t_new / t_old,
+                   "split_overlap_us": t_ovl, "split_overlap_over_torch": t_ovl / t_old,
                    "floor_us": kv_bytes / (args.bandwidth * 1e12) * 1e6,
                    "max_abs_err_split": err_new, "max_abs_err_split_overlap": err_ovl, "max_abs_err_torch": err_old,
                    **row_g}

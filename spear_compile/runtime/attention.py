@@ -121,8 +121,7 @@ def decodes_split(varlen, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: Op
     (46 against 51 us; torch's kernel over the 64 padded, empty sequences still starts a program per
     sequence and head) and 17 us with 8 KV heads, but costs up to 77 us on steps with a prefill piece (one
     decode at 4k beside a 32-token piece: 222 against 145 us serial, 131 torch alone; not profiled). Those
-    steps are the ones planned up to the SLO, hence serial. A CUDA graph captures the fork and the join.
-"""
+    steps are the ones planned up to the SLO, hence serial. A CUDA graph captures the fork and the join."""
     from ..lowering.split_kv_decode import combine_, route_rows, split_kv_decode_, split_kv_partials
 
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)

@@ -160,7 +160,8 @@ def test_online_correction_learns_from_the_engines_steps_and_keeps_the_tokens(en
     """An SLO policy that reads the engine's correction (``online_correction``, on by default; here a fresh
     one on the shared engine): the engine feeds it each prefill step's wall time (its 1 ms-per-token model
     under-predicts CPU steps of tens of ms, so the offset grows positive and the pieces shrink to forced
-    minimal ones), and the tokens stay those of ``generate``. A policy that does not read this correction leaves it untouched."""
+    minimal ones), and the tokens stay those of ``generate``. A policy that does not read this correction
+    leaves it untouched."""
     from spear_compile.runtime import StepTimeCorrection
 
     eng, _ = engine
@@ -466,8 +467,6 @@ def test_the_wait_after_the_last_request_is_no_steps_time():
     waits without calling the scheduler. The scheduler ends the last step's gap at that check (``on_tick``
     with its plan, well under the wait), reports the gap that holds the wait with no plan, and tells a
     policy with ``idle()`` once per wait. Before, the last decode of a request was recorded at 50-1273 ms."""
-    import time
-
     from transformers.generation.continuous_batching import RequestState
 
     from spear_compile.runtime.hf_scheduler import SchedulerHooks, make_scheduler_class
