@@ -12,7 +12,9 @@ every policy), ECs on ``--densities`` percent of the linears (random EC weights 
 the latency does not depend on their values). Policies: ``dynamic`` (``scheduler_for(model, slo)``:
 the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO (label
 ``dynamic``) and, with ``--correction on`` (or ``off on``), planned against the latency model corrected
-online by the engine's measured steps (``runtime.online``; label ``dynamic_online``), and
+online by the engine's measured steps (``runtime.online``; label ``dynamic_online``), each starting a request
+only where the decode-only step it joins is predicted within the SLO (``--decode-headroom``; ``off`` adds the
+runs without that rule, label suffix ``_no_headroom``), and
 static chunks (``StaticChunkPolicy``, Sarathi / vLLM's fixed token budget) of ``--chunks`` tokens,
 each run once and scored against every SLO.
 
@@ -461,6 +463,10 @@ def main(argv=None) -> None:
                     help="dynamic runs with the engine's online correction of the latency model (on, the "
                          "engine's default, label 'dynamic_online'), without it (off, 'dynamic'), or both, "
                          "each its own run")
+    ap.add_argument("--decode-headroom", nargs="+", choices=("on", "off"), default=["on"],
+                    help="dynamic runs whose policy starts a request only where the decode-only step it joins is "
+                         "predicted within the SLO (on, the default: SloChunkPolicy(decode_headroom=True)), without "
+                         "that rule (off, label suffix '_no_headroom'), or both")
     ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
                     help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
                          "CUDA, varlen attention); 'off on' runs both, one engine each")
@@ -540,10 +546,12 @@ def main(argv=None) -> None:
             steps_out.setdefault("models", {})[ekey] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks if not args.no_static]
-            runs += [("dynamic", label, runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
-                                                               correction=eng.correction if on == "on" else None), slo)
+            runs += [("dynamic", label + ("" if head == "on" else "_no_headroom"),
+                      runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
+                                             correction=eng.correction if on == "on" else None,
+                                             decode_headroom=head == "on"), slo)
                      for slo in slos for on, label in (("off", "dynamic"), ("on", "dynamic_online"))
-                     if on in args.correction]
+                     if on in args.correction for head in args.decode_headroom]
             if args.warmup_requests:
                 warm = workload(args.warmup_requests, max(args.rates), args.prompt, args.output, vocab, args.seed + 1)
                 for kind, chunk, pol, own_slo in runs:
@@ -559,6 +567,7 @@ def main(argv=None) -> None:
                         row = {"policy": kind, "chunk": "dynamic" if kind == "dynamic" else chunk,
                                "policy_label": str(chunk), "ec_density": density,
                                "online_correction": kind == "dynamic" and pol.correction is not None,
+                               "decode_headroom": kind == "dynamic" and pol.decode_headroom,
                                "async_batching": asy,
                                "slo_ms": slo, "rate": rate, "decode_step_ms": step,
                                **score(res, reqs, slo, calibrated),

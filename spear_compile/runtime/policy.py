@@ -48,6 +48,17 @@ Contract of ``SloChunkPolicy.plan`` (the Hypothesis tests check each point):
    the only KV holder (nothing runs) and the free blocks cannot hold the rest of its prompt, it needs
    more KV than the cache has and ``SchedulingError`` says so (admission control should have refused
    it).
+8. Decode headroom (``decode_headroom=True``, the default): a request whose prefill has not started
+   starts only when the decode-only step it will join is predicted within the SLO (less the online
+   correction's decode-only offset): the running decodes, the requests already given a piece this step,
+   and it, each at its whole prompt's context. Rules 3-5 size a step *with* prefill; without this rule a
+   step of decodes alone, which no chunk size can cut, ran over the SLO once enough long requests ran
+   together (H100, ECs on every linear, 16 ms SLO: 12 decode-only steps of 4 decodes with the longest
+   near 2.8k tokens took 16.0-16.8 ms, ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``).
+   With no decode running the request starts regardless (a decode batch of one that breaks the SLO is
+   rule 6's case, and nothing would ever drain), so the rule cannot starve anyone; nor does it apply when
+   the decodes alone are predicted over the SLO already (rules 5 and 6 decide then). It projects contexts at
+   the prompt's end, not at the end of the output the request will decode (the state does not carry it).
 
 The policy is stateless (state in, plan out): cancellation is the engine removing the request from the
 next state and adding its blocks back to ``free_blocks``. Cost: the step time of a piece of c tokens is a
@@ -175,10 +186,11 @@ class SloChunkPolicy:
     online correction of the predictions (``online.StepTimeCorrection``, fed by the engine with its
     measured steps): each step is planned so that the prediction plus its ``offset_ms`` stays within the
     SLO (every rule above reads ``slo - offset_ms`` for the SLO). ``StepPlan.predicted_ms`` stays the
-    model's own prediction, which the correction compares with the measured step."""
+    model's own prediction, which the correction compares with the measured step. ``decode_headroom``:
+    rule 8 (a new request starts only where the decode-only step it joins is predicted within the SLO)."""
 
     def __init__(self, latency_model: LatencyModel, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32,
-                 correction=None) -> None:
+                 correction=None, decode_headroom: bool = True) -> None:
         if not isinstance(latency_model, LatencyModel):
             raise ValueError(f"SloChunkPolicy: latency_model={latency_model!r} must be a LatencyModel")
         if isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float)) or not (0 < slo_itl_ms < math.inf):
@@ -191,12 +203,15 @@ class SloChunkPolicy:
             raise ValueError(f"SloChunkPolicy: correction={correction!r} must have an offset_ms "
                              f"(an online.StepTimeCorrection) or be None")
         self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
-        self.correction = correction
+        if not isinstance(decode_headroom, bool):
+            raise ValueError(f"SloChunkPolicy: decode_headroom={decode_headroom!r} must be a bool")
+        self.correction, self.decode_headroom = correction, decode_headroom
         self._units: List[float] = []
         self._units_of: Optional[LatencyModel] = None
 
     def __repr__(self) -> str:
-        return f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk})"
+        return (f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk}"
+                + ("" if self.decode_headroom else ", decode_headroom=False") + ")")
 
     def floor_ms(self) -> float:
         """The predicted time of the cheapest step with work (one decode of one token of context): no plan
@@ -219,6 +234,23 @@ class SloChunkPolicy:
     def budget_ms(self) -> float:
         """The predicted step time this step is planned within: the SLO less the online correction's offset."""
         return self.slo - self.correction.offset_ms if self.correction is not None else self.slo
+
+    def decode_budget_ms(self) -> float:
+        """The predicted time a decode-only step must stay within (rule 8): the SLO less the online
+        correction's decode-only offset."""
+        return self.slo - self.correction.offset_for(False) if self.correction is not None else self.slo
+
+    def _joins(self, n: int, ctx: int, longest: int, length: int, slo: float) -> bool:
+        """Rule 8: may a request of ``length`` context tokens join ``n`` decodes of ``ctx`` summed and
+        ``longest`` context? Yes when their decode-only step with it is predicted within ``slo``, when no
+        decode runs, or when they alone are over it already (rule 6 and the forced admission of rule 5
+        decide then: under an SLO no decode batch meets, the rule would only serialise the requests)."""
+        if n == 0:
+            return True
+        m, k = self.model, n + 1
+        if m.step_ms(k, k, m.decodes_attention_ms(k, ctx + length, max(longest, length))) <= slo:
+            return True
+        return m.step_ms(n, n, m.decodes_attention_ms(n, ctx, longest)) > slo
 
     def _largest(self, hi: int, tokens: int, seqs: int, attn: float, prefilled: int,
                  slo: Optional[float] = None) -> int:
@@ -378,8 +410,16 @@ class SloChunkPolicy:
         budget = self.max_chunk
         pieces: List[Tuple[object, int]] = []
         forced, reason = False, "no request waits"
+        head = self.decode_headroom
+        if head:  # rule 8's decode batch: the running decodes, then every request given a piece
+            dslo, fn, fctx, flong = self.decode_budget_ms(), len(run), ctx, longest
         for i, w in enumerate(() if head_out else state.waiting_fcfs()):
             R, p = w.remaining_prompt, w.prefilled
+            if head:
+                if p == 0 and not self._joins(fn, fctx, flong, R, dslo):
+                    reason = f"{w.request_id!r} waits: decode headroom (the decode-only step it joins is over the SLO)"
+                    break
+                fn, fctx, flong = fn + 1, fctx + p + R, max(flong, p + R)
             kv_cap = tokens_fitting(p, free, bs)
             hi = min(R, budget, kv_cap)
             if i == 0 and kv_cap < R and _alone(state, w):

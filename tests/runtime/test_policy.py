@@ -4,6 +4,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from spear_compile.runtime.latency import AttentionCost, LatencyModel, LatencyTable, LinearTable, Overhead
+from spear_compile.runtime.online import StepTimeCorrection
 from spear_compile.runtime.policy import SchedulingError, SloChunkPolicy, StaticChunkPolicy
 from spear_compile.runtime.state import (KVCache, RunningDecode, SchedulerState, StepPlan, WaitingRequest, new_blocks,
                                          tokens_fitting)
@@ -100,12 +101,34 @@ def check_slo(policy, state, plan):
         R = waiting[rid].remaining_prompt
         if c < R and not policy.max_chunk < R < 2 * policy.min_chunk:  # no tiny pieces, no tiny tails
             assert c >= policy.min_chunk and R - c >= policy.min_chunk  # (where some cut allows it)
+    check_headroom(policy, state, plan)
+
+
+def check_headroom(policy, state, plan):
+    """Rule 8: a request starts its prefill only where the decode-only step it joins (the plan's decodes and
+    every request before it given a piece, each at its whole prompt) is predicted within the decode budget,
+    unless no decode runs or the decodes without it are over that budget already. A plan stopped by the rule
+    names it, and the request it stopped would indeed break it."""
+    if not policy.decode_headroom:
+        return
+    m, budget = policy.model, policy.decode_budget_ms()
+    waiting = {w.request_id: w for w in state.waiting}
+    ctxs = plan_contexts(state, plan)[0]
+    for rid, _ in plan.prefill:
+        w = waiting[rid]
+        if w.prefilled == 0 and ctxs and m.predict_step_ms(ctxs) <= budget:
+            assert m.predict_step_ms(ctxs + [w.remaining_prompt]) <= budget * (1 + TOL)
+        ctxs.append(w.prefilled + w.remaining_prompt)
+    if "decode headroom" in plan.reason:
+        w = state.waiting_fcfs()[len(plan.prefill)]
+        assert w.prefilled == 0 and ctxs and m.predict_step_ms(ctxs) <= budget * (1 + TOL)
+        assert m.predict_step_ms(ctxs + [w.remaining_prompt]) > budget * (1 - TOL)
 
 
 @SETTINGS
-@given(models(), states(), st.floats(0.5, 40), st.integers(1, 64), st.integers(0, 512))
-def test_plan_never_exceeds_the_slo_or_the_kv_and_keeps_fcfs(model, state, slo, min_chunk, extra):
-    policy = SloChunkPolicy(model, slo, max_chunk=min_chunk + extra, min_chunk=min_chunk)
+@given(models(), states(), st.floats(0.5, 40), st.integers(1, 64), st.integers(0, 512), st.booleans())
+def test_plan_never_exceeds_the_slo_or_the_kv_and_keeps_fcfs(model, state, slo, min_chunk, extra, headroom):
+    policy = SloChunkPolicy(model, slo, max_chunk=min_chunk + extra, min_chunk=min_chunk, decode_headroom=headroom)
     try:
         plan = policy.plan(state)
     except SchedulingError:
@@ -216,6 +239,30 @@ def test_decodes_alone_over_the_slo_run_and_admit_nothing():
     assert plan.predicted_ms == pytest.approx(7.0)
 
 
+def test_decode_headroom_holds_a_new_request_until_the_decode_step_fits():
+    # decode-only step = 1 ms + 0.01 ms per decode + 0.001 ms per key of context (one layer): three decodes at
+    # 1000 keys are 1 + 0.03 + 3.003 = 4.03 ms; a fourth at a 1000-token prompt makes it 5.04 > 5 ms
+    m = LatencyModel((LinearTable("all", 1, LatencyTable((1, 2048), (0.01, 20.48))),), None,
+                     AttentionCost(per_key_ms=0.001), 1, Overhead(1.0))
+    dec = tuple(RunningDecode(i, 1000) for i in range(3))
+    wait = (WaitingRequest("long", 0, 1000), WaitingRequest("short", 1, 10))
+    state = SchedulerState(dec, wait, KVCache(16, 1000))
+    plan = SloChunkPolicy(m, 5.0, 2048, 16).plan(state)
+    assert plan.prefill == () and "decode headroom" in plan.reason  # FCFS: "short" does not overtake it
+    assert m.predict_step_ms([1000] * 4) > 5.0 >= m.predict_step_ms([1000] * 3)
+    # without the rule the step with prefill alone decides: a piece of "long" fits beside the decodes
+    assert SloChunkPolicy(m, 5.0, 2048, 16, decode_headroom=False).plan(state).prefill[0][0] == "long"
+    # once a decode finishes there is room, and a started (partly prefilled) request is never held back
+    assert SloChunkPolicy(m, 5.0, 2048, 16).plan(SchedulerState(dec[:2], wait, KVCache(16, 1000))).prefill[0][0] == "long"
+    started = SchedulerState(dec, (WaitingRequest("long", 0, 600, 400),), KVCache(16, 1000))
+    assert SloChunkPolicy(m, 5.0, 2048, 16).plan(started).prefill[0][0] == "long"
+    # the online correction's decode-only offset tightens it: +1 ms leaves room for two long decodes, not three
+    corr = StepTimeCorrection(min_steps=1)
+    corr.observe(1.0, 2.0, prefill=False)
+    held = SloChunkPolicy(m, 5.0, 2048, 16, correction=corr).plan(SchedulerState(dec[:2], wait, KVCache(16, 1000)))
+    assert held.prefill == () and "decode headroom" in held.reason
+
+
 def test_cancellation_frees_capacity():
     policy = SloChunkPolicy(_model(), 50.0, max_chunk=2048, min_chunk=16)
     full = SchedulerState((RunningDecode("x", 64),), (WaitingRequest("a", 0, 64),), KVCache(16, 1))
@@ -270,7 +317,8 @@ def test_static_policy_fills_its_chunk_fcfs(state, chunk):
 
 
 @pytest.mark.parametrize("kw, field", [(dict(slo_itl_ms=0), "slo_itl_ms"), (dict(max_chunk=0), "max_chunk"),
-                                       (dict(min_chunk=100, max_chunk=50), "min_chunk"), (dict(slo_itl_ms=True), "slo_itl_ms")])
+                                       (dict(min_chunk=100, max_chunk=50), "min_chunk"), (dict(slo_itl_ms=True), "slo_itl_ms"),
+                                       (dict(decode_headroom=1), "decode_headroom")])
 def test_policy_arguments_are_checked(kw, field):
     args = dict(latency_model=_model(), slo_itl_ms=5.0, max_chunk=64, min_chunk=16, **{})
     args.update(kw)
