@@ -13,8 +13,8 @@ the latency does not depend on their values). Policies: ``dynamic`` (``scheduler
 the largest prefill chunk whose predicted step time keeps the ITL within the SLO) at each SLO (label
 ``dynamic``) and, with ``--correction on`` (or ``off on``), planned against the latency model corrected
 online by the engine's measured steps (``runtime.online``; label ``dynamic_online``), each starting a request
-only where the decode-only step it joins is predicted within the SLO (``--decode-headroom``; ``off`` adds the
-runs without that rule, label suffix ``_no_headroom``), and
+only where the decode-only step it joins is predicted within the SLO with ``--decode-headroom on`` (label
+suffix ``_headroom``; ``off``, the default, runs without that rule; ``on off`` both), and
 static chunks (``StaticChunkPolicy``, Sarathi / vLLM's fixed token budget) of ``--chunks`` tokens,
 each run once and scored against every SLO.
 
@@ -463,10 +463,10 @@ def main(argv=None) -> None:
                     help="dynamic runs with the engine's online correction of the latency model (on, the "
                          "engine's default, label 'dynamic_online'), without it (off, 'dynamic'), or both, "
                          "each its own run")
-    ap.add_argument("--decode-headroom", nargs="+", choices=("on", "off"), default=["on"],
+    ap.add_argument("--decode-headroom", nargs="+", choices=("on", "off"), default=["off"],
                     help="dynamic runs whose policy starts a request only where the decode-only step it joins is "
-                         "predicted within the SLO (on, the default: SloChunkPolicy(decode_headroom=True)), without "
-                         "that rule (off, label suffix '_no_headroom'), or both")
+                         "predicted within the SLO (on: SloChunkPolicy(decode_headroom=True), label suffix "
+                         "'_headroom'), without that rule (off, the policy's default), or both")
     ap.add_argument("--async-batching", nargs="+", choices=("on", "off"), default=["off"],
                     help="engines without / with transformers' asynchronous batching (Engine(async_batching=True); "
                          "CUDA, varlen attention); 'off on' runs both, one engine each")
@@ -546,7 +546,7 @@ def main(argv=None) -> None:
             steps_out.setdefault("models", {})[ekey] = {"op_tables": tables.to_dict(),
                                                                 "calibrated": calibrated.to_dict()}
             runs = [("static", c, StaticChunkPolicy(c), None) for c in args.chunks if not args.no_static]
-            runs += [("dynamic", label + ("" if head == "on" else "_no_headroom"),
+            runs += [("dynamic", label + ("_headroom" if head == "on" else ""),
                       runtime.SloChunkPolicy(calibrated, slo, max_chunk=max(args.chunks), min_chunk=32,
                                              correction=eng.correction if on == "on" else None,
                                              decode_headroom=head == "on"), slo)

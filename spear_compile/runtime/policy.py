@@ -48,17 +48,23 @@ Contract of ``SloChunkPolicy.plan`` (the Hypothesis tests check each point):
    the only KV holder (nothing runs) and the free blocks cannot hold the rest of its prompt, it needs
    more KV than the cache has and ``SchedulingError`` says so (admission control should have refused
    it).
-8. Decode headroom (``decode_headroom=True``, the default): a request whose prefill has not started
+8. Decode headroom (``decode_headroom=True``; off by default): a request whose prefill has not started
    starts only when the decode-only step it will join is predicted within the SLO (less the online
    correction's decode-only offset): the running decodes, the requests already given a piece this step,
-   and it, each at its whole prompt's context. Rules 3-5 size a step *with* prefill; without this rule a
-   step of decodes alone, which no chunk size can cut, ran over the SLO once enough long requests ran
-   together (H100, ECs on every linear, 16 ms SLO: 12 decode-only steps of 4 decodes with the longest
-   near 2.8k tokens took 16.0-16.8 ms, ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``).
-   With no decode running the request starts regardless (a decode batch of one that breaks the SLO is
-   rule 6's case, and nothing would ever drain), so the rule cannot starve anyone; nor does it apply when
-   the decodes alone are predicted over the SLO already (rules 5 and 6 decide then). It projects contexts at
-   the prompt's end, not at the end of the output the request will decode (the state does not carry it).
+   and it, each at its whole prompt's context. Rules 3-5 size a step *with* prefill; a step of decodes
+   alone, which no chunk size can cut, ran over the SLO once enough long requests ran together (H100, ECs
+   on every linear, 16 ms SLO: 12 decode-only steps of 4 decodes with the longest near 2.8k tokens took
+   16.0-16.8 ms, ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``). With no decode
+   running the request starts regardless (a decode batch of one that breaks the SLO is rule 6's case, and
+   nothing would ever drain), so the rule cannot starve anyone; nor does it apply when the decodes alone
+   are predicted over the SLO already (rules 5 and 6 decide then). It projects contexts at the prompt's
+   end, not at the end of the output the request will decode (the state does not carry it). Why off:
+   served A/B on one H200 (Llama-2-7B-shaped W4, ECs on 25 / 100 %, 16 and 22 ms SLOs,
+   ``benchmarks/results/serving/2026-12-07_h200_static_vs_dynamic``) it changed neither p99 ITL (16.41 /
+   16.66 / 22.54 / 21.93 ms with it, 16.83 / 16.74 / 21.41 / 21.83 without) nor the share of decode-only
+   steps over a 16 ms SLO (34 of 630 and 35 of 597 with it, 40 of 664 and 33 of 539 without): it plans the
+   decode batch right at the budget, and steps planned at the budget run over it about as often as not
+   (4 decodes near 2.5k context: median 15.97 ms, 20 of 45 over 16).
 
 The policy is stateless (state in, plan out): cancellation is the engine removing the request from the
 next state and adding its blocks back to ``free_blocks``. Cost: the step time of a piece of c tokens is a
@@ -190,7 +196,7 @@ class SloChunkPolicy:
     rule 8 (a new request starts only where the decode-only step it joins is predicted within the SLO)."""
 
     def __init__(self, latency_model: LatencyModel, slo_itl_ms: float, max_chunk: int = 2048, min_chunk: int = 32,
-                 correction=None, decode_headroom: bool = True) -> None:
+                 correction=None, decode_headroom: bool = False) -> None:
         if not isinstance(latency_model, LatencyModel):
             raise ValueError(f"SloChunkPolicy: latency_model={latency_model!r} must be a LatencyModel")
         if isinstance(slo_itl_ms, bool) or not isinstance(slo_itl_ms, (int, float)) or not (0 < slo_itl_ms < math.inf):
@@ -211,7 +217,7 @@ class SloChunkPolicy:
 
     def __repr__(self) -> str:
         return (f"SloChunkPolicy(slo_itl_ms={self.slo}, max_chunk={self.max_chunk}, min_chunk={self.min_chunk}"
-                + ("" if self.decode_headroom else ", decode_headroom=False") + ")")
+                + (", decode_headroom=True" if self.decode_headroom else "") + ")")
 
     def floor_ms(self) -> float:
         """The predicted time of the cheapest step with work (one decode of one token of context): no plan

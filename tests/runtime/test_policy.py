@@ -247,19 +247,20 @@ def test_decode_headroom_holds_a_new_request_until_the_decode_step_fits():
     dec = tuple(RunningDecode(i, 1000) for i in range(3))
     wait = (WaitingRequest("long", 0, 1000), WaitingRequest("short", 1, 10))
     state = SchedulerState(dec, wait, KVCache(16, 1000))
-    plan = SloChunkPolicy(m, 5.0, 2048, 16).plan(state)
+    plan = SloChunkPolicy(m, 5.0, 2048, 16, decode_headroom=True).plan(state)
     assert plan.prefill == () and "decode headroom" in plan.reason  # FCFS: "short" does not overtake it
     assert m.predict_step_ms([1000] * 4) > 5.0 >= m.predict_step_ms([1000] * 3)
     # without the rule the step with prefill alone decides: a piece of "long" fits beside the decodes
-    assert SloChunkPolicy(m, 5.0, 2048, 16, decode_headroom=False).plan(state).prefill[0][0] == "long"
+    assert SloChunkPolicy(m, 5.0, 2048, 16).plan(state).prefill[0][0] == "long"  # the default: rule 8 off
     # once a decode finishes there is room, and a started (partly prefilled) request is never held back
-    assert SloChunkPolicy(m, 5.0, 2048, 16).plan(SchedulerState(dec[:2], wait, KVCache(16, 1000))).prefill[0][0] == "long"
+    on = SloChunkPolicy(m, 5.0, 2048, 16, decode_headroom=True)
+    assert on.plan(SchedulerState(dec[:2], wait, KVCache(16, 1000))).prefill[0][0] == "long"
     started = SchedulerState(dec, (WaitingRequest("long", 0, 600, 400),), KVCache(16, 1000))
-    assert SloChunkPolicy(m, 5.0, 2048, 16).plan(started).prefill[0][0] == "long"
+    assert on.plan(started).prefill[0][0] == "long"
     # the online correction's decode-only offset tightens it: +1 ms leaves room for two long decodes, not three
     corr = StepTimeCorrection(min_steps=1)
     corr.observe(1.0, 2.0, prefill=False)
-    held = SloChunkPolicy(m, 5.0, 2048, 16, correction=corr).plan(SchedulerState(dec[:2], wait, KVCache(16, 1000)))
+    held = SloChunkPolicy(m, 5.0, 2048, 16, correction=corr, decode_headroom=True).plan(SchedulerState(dec[:2], wait, KVCache(16, 1000)))
     assert held.prefill == () and "decode headroom" in held.reason
 
 
