@@ -212,7 +212,8 @@ class CompileConfig(_Serialisable):
         epilogue adds the residual and the add kernel disappears (``passes/fold_residual_add.py``).
     fold_gqa_attention: grouped-query attention whose K and V are repeated per query head (HF's
         ``repeat_kv``, taken whenever a mask is given) reads each KV head once instead: the query heads of
-        a group become rows of one head (``passes/fold_gqa_attention.py``, on Dynamo's graph).
+        a group become rows of one head (``passes/fold_gqa_attention.py``, on Dynamo's graph); a batch-1
+        single-token query is left as it is (measured slower folded).
     on_unmatched_ec: what to do when an EC registered for a foreign module's weight (``attach_`` /
         ``register_ec``) reaches the compiler but no pass rewrites that weight's linear, so the
         compiled model would silently differ from eager + EC: ``"error"`` (default) raises

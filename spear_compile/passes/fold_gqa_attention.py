@@ -5,6 +5,7 @@ passes (post-grad ATen graphs): there the attention is still one ``F.scaled_dot_
 whatever SDPA backend it would dispatch to later.
 
 Matches:     ``F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=m, dropout_p=0, is_causal=False)``
+             (not a batch-1 single-token query: see "Where it pays")
              where ``rep(t) = t[:, :, None, :, :].expand(b, kv, r, L, d).reshape(b, kv * r, L, d)`` (HF
              transformers' ``repeat_kv``, which it uses whenever a mask is given, e.g. decode with a
              ``StaticCache``), both with the same ``r > 1``, ``q`` of shape ``(b, kv * r, S, d)``, and ``m``
@@ -15,9 +16,9 @@ Rewrites to: the query's ``r`` heads of a group stacked as rows of one head, att
              ``m' = m.repeat(1, 1, r, 1)`` when ``m`` has ``S`` rows (row ``i * S + s`` of the group is query
              head ``g * r + i`` at position ``s``), ``m`` itself when it has one.
 
-Example graph (2 KV heads, 4 query heads, one decode token, a cache of 32):
-    before: %k5 = getitem(%cache_k, (:, :, None, :, :)); %ke = expand(%k5, 1, 2, 2, 32, 16)
-            %key = reshape(%ke, 1, 4, 32, 16)      (and the same for %value)
+Example graph (a batch of 2, 2 KV heads, 4 query heads, one decode token, a cache of 32):
+    before: %k5 = getitem(%cache_k, (:, :, None, :, :)); %ke = expand(%k5, 2, 2, 2, 32, 16)
+            %key = reshape(%ke, 2, 4, 32, 16)      (and the same for %value)
             %o = scaled_dot_product_attention(%q, %key, %value, attn_mask=%m, scale=0.25)
     after:  %qg = flatten(unflatten(%q, 1, (2, 2)), 2, 3)
             %og = scaled_dot_product_attention(%qg, %cache_k, %cache_v, attn_mask=%m, scale=0.25)
@@ -32,11 +33,13 @@ repeats K and V itself. Why not when causal: ``is_causal`` masks by row index, a
 no longer positions. Why one mask head only: a per-head mask would need regrouping too (not seen in
 HF's models).
 
-Measured (H100, HF Qwen2.5-7B, 28 query / 4 KV heads, batch 1, ``benchmarks/results/e2e_decode/
-2026-12-07_h100_hf_qwen2.5``): the step took 3.43 ms folded against 3.22 ms unfolded. Folded, one decode gives
-SDPA's kernel 4 heads of 7 stacked rows, so 4 programs per sequence walk the cache instead of 28; the repeat
-saved grows with the batch, the folded grid too. Larger batches are not measured yet; the pass stays on
-(``CompileConfig.fold_gqa_attention``) until they are.
+Where it pays (HF Qwen2.5-7B, 28 query / 4 KV heads, a ``StaticCache`` decode step at position 512): folded, one
+decode gives SDPA's kernel 4 heads of 7 stacked rows, so 4 programs per sequence walk the cache instead of 28; the
+repeat it saves grows with the batch, and so does the folded grid. At batch 1 the step took 3.43 ms folded against
+3.22 ms unfolded (H100, ``benchmarks/results/e2e_decode/2026-12-07_h100_hf_qwen2.5``); at batch 8 7.32 against
+8.67 ms and at batch 16 6.94 against 10.12 ms (H200, ``.../2026-12-07_h200_hf_qwen2.5_batch8_16``). So a batch of
+one sequence with one query token (both static in the graph) is left unfolded, and everything else is folded
+(``CompileConfig.fold_gqa_attention`` turns the pass off).
 """
 from __future__ import annotations
 
@@ -87,6 +90,12 @@ def _unrepeated(n) -> Optional[tuple[fx.Node, int]]:
     return t, r
 
 
+def _one_query_row(qv: torch.Tensor) -> bool:
+    """A batch of one sequence with one query token (batch-1 decode), static in the graph: left unfolded."""
+    b, s = qv.shape[0], qv.shape[2]
+    return isinstance(b, int) and isinstance(s, int) and b == 1 and s == 1
+
+
 def _bound(n: fx.Node) -> Optional[dict]:
     kw = dict(_SDPA_DEFAULTS)
     if len(n.args) > len(SDPA_ARGS) or set(n.kwargs) - set(SDPA_ARGS):
@@ -106,6 +115,8 @@ def _fold(graph: fx.Graph, n: fx.Node, dry: bool = False) -> bool:
     (k, r), (v, _) = rk, rv
     q, qv, kv_heads = kw["query"], _val(kw["query"]), _val(k).shape[1]
     if qv is None or qv.dim() != 4 or not isinstance(kv_heads, int) or qv.shape[1] != kv_heads * r:
+        return False
+    if _one_query_row(qv):
         return False
     m, mv = kw["attn_mask"], _val(kw["attn_mask"])
     if m is not None and (mv is None or mv.dim() != 4 or mv.shape[1] != 1):

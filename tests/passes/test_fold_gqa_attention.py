@@ -45,8 +45,8 @@ def folded(module, *args):
 
 
 def test_before_after_the_repeat_is_gone_and_attention_reads_the_kv_heads():
-    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
-    m = torch.rand(1, 1, 1, 32) > 0.3
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    m = torch.rand(2, 1, 1, 32) > 0.3
     mod = RepeatedAttention(2, scale=0.25)
     ref = mod(q, k, v, m)
     out, count, g = folded(mod, q, k, v, m)
@@ -77,8 +77,20 @@ def test_folded_attention_equals_the_repeated_form(b, kv, r, S, L, d, mask, seed
         m[..., 0] = True  # every row attends somewhere
     mod = RepeatedAttention(r)
     out, count, _ = folded(mod, q, k, v, m)
-    assert count == 1
+    assert count == (0 if b == 1 and S == 1 else 1)  # batch-1 decode stays unfolded (the module docstring)
     torch.testing.assert_close(out, mod(q, k, v, m), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_one_decode_is_left_unfolded_and_two_rows_are_folded():
+    k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    mod = RepeatedAttention(2)
+    for q, want in ((torch.randn(1, 4, 1, 16), 0), (torch.randn(1, 4, 2, 16), 1)):
+        out, count, g = folded(mod, q, k, v)
+        assert count == want
+        assert ("expand" in [n.target for n in g.nodes if n.op == "call_method"]) == (want == 0)
+        torch.testing.assert_close(out, mod(q, k, v), rtol=1e-5, atol=1e-6)
+    q2, k2, v2 = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    assert folded(mod, q2, k2, v2)[1] == 1  # a decode batch of two is folded
 
 
 @pytest.mark.parametrize("case", ["causal", "no_repeat", "per_head_mask"])
@@ -108,8 +120,8 @@ def _hf_gqa_llama():
 
 def test_hf_llama_with_gqa_and_a_static_cache_compiles_folded_and_equals_eager():
     """The public path on an HF model with grouped-query attention: W4 (RTN g32) + spear backend with
-    HF's StaticCache, a prefill of 5 tokens then 3 decode steps; the fold matches once per layer and
-    every step's logits equal eager's."""
+    HF's StaticCache, a batch of two, a prefill of 5 tokens then 3 decode steps; the fold matches once per
+    layer and every step's logits equal eager's."""
     import spear_compile as spear
     from transformers import StaticCache
 
@@ -123,7 +135,7 @@ def test_hf_llama_with_gqa_and_a_static_cache_compiles_folded_and_equals_eager()
 
     def run(step_fn):
         cache = StaticCache(config=cfg, max_cache_len=16)
-        outs, ids = [], torch.tensor([[5, 17, 3, 99, 42]])
+        outs, ids = [], torch.tensor([[5, 17, 3, 99, 42], [7, 1, 64, 2, 30]])
         pos = torch.arange(5)
         with torch.no_grad():
             for _ in range(4):
@@ -150,13 +162,14 @@ def test_hf_llama_with_gqa_and_a_static_cache_compiles_folded_and_equals_eager()
 
 
 def test_the_config_switch_turns_it_off():
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     seen = {}
 
     def be(gm, example_inputs):
+        seen["would"] = FoldGQAAttention().matches(gm)
         seen["n"] = FoldGQAAttention(enabled=False)(gm)
         return gm
     torch._dynamo.reset()
     torch.compile(RepeatedAttention(2), backend=be)(q, k, v)
     torch._dynamo.reset()
-    assert seen["n"] == 0
+    assert seen["would"] == 1 and seen["n"] == 0
