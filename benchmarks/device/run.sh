@@ -29,6 +29,8 @@
 #   untuned        benchmarks/untuned_shapes.py: shapes outside the shipped table, the route's nearest-geometry
 #                  default against the same shapes tuned, and the whole-model spear tune time
 #                  (default --models qwen2.5-7b llama3-8b --ms 1 16 64 256)
+#   concat-gemm    benchmarks/concat_gemm.py: linears sharing an input at M = 2..256, one GEMM over their concatenation
+#                  against one GEMM each (default: Llama-2-7B's and Qwen2.5-7B's q/k/v and gate/up)
 #   small-m        benchmarks/small_m_gemm.py: the register-operand GEMM's small tiles at M = 2..128 against the route's
 #                  shipped choice and cuBLAS, W4 + EC after (default: the benchmark and Qwen2.5-7B shapes)
 #   l2-tables      benchmarks/latency_tables_l2.py: a compiled W4 linear timed as the serving latency tables
@@ -48,9 +50,9 @@
 # that returns a limited number of files (8 from the lent GPU machines: a call running two serving topics
 # already writes 10; the files past the limit are lost). TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,48p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,50p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
-topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf decode-attn ncu-gemv1 ncu-gemm quality sweep "
+topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf decode-attn concat-gemm ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -142,6 +144,7 @@ case "$topic" in
   read-floor)   bench benchmarks/read_floor.py --out "$out" "$@"; rc=$? ;;
   untuned)      bench benchmarks/untuned_shapes.py --out "$out" "$@"; rc=$? ;;
   small-m)      bench benchmarks/small_m_gemm.py --out "$out" "$@"; rc=$? ;;
+  concat-gemm)  bench benchmarks/concat_gemm.py --out "$out" "$@"; rc=$? ;;
   decode-attn)  bench benchmarks/decode_attention.py --out "$out" "$@"; rc=$? ;;
   l2-tables)    bench benchmarks/latency_tables_l2.py --out "$out" "$@"; rc=$? ;;
   between-buckets) bench benchmarks/latency_between_buckets.py --out "$out" "$@"; rc=$? ;;
