@@ -50,7 +50,7 @@
 # that returns a limited number of files (8 from the lent GPU machines: a call running two serving topics
 # already writes 10; the files past the limit are lost). TIMEOUT_S (default 540) bounds the topic's main command.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,50p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,51p' "$0"; exit 2; fi
 topic=$1; out=$2; shift 2
 topics=" kernels e2e ec-ranks gpu-tests lab-gemm ec-prefill ec-tma-parts determinism e2e-profile read-floor serving engine-profile untuned small-m l2-tables between-buckets e2e-hf decode-attn concat-gemm ncu-gemv1 ncu-gemm quality sweep "
 if [[ "$topics" != *" $topic "* ]]; then echo "unknown topic '$topic'; one of:$topics"; exit 2; fi
