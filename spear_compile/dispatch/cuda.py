@@ -311,6 +311,11 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
     if rt.kernel in ("cat_tma", "cat_gemv1"):
         y = w4a16_cat_gemv1(x2.contiguous(), qweights, scales, zeros, group_size, biases, norm=norm, rt=rt)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    if rt.kernel == "cat_gemm":  # one GEMM over the concatenated weights
+        q, s, z, b = _cat.concatenated_weight(qweights, scales, zeros, biases)
+        x2 = _refs.rms_norm_ref(x2, *norm) if norm is not None else x2
+        y = launch_w4(rt.parts[0], x2.contiguous(), q, s, z, group_size, _dense(b))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     x = _refs.rms_norm_ref(x, *norm) if norm is not None else x
     return torch.cat([w4a16_linear_cuda(x, q, s, z, group_size, b, layout)
                       for q, s, z, b in zip(qweights, scales, zeros, biases)], dim=-1)

@@ -387,7 +387,30 @@ def _ec_route(p: Problem, why: list) -> Route:
     return ec_overlapped_route(p, why=why + [f"lowering {p.lowering!r} at M = {p.M}: the overlapped EC"])
 
 
+# Linears sharing an input at 2 <= M <= CAT_GEMM_MAX_M run as one GEMM over their concatenated weights. Measured on
+# one H200 (``benchmarks/concat_gemm.py``, ``benchmarks/results/concat_gemm/2026-12-07_h200/``), the concatenation
+# on the route's own GEMM against each part on its route and ``torch.cat``: Llama-2-7B's q/k/v 0.43-0.53x at M = 2-128
+# and 0.66x at 256, gate/up 0.63-0.67x at M = 2-128 (0.86x at 64) and 0.95x at 256; Qwen2.5-7B's q/k/v 0.11-0.29x
+# at M = 2-128 (its 512-row k / v parts run slow routes) and 0.66x at 256, gate/up 0.75-0.89x except M = 128,
+# where the untuned 37888-row shape's nearest-geometry config made it 1.76x. Above 256 rows not measured: parts.
+CAT_GEMM_MAX_M = 256
+
+
+def _cat_gemm_route(p: Problem, why: list) -> Optional[Route]:
+    """The concatenation as one GEMM (``CAT_GEMM_MAX_M``), or None where it does not apply."""
+    if p.op != "w4a16_cat" or not 2 <= p.M <= CAT_GEMM_MAX_M or not p.zeros_consistent:
+        return None
+    inner = route(p.replace(op="w4a16", parts=(), norm=False))
+    if inner.kernel == "reference":
+        return None
+    return _route("cat_gemm", (), why + [f"M = {p.M} in [2, {CAT_GEMM_MAX_M}]: one GEMM over the concatenated "
+                                         f"weights ({p.N} rows)"], parts=(inner,))
+
+
 def _cat_route(p: Problem, why: list) -> Route:
+    gemm = _cat_gemm_route(p, why)
+    if gemm is not None:
+        return gemm
     ok, r = _t.can_implement(p)
     if ok:
         cfg, r2 = tma_config(p, p.N)

@@ -8,8 +8,9 @@ pays one launch instead of three.
 
 The concatenation (GEMV words, scales, zero points, biases) is made on first use and cached while
 every part's storage lives and its version is unchanged, like ``w4a16_triton.gemv_words``; the
-parts' own GEMV layouts are then never built. Anything else (M > 1, shapes the M = 1 kernel does not
-take, other layouts or dtypes) runs each part through ``w4a16_linear``'s CUDA path and
+parts' own GEMV layouts are then never built. At 2 <= M <= 256 the op runs one GEMM over the concatenated
+packed weights (``concatenated_weight``; ``route.CAT_GEMM_MAX_M`` says why). Anything else (larger M, shapes
+the kernels do not take, other layouts or dtypes) runs each part through ``w4a16_linear``'s CUDA path and
 concatenates, so the op is never slower than its parts by more than that copy.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .w4a16_gemv_tma import OPS_SMEM, _descriptor, repack_scale_tiles, repack_ti
 from .w4a16_gemv_tma import glu_interleave, tile_geometry
 
 _CAT: dict = {}  # the concatenations, cached by w4a16_triton.derived_cached
+_CAT_W: dict = {}  # the concatenated packed weights (the M > 1 GEMM's operand)
 _CAT_TMA: dict = {}  # per TMA config: the TMA kernel's tiles of the concatenations
 _CAT_GLU: dict = {}  # per TMA config: gate / up concatenations interleaved for the GLU epilogue
 
@@ -38,6 +40,14 @@ def concatenated(qweights, scales, zeros, biases) -> tuple:
     return derived_cached(_CAT, [*qweights, *scales, *zeros, *biases],
                           lambda: (torch.cat([repack_gemv(q) for q in qweights]),
                                    *_cat_params(qweights, scales, zeros, biases)))
+
+
+def concatenated_weight(qweights, scales, zeros, biases) -> tuple:
+    """(packed weight [sum N, K/2], scales, zeros or None, bias or None) of the parts, cached like
+    ``concatenated``: the operands of one M > 1 GEMM over the parts (``route.CAT_GEMM_MAX_M``). It holds a copy
+    of the parts' packed weights for as long as they live (the GEMM's own layout of it is derived from it)."""
+    return derived_cached(_CAT_W, [*qweights, *scales, *zeros, *biases],
+                          lambda: (torch.cat(list(qweights)), *_cat_params(qweights, scales, zeros, biases)))
 
 
 def _cat_params(qweights, scales, zeros, biases) -> tuple:

@@ -1,8 +1,8 @@
 """Pass: decode linears that read the same activation become one concatenated GEMV.
 
 Matches:     two or more ``spear::w4a16_linear`` nodes (no EC) with the same input node ``x``, the
-             same group size and the "spear" layout, where M is statically 1 (decode): a Llama
-             layer's q/k/v and gate/up projections.
+             same group size and the "spear" layout, where M is statically 1 (decode) or a static
+             2..256: a Llama layer's q/k/v and gate/up projections.
 Rewrites to: one ``spear::w4a16_linear_cat`` over their weights, inserted before the first of
              them, and one ``aten.slice`` of its output per original node.
 
@@ -13,8 +13,12 @@ Example graph:
                                           [None, None, None], 'spear')
             %q = aten.slice(%cat, 2, 0, 64)  %k = aten.slice(%cat, 2, 64, 128)  %v = aten.slice(%cat, 2, 128, 192)
 
-Why only M == 1: there the GPU runs one GEMV over the concatenation (``lowering/w4a16_cat.py``);
-at M > 1 the GEMMs are already large and the concatenation would only add a copy. Linears with an
+At a static 2 <= M <= 256 (``CompileConfig.fuse_shared_input_gemm``, on by default; linears without an EC)
+the same rewrite runs one GEMM over the concatenated weights: in the serving regime the W4 GEMMs are
+latency-bound and a 4096-row output leaves SMs idle, and on one H200 the concatenation took Llama-2-7B's
+q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time (``dispatch.route.CAT_GEMM_MAX_M``). A
+symbolic M (the serving engine's dynamic compile) is left alone: above 256 rows it is not measured. The
+decode-only fusions after this pass (``fuse_glu``, ``fuse_rmsnorm``) take M == 1 concatenations only. Linears with an
 EC group apart: with ``CompileConfig.fuse_shared_input_ec`` (on by default) EC linears sharing an
 input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
 (``ec_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):
@@ -28,6 +32,7 @@ import collections
 import torch
 import torch.fx as fx
 
+from ..dispatch.route import CAT_GEMM_MAX_M
 from .base import SpearPass
 from .common import EC_LINEAR, META_KEY, W4A16, bind, call, call_op, cat_route, copy_meta, record
 from .phase_dispatch import m_range
@@ -46,6 +51,7 @@ class FuseSharedInput(SpearPass):
         order = {n: i for i, n in enumerate(graph.nodes)}
         groups: dict[tuple, list[tuple[fx.Node, dict]]] = collections.defaultdict(list)
         with_ec = self.ctx.config.fuse_shared_input_ec
+        gemm_on = self.ctx.config.fuse_shared_input_gemm
         for n in graph.nodes:
             if n.op != "call_function" or not (n.target is W4A16 or (with_ec and n.target is EC_LINEAR)):
                 continue
@@ -55,7 +61,8 @@ class FuseSharedInput(SpearPass):
             if xv is None or kw["layout"] != "spear":
                 continue
             _, lo, hi = m_range(xv)
-            if lo == hi == 1:  # linears with ECs group apart from plain ones (and by gate activation)
+            gemm = gemm_on and n.target is W4A16 and lo == hi and 2 <= lo <= CAT_GEMM_MAX_M
+            if lo == hi == 1 or gemm:  # linears with ECs group apart from plain ones (and by gate activation)
                 groups[(x, kw["group_size"], tuple(xv.shape), kw.get("act"))].append((n, kw))
         count = 0
         for (x, G, _, _), members in groups.items():
@@ -85,7 +92,7 @@ class FuseSharedInput(SpearPass):
         dim = cat.meta["val"].dim() - 1
         x_val = x.meta["val"]
         K = int(x_val.shape[-1])
-        rt = cat_route(bind(cat), "ec_cat" if has_ec else "w4a16_cat", norm=False)
+        rt = cat_route(bind(cat), "ec_cat" if has_ec else "w4a16_cat", norm=False, M=m_range(x_val)[1])
         kernel = rt.describe() if rt is not None else "unknown (no fake values)"
         reasons = rt.all_reasons() if rt is not None else []
         off, sizes, weights, members_info = 0, [], [], []

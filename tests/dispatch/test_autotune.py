@@ -118,9 +118,10 @@ def test_tune_needs_a_gpu_and_the_cli_lists_the_jobs_without_one(tmp_path, capsy
 
 
 def test_shapes_of_a_compiled_model_are_the_ops_its_graphs_run(tmp_path, monkeypatch):
-    """From the backend's plan: the decode graph's concatenations (decode only) and the prefill graph's
-    separate linears (prefill only), with the rows each runs at. (Its own registry of compiled graphs and a
-    Dynamo reset after: the graphs of this model must not stand in for other tests' models.)"""
+    """From the backend's plan: the decode graph's concatenations (decode only), a batched graph's (M = 8: one
+    GEMM each, so tuned as GEMMs) and the prefill graph's separate linears (M = 300, past the concatenation's
+    range), with the rows each runs at. (Its own registry of compiled graphs and a Dynamo reset after: the
+    graphs of this model must not stand in for other tests' models.)"""
     import torch._dynamo
 
     from spear_compile.models.tiny import tiny_llama
@@ -134,13 +135,15 @@ def test_shapes_of_a_compiled_model_are_the_ops_its_graphs_run(tmp_path, monkeyp
     try:
         c = torch.compile(m, backend="spear", dynamic=False)
         with torch.no_grad():
-            c(torch.randint(0, 100, (1, 8)))  # prefill (M = 8)
+            c(torch.randint(0, 100, (1, 8)))  # batched (M = 8)
+            c(torch.randint(0, 100, (1, 300)))  # prefill (M = 300)
             c(torch.randint(0, 100, (1, 1)))  # decode (M = 1)
         got = {(s.N, s.K, s.G, s.decode, s.prefill) for s in shapes_of(c)}
         jobs = AT.jobs_for(shapes_of(c), ms=[1, 8])
     finally:
         torch._dynamo.reset()
     assert (96 + 2 * 48, 96, 32, True, False) in got  # q / k / v concatenated at decode
+    assert {(96 + 2 * 48, 96, 32, False, True), (2 * 160, 96, 32, False, True)} <= got  # and at M = 8
     assert {(96, 96, 32, False, True), (48, 96, 32, False, True), (160, 96, 32, False, True),
             (96, 160, 32, False, True)} <= got  # each linear alone at prefill
     assert {j.family for j in jobs} == {"gemv1", "gemm"}

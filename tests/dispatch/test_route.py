@@ -189,6 +189,18 @@ def test_concatenations_route_to_the_tma_kernel_only_where_it_takes_the_fusion(m
     assert rt.kernel == "ec_cat_gemv1" and rt.parts[0].kernel in ("ec_self", "ec_pair")
 
 
+def test_batched_concatenations_route_to_one_gemm_up_to_256_rows(monkeypatch):
+    hopper(monkeypatch)
+    cat = problem(op="w4a16_cat", M=16, N=3 * 512, K=1024, parts=(512, 512, 512))
+    rt = R.route(cat)
+    assert rt.kernel == "cat_gemm" and rt.parts[0] == R.route(problem(M=16, N=3 * 512, K=1024))
+    assert R.route(cat.replace(M=R.CAT_GEMM_MAX_M)).kernel == "cat_gemm"
+    assert R.route(cat.replace(M=R.CAT_GEMM_MAX_M + 1)).kernel == "parts"  # not measured there
+    assert R.route(cat.replace(zeros_consistent=False)).kernel == "parts"
+    ec = problem(op="ec_cat", M=16, N=1024, K=1024, parts=(512, 512), rank=16, rank_total=32)
+    assert R.route(ec).kernel != "cat_gemm"
+
+
 def test_problem_of_reads_the_tensor_facts():
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     q = torch.zeros(32, 32, dtype=torch.uint8)

@@ -241,6 +241,39 @@ def test_cat_gemv1_equals_its_parts_and_caches_the_concatenation(G, dtype):
     assert again is not first and not torch.equal(again[0], first[0])
 
 
+@pytest.mark.parametrize("M", [3, 40])
+def test_cat_gemm_equals_its_parts_and_caches_the_concatenated_weight(M, monkeypatch):
+    """w4a16_linear_cat's "cat_gemm" route (2 <= M <= 256 on a GPU): one GEMM over the concatenated packed
+    weights, a part without a bias contributing zeros, equals the parts' references; the concatenated weight
+    is reused while the parts are unchanged and rebuilt after an in-place update. (On CPU the route answers
+    "reference" for CUDA-only kernels, so the test hands the op the route a GPU gets: the GEMM of the
+    concatenated shape, which runs here under TRITON_INTERPRET.)"""
+    from spear_compile.dispatch import cuda as D
+    from spear_compile.dispatch import route as R
+    from spear_compile.lowering import w4a16_cat as C
+
+    dtype = torch.bfloat16
+    w = [_weight(n, 320, 64, dtype, seed=n) for n in (40, 24, 59)]
+    qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [w[0][3], None, w[2][3]]
+    Gs = w[0][4]
+    x = torch.randn(1, M, 320, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    first = C.concatenated_weight(qs, ss, zs, bs)
+    assert C.concatenated_weight(qs, ss, zs, bs) is first and first[0].shape == (123, 160)
+    gemm = R.gemm_route(R.problem_of("w4a16", x.reshape(M, 320), *first[:3], Gs, first[3]))
+    seen = []
+
+    def as_on_a_gpu(p):
+        seen.append(p.op)
+        return R.Route("cat_gemm", parts=(gemm,)) if p.op == "w4a16_cat" else R.route(p)
+    monkeypatch.setattr(D, "route", as_on_a_gpu)
+    ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)
+    _close(D.w4a16_linear_cat_cuda(x, qs, ss, zs, Gs, bs), ref, dtype)
+    assert seen == ["w4a16_cat"]  # one launch, no part on its own route
+    qs[1][0, 0] ^= 0x11  # in place: the cache must not serve the old weight
+    again = C.concatenated_weight(qs, ss, zs, bs)
+    assert again is not first and not torch.equal(again[0], first[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G", [64, None])
 @pytest.mark.parametrize("with_bias", [True, False])

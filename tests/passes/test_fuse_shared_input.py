@@ -36,8 +36,34 @@ def test_on_by_default_can_be_turned_off_and_not_at_prefill():
     assert ops["spear.w4a16_linear.default"] == 2, ops
     ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=CompileConfig(fuse_shared_input=False)))
     assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
-    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE))  # M = 8: not decode
+    ops = spear_ops_after(capture(m, (torch.randn(1, 300, 64),), config=FUSE))  # M = 300: prefill, left alone
     assert "spear.w4a16_linear_cat.default" not in ops and ops["spear.w4a16_linear.default"] == 7
+
+
+@pytest.mark.parametrize("M", [2, 8, 256])
+def test_batched_decode_concatenates_into_one_gemm_and_equals_eager(M):
+    """At a static 2 <= M <= 256 q/k/v and gate/up become one concatenated op each (one GEMM on a GPU); the
+    decode-only fusions after it (GLU epilogue, RMSNorm prologue, residual bias) leave it alone; off with
+    fuse_shared_input_gemm=False; compiled equals eager."""
+    m = quantized_llama(d=64, layers=2, heads=2, ff=128, group_size=32)
+    x = torch.randn(1, M, 64)
+    rep = capture(m, (x,))
+    ops = spear_ops_after(rep)
+    assert ops["spear.w4a16_linear_cat.default"] == 4 and ops["spear.w4a16_linear.default"] == 4, ops
+    assert "spear.w4a16_linear_glu.default" not in ops
+    by = {s.pass_name: s.matched_count for s in rep.graphs[0].snapshots}
+    assert by["fuse_shared_input"] == 10 and by["fuse_glu"] == 0 and by["fuse_rmsnorm"] == 0, by
+    assert not any(r.get("rms_norm") or r.get("residual") for r in rep.linears)
+    off = spear_ops_after(capture(m, (x,), config=CompileConfig(fuse_shared_input_gemm=False)))
+    assert "spear.w4a16_linear_cat.default" not in off and off["spear.w4a16_linear.default"] == 14
+    assert_compiled_matches_eager(m, x, tol=1e-5)
+
+
+def test_batched_linears_with_ecs_keep_their_own_ops():
+    m = _llama_with_ecs()  # ECs on every linear but down_proj
+    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),)))
+    assert "spear.ec_linear_cat.default" not in ops and "spear.w4a16_linear_cat.default" not in ops, ops
+    assert ops["spear.ec_linear.default"] == 6, ops
 
 
 def test_linears_with_an_ec_keep_their_own_kernel():

@@ -65,10 +65,10 @@ def test_plan_covers_every_quantized_linear_once_with_its_ec_rank(cache_dir):
     for lin in plan.linears:  # both graphs recorded: a route at decode and at prefill
         assert lin.route_at(1) != "unknown" and lin.route_at(8) != "unknown"
         assert {o.m_lo for o in lin.ops} == {1, 8}
-    # the decode graph fused gate / up into one op (CPU rewrites too); prefill runs them apart
+    # the decode graph fused gate / up into one GLU op (CPU rewrites too); at M = 8 one concatenated GEMM
     glu = next(lin for lin in plan.linears if "gate_proj" in lin.name)
     assert [o.op for o in ops_at(glu.ops, 1)] == ["w4a16_glu"]
-    assert sorted(o.op for o in ops_at(glu.ops, 8)) == ["w4a16", "w4a16"]
+    assert [o.op for o in ops_at(glu.ops, 8)] == ["w4a16_cat"]
     assert (plan.n_layers, plan.n_heads, plan.n_kv_heads, plan.head_dim) == (2, 4, 2, 16)
     assert plan.dtype == "float32" and plan.vocab_size == m.config.vocab_size
 
