@@ -133,7 +133,9 @@ class Engine:
 
     ``block_size``: KV block (page) size in tokens (transformers' default when None: 256);
     ``num_blocks`` / ``max_batch_tokens``: the cache's blocks and the most tokens in one step (sized by
-    transformers from free memory when None); ``max_requests_per_batch``: the most sequences in a step;
+    transformers from free memory when None: 90 % of it for the cache, which left too little for the CUDA
+    graphs' pools on an H200 with a 7B model, out of memory at 17.7 GiB of pools; give ``num_blocks``, or
+    ``cb_config={"max_memory_percent": ...}``, there); ``max_requests_per_batch``: the most sequences in a step;
     ``compile``: False, True (``backend="spear"``) or a backend name; ``compile_options``: the spear
     backend's options (``CompileConfig`` fields); ``generation_config``: a transformers
     ``GenerationConfig`` (default: the model's, greedy); ``cb_config``: further
