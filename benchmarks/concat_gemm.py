@@ -1,6 +1,7 @@
 """Linears sharing an input at M = 2..256: one W4 GEMM over their concatenated weights against one GEMM each.
 
-The decode fusion ``fuse_shared_input`` concatenates q/k/v and gate/up only at M = 1 (one GEMV). In the serving
+The decode fusion ``fuse_shared_input`` concatenated q/k/v and gate/up only at M = 1 (one GEMV) before this
+measurement (it now does at a static M of 2..256 too). In the serving
 regime the W4 GEMMs are latency-bound and a 4096-wide output leaves SMs idle (H200, 4096x4096 at M = 16: 1.10x
 cuBLAS, where 11008x4096 is 0.99x; README "Serving's batch sizes"), so one GEMM over the three q/k/v weights
 (12288 rows) should fill the grid where three 4096-row GEMMs do not. Prediction: at M = 16-64, the q/k/v

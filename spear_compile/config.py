@@ -200,9 +200,11 @@ class CompileConfig(_Serialisable):
         (``passes/fuse_shared_input.py``). On by default: Llama-2-7B-shaped decode on one H200,
         batch 1, 2.82 -> 2.60 ms/token (``benchmarks/results/e2e_decode/2026-11-30_h200_concat_q_k_v.json``).
     fuse_shared_input_gemm: also fuse linears without an EC that read the same activation where M is a static
-        2..256 (batched decode): one W4 GEMM over the concatenated weights. On by default: on one H200 it took
-        Llama-2-7B's q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the separate GEMMs' time
-        (``benchmarks/results/concat_gemm/2026-12-07_h200/``); it keeps a concatenated copy of those weights.
+        2..256 (batched decode, or a prefill that short): one W4 GEMM over the concatenated weights, on a GPU
+        where the route runs it so. On by default: on one H200 it took Llama-2-7B's q/k/v to 0.43-0.66x and
+        gate/up to 0.63-0.95x the separate GEMMs' time (one untuned Qwen2.5-7B cell 1.76x until ``spear tune``;
+        ``benchmarks/results/concat_gemm/2026-12-07_h200/``). It keeps a concatenated copy of those weights
+        (about 2 GB for Llama-2-7B W4) while they live.
     fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
         ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200,

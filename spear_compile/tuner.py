@@ -31,8 +31,21 @@ def _cfg(config, *names, default=None):
 
 def shapes_from_config(config, group_size: int = 128) -> list:
     """The W4 linear shapes (per layer, deduplicated) of a Llama-family model (``model_type`` in
-    ``LLAMA_TYPES``; an HF config object or its dict): q, k, v, o, gate, up, down, and the decode
-    concatenations q+k+v and gate+up. ``group_size`` 0 / None: per channel."""
+    ``LLAMA_TYPES``; an HF config object or its dict): q, k, v, o, gate, up, down, and the concatenations
+    q+k+v and gate+up. ``group_size`` 0 / None: per channel."""
+    hidden, q, k, inter = _llama_dims(config)
+    g = lambda K: K if not group_size else group_size  # noqa: E731
+    out = [LinearShape(q, hidden, g(hidden)),  # q
+           LinearShape(k, hidden, g(hidden)),  # k, v
+           LinearShape(hidden, q, g(q)),  # o
+           LinearShape(inter, hidden, g(hidden)),  # gate, up
+           LinearShape(hidden, inter, g(inter)),  # down
+           *_concatenations(config, g(hidden))]
+    return list(dict.fromkeys(out))
+
+
+def _llama_dims(config) -> tuple:
+    """(hidden, q rows, k rows, intermediate) of a Llama-family config, checked."""
     mtype = _cfg(config, "model_type", default="")
     if mtype not in LLAMA_TYPES:
         raise ValueError(f"shapes_from_config: model_type {mtype!r}; shapes are known for {LLAMA_TYPES} "
@@ -45,21 +58,19 @@ def shapes_from_config(config, group_size: int = 128) -> list:
     if not all(isinstance(v, int) and v > 0 for v in (hidden, heads, kv, dim, inter)):
         raise ValueError(f"shapes_from_config: hidden_size={hidden}, num_attention_heads={heads}, "
                          f"num_key_value_heads={kv}, head_dim={dim}, intermediate_size={inter} must be positive integers")
-    g = lambda K: K if not group_size else group_size  # noqa: E731
-    q, k = heads * dim, kv * dim
-    out = [LinearShape(q, hidden, g(hidden)),  # q
-           LinearShape(k, hidden, g(hidden)),  # k, v
-           LinearShape(hidden, q, g(q)),  # o
-           LinearShape(inter, hidden, g(hidden)),  # gate, up
-           LinearShape(hidden, inter, g(inter)),  # down
-           LinearShape(q + 2 * k, hidden, g(hidden), prefill=False),  # decode: q / k / v concatenated
-           LinearShape(2 * inter, hidden, g(hidden), prefill=False)]  # decode: gate / up concatenated
-    return list(dict.fromkeys(out))
+    return hidden, heads * dim, kv * dim, inter
+
+
+def _concatenations(config, G: int) -> list:
+    """q / k / v and gate / up concatenated (``passes/fuse_shared_input.py``): one GEMV at decode and one GEMM at
+    a static M of 2..256 (``dispatch.route.CAT_GEMM_MAX_M``), so both kinds of entry are wanted."""
+    hidden, q, k, inter = _llama_dims(config)
+    return [LinearShape(q + 2 * k, hidden, G), LinearShape(2 * inter, hidden, G)]
 
 
 def shapes_of(model) -> list:
     """The shapes ``model`` runs: from its compiled plan when the spear backend compiled it, else from its
-    quantized linears (plus the Llama-family decode concatenations when its config says so)."""
+    quantized linears (plus the Llama-family concatenations when its config says so)."""
     from .api import quantized_linears
     from .runtime.compiled import PlanError, plan_of
 
@@ -85,7 +96,7 @@ def shapes_of(model) -> list:
         gs = {m.group_size for m in lins.values()}
         if per_channel or len(gs) == 1:  # the concatenations read hidden, so they share q's group size
             G = 0 if per_channel else gs.pop()
-            out += [s for s in shapes_from_config(cfg, G) if not s.prefill]
+            out += _concatenations(cfg, _cfg(cfg, "hidden_size") if per_channel else G)
     return list(dict.fromkeys(out))
 
 

@@ -306,8 +306,11 @@ def w4a16_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, layout
     _ops.check_norm(x, norm_weight, norm_eps, "spear::w4a16_linear_cat")  # (the op's body does not run on CUDA)
     x2 = x.reshape(-1, x.shape[-1])
     norm = _norm(norm_weight, norm_eps)
-    rt = _took(route(_r.cat_problem_of("w4a16_cat", x2, qweights, scales, zeros, group_size, biases, layout=layout,
-                                 norm=norm is not None)))
+    p = _r.cat_problem_of("w4a16_cat", x2, qweights, scales, zeros, group_size, biases, layout=layout,
+                          norm=norm is not None)
+    if zeros[0] is not None:  # the concatenation's GEMM may be one that takes integral zero points only
+        p = p.replace(zeros_probe=lambda: all(_wg.integer_zeros(z) for z in zeros))
+    rt = _took(route(p))
     if rt.kernel in ("cat_tma", "cat_gemv1"):
         y = w4a16_cat_gemv1(x2.contiguous(), qweights, scales, zeros, group_size, biases, norm=norm, rt=rt)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -6,7 +6,7 @@ and the tensor facts the kernels depend on: contiguity, zero points present and 
 made on the way (including each kernel that was considered and why it could not run). The CUDA op
 implementations (``dispatch/cuda.py``) launch what ``route`` returns; the passes ask it before they
 rewrite (``fuse_glu``, ``fuse_rmsnorm``) and to name the kernel (``phase_dispatch``); the inspection
-report shows the route and its reasons. It reads the tuned table (``dispatch/table.py``) and the
+report shows the route and its reasons (``fuse_shared_input`` asks it too, for a batched concatenation). It reads the tuned table (``dispatch/table.py``) and the
 kernels' constraints, and launches nothing.
 
 Kernels (``Route.kernel``):
@@ -25,7 +25,8 @@ Kernels (``Route.kernel``):
   EC's expand as one more K step of ``gemm_wgmma``), ``ec_in_gemm_ra`` (of ``gemm_wgmma_ra``,
   PDL-launched behind the gate), ``ec_in_gemm_self`` (shrink and gate in the register-operand GEMM's
   own launch). ``Route.options`` carries the variants (``high_priority``, ``splitk``, ``pdl``);
-* concatenations (``fuse_shared_input`` / ``fuse_glu``): ``cat_gemv1`` / ``cat_tma``, ``glu_tma``,
+* concatenations (``fuse_shared_input`` / ``fuse_glu``): ``cat_gemv1`` / ``cat_tma``, ``glu_tma``, ``cat_gemm``
+  (2 <= M <= ``CAT_GEMM_MAX_M``: one GEMM over the concatenated weights, ``parts[0]`` its route),
   ``ec_cat_tma`` / ``ec_cat_gemv1`` (then ``parts[0]`` is the EC GEMV's route), ``ec_glu_tma``,
   ``parts`` (each part on its own route, ``Route.parts``) and ``glu_of`` (the concatenation's route in
   ``parts[0]``, then act(gate) * up).

@@ -1,4 +1,4 @@
-"""Pass: decode linears that read the same activation become one concatenated GEMV.
+"""Pass: linears that read the same activation become one concatenated GEMV (decode) or GEMM (a static M of 2..256).
 
 Matches:     two or more ``spear::w4a16_linear`` nodes (no EC) with the same input node ``x``, the
              same group size and the "spear" layout, where M is statically 1 (decode) or a static
@@ -13,8 +13,9 @@ Example graph:
                                           [None, None, None], 'spear')
             %q = aten.slice(%cat, 2, 0, 64)  %k = aten.slice(%cat, 2, 64, 128)  %v = aten.slice(%cat, 2, 128, 192)
 
-At a static 2 <= M <= 256 (``CompileConfig.fuse_shared_input_gemm``, on by default; linears without an EC)
-the same rewrite runs one GEMM over the concatenated weights: in the serving regime the W4 GEMMs are
+At a static 2 <= M <= 256 (batched decode, or a prefill that short; ``CompileConfig.fuse_shared_input_gemm``,
+on by default; linears without an EC; on a GPU where the route runs it as one GEMM, ``cat_gemm``) the same
+rewrite runs one GEMM over the concatenated weights, and keeps a concatenated copy of them while they live: in the serving regime the W4 GEMMs are
 latency-bound and a 4096-row output leaves SMs idle, and on one H200 the concatenation took Llama-2-7B's
 q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time (``dispatch.route.CAT_GEMM_MAX_M``). A
 symbolic M (the serving engine's dynamic compile) is left alone: above 256 rows it is not measured. The
@@ -72,8 +73,25 @@ class FuseSharedInput(SpearPass):
             # every weight tensor must exist before the first member, where the new node goes
             if any(order[a] >= order[first] for n, _ in members for a in n.all_input_nodes if a is not x):
                 continue
+            if not self._pays(x, G, members):
+                continue
             count += self._fuse(graph, x, G, members)
         return count
+
+    @staticmethod
+    def _pays(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> bool:
+        """Decode (M == 1) and CPU (the references either way): always. A batched concatenation on a GPU: where
+        the route runs it as one GEMM (``cat_gemm``); where it would run the parts (fractional zero points on
+        some parts only, a dtype the kernels do not take), the rewrite would only add a copy."""
+        xv = x.meta["val"]
+        M = m_range(xv)[1]
+        if M == 1 or xv.device.type != "cuda":
+            return True
+        kw = {"x": x, "group_size": G, "layout": "spear",
+              **{k: [m[1][key] for m in members] for k, key in (("qweights", "qweight"), ("scales", "scales"),
+                                                                 ("zeros", "zeros"), ("biases", "bias"))}}
+        rt = cat_route(kw, "w4a16_cat", norm=False, M=M)
+        return rt is not None and rt.kernel == "cat_gemm"
 
     def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
         first = members[0][0]

@@ -205,8 +205,8 @@ class SloChunkPolicy:
         _check_pos("SloChunkPolicy", "min_chunk", min_chunk)
         if min_chunk > max_chunk:
             raise ValueError(f"SloChunkPolicy: min_chunk={min_chunk} must be <= max_chunk={max_chunk}")
-        if correction is not None and not hasattr(correction, "offset_ms"):
-            raise ValueError(f"SloChunkPolicy: correction={correction!r} must have an offset_ms "
+        if correction is not None and not (hasattr(correction, "offset_ms") and callable(getattr(correction, "offset_for", None))):
+            raise ValueError(f"SloChunkPolicy: correction={correction!r} must have offset_ms and offset_for(prefill) "
                              f"(an online.StepTimeCorrection) or be None")
         self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
         if not isinstance(decode_headroom, bool):
@@ -248,9 +248,10 @@ class SloChunkPolicy:
 
     def _joins(self, n: int, ctx: int, longest: int, length: int, slo: float) -> bool:
         """Rule 8: may a request of ``length`` context tokens join ``n`` decodes of ``ctx`` summed and
-        ``longest`` context? Yes when their decode-only step with it is predicted within ``slo``, when no
-        decode runs, or when they alone are over it already (rule 6 and the forced admission of rule 5
-        decide then: under an SLO no decode batch meets, the rule would only serialise the requests)."""
+        ``longest`` context (the running decodes and the requests already given a piece this step, each at its
+        whole prompt)? Yes when their decode-only step with it is predicted within ``slo``, when there are
+        none, or when they alone are over it already (rule 6 and the forced admission of rule 5 decide then:
+        under an SLO no decode batch meets, the rule would only serialise the requests)."""
         if n == 0:
             return True
         m, k = self.model, n + 1

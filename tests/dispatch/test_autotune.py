@@ -19,11 +19,12 @@ QWEN = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "
         "intermediate_size": 18944}
 
 
-def test_shapes_of_a_gqa_config_include_the_decode_concatenations():
+def test_shapes_of_a_gqa_config_include_the_concatenations():
     got = {(s.N, s.K, s.G, s.decode, s.prefill) for s in shapes_from_config(QWEN)}
+    # the concatenations run as one GEMV at decode and one GEMM at M = 2..256: both kinds of entry
     assert got == {(3584, 3584, 128, True, True), (512, 3584, 128, True, True), (18944, 3584, 128, True, True),
-                   (3584, 18944, 128, True, True), (3584 + 2 * 512, 3584, 128, True, False),
-                   (2 * 18944, 3584, 128, True, False)}
+                   (3584, 18944, 128, True, True), (3584 + 2 * 512, 3584, 128, True, True),
+                   (2 * 18944, 3584, 128, True, True)}
     assert {s.G for s in shapes_from_config(QWEN, group_size=0)} == {3584, 18944}  # per channel
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         shapes_from_config({"model_type": "gpt2"})
@@ -38,10 +39,10 @@ def test_shapes_of_a_quantized_model_without_a_compiled_plan():
     spear.quantize_(model, spear.QuantConfig(group_size=64))
     got = {(s.N, s.K, s.G, s.prefill) for s in shapes_of(model)}
     assert {(128, 128, 64, True), (64, 128, 64, True), (256, 128, 64, True), (128, 256, 64, True)} <= got
-    assert (128 + 2 * 64, 128, 64, False) in got and (512, 128, 64, False) in got  # the decode concatenations
+    assert (128 + 2 * 64, 128, 64, True) in got and (512, 128, 64, True) in got  # the concatenations
 
 
-def test_shapes_of_a_per_channel_model_include_the_decode_concatenations():
+def test_shapes_of_a_per_channel_model_include_the_concatenations():
     """Per channel, each linear's group is its own K (128 or 256 here): the concatenations read hidden, so they
     are per channel over hidden."""
     from spear_compile.models.tiny import tiny_llama
@@ -49,7 +50,7 @@ def test_shapes_of_a_per_channel_model_include_the_decode_concatenations():
     model = tiny_llama(hidden=128, intermediate=256, heads=4, kv_heads=2)
     spear.quantize_(model, spear.QuantConfig(group_size=None))
     got = {(s.N, s.K, s.G, s.prefill) for s in shapes_of(model)}
-    assert (128 + 2 * 64, 128, 128, False) in got and (512, 128, 128, False) in got
+    assert (128 + 2 * 64, 128, 128, True) in got and (512, 128, 128, True) in got
     assert (128, 256, 256, True) in got  # down: per channel over the intermediate width
 
 
@@ -109,7 +110,8 @@ def test_tune_needs_a_gpu_and_the_cli_lists_the_jobs_without_one(tmp_path, capsy
     cfg.write_text(json.dumps(QWEN))
     assert cli.main(["tune", str(tmp_path), "--dry-run", "--ms", "1", "16"]) == 0
     out = capsys.readouterr().out
-    assert "6 shapes, 10 jobs" in out and "gemv1 4608x3584 g128" in out and "gemm 512x3584 g128 M=16" in out
+    assert "6 shapes, 12 jobs" in out and "gemv1 4608x3584 g128" in out and "gemm 512x3584 g128 M=16" in out
+    assert "gemm 4608x3584 g128 M=16" in out  # the q / k / v concatenation runs as one GEMM at M = 2..256
     with pytest.raises(SystemExit, match="no config at"):
         cli.main(["tune", str(tmp_path / "missing"), "--dry-run"])
     if not torch.cuda.is_available():

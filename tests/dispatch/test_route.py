@@ -201,6 +201,18 @@ def test_batched_concatenations_route_to_one_gemm_up_to_256_rows(monkeypatch):
     assert R.route(ec).kernel != "cat_gemm"
 
 
+def test_a_batched_concatenation_with_fractional_zero_points_avoids_the_integer_only_gemm(monkeypatch):
+    """The concatenation's GEMM is the table's for the concatenated shape; where that is the register-operand
+    GEMM (integral zero points only) and the op's probe finds fractional ones, the GEMM of M's default runs."""
+    hopper(monkeypatch)
+    M, N, K, G = 16, 3 * 4096, 4096, 128
+    use_tuned_table(monkeypatch, {TK.gemm_key(M, N, K, G): ["wgmma_ra", 64, 16, 8, 4, 2]})
+    cat = problem(op="w4a16_cat", M=M, N=N, K=K, parts=(4096,) * 3, has_zeros=True)
+    assert R.route(cat.replace(zeros_probe=lambda: True)).parts[0].kernel == "gemm_wgmma_ra"
+    rt = R.route(cat.replace(zeros_probe=lambda: False))
+    assert rt.kernel == "cat_gemm" and rt.parts[0].kernel != "gemm_wgmma_ra", rt.describe()
+
+
 def test_problem_of_reads_the_tensor_facts():
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     q = torch.zeros(32, 32, dtype=torch.uint8)

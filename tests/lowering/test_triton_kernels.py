@@ -255,6 +255,7 @@ def test_cat_gemm_equals_its_parts_and_caches_the_concatenated_weight(M, monkeyp
     dtype = torch.bfloat16
     w = [_weight(n, 320, 64, dtype, seed=n) for n in (40, 24, 59)]
     qs, ss, zs, bs = [p[0] for p in w], [p[1] for p in w], [p[2] for p in w], [w[0][3], None, w[2][3]]
+    zs[0] = zs[0] + 0.25  # fractional zero points on one part (HQQ-style): the op must tell its route
     Gs = w[0][4]
     x = torch.randn(1, M, 320, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
     first = C.concatenated_weight(qs, ss, zs, bs)
@@ -264,6 +265,7 @@ def test_cat_gemm_equals_its_parts_and_caches_the_concatenated_weight(M, monkeyp
 
     def as_on_a_gpu(p):
         seen.append(p.op)
+        assert p.zeros_probe is not None and p.zeros_probe() is False  # these zero points are not integers
         return R.Route("cat_gemm", parts=(gemm,)) if p.op == "w4a16_cat" else R.route(p)
     monkeypatch.setattr(D, "route", as_on_a_gpu)
     ref = torch.cat([w4a16_linear_ref(x, q, s, z, Gs, b) for q, s, z, b in zip(qs, ss, zs, bs)], -1)

@@ -141,3 +141,29 @@ def test_ec_cat_op_checks_its_lists_and_matches_its_parts():
         torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *ec_lists[:-1], ec_lists[-1][:1])
     with pytest.raises(spear.QuantFormatError, match=r"part 1"):
         torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], ec_lists[0][:1] * 2, *ec_lists[1:])
+
+
+def test_a_batched_concatenation_on_a_gpu_is_made_only_where_the_route_runs_one_gemm(monkeypatch):
+    """On a GPU the pass asks the route at the graph's M: a batched concatenation the route would run as its
+    parts (``parts``) is left alone (it would only add a copy); decode and CPU graphs are rewritten without
+    asking."""
+    from types import SimpleNamespace
+
+    from spear_compile.dispatch.route import Route
+    from spear_compile.passes import fuse_shared_input as FS
+
+    asked = []
+
+    def fake_route(kw, op, norm, M):
+        asked.append((op, M, len(kw["qweights"])))
+        return Route(answer)
+    monkeypatch.setattr(FS, "cat_route", fake_route)
+    x = SimpleNamespace(meta={"val": SimpleNamespace(shape=(1, 8, 64), device=torch.device("cuda"))})
+    members = [(None, {"qweight": None, "scales": None, "zeros": None, "bias": None})] * 3
+    for answer, want in (("cat_gemm", True), ("parts", False)):
+        assert FS.FuseSharedInput._pays(x, 32, members) is want
+    assert asked == [("w4a16_cat", 8, 3)] * 2
+    x.meta["val"] = SimpleNamespace(shape=(1, 1, 64), device=torch.device("cuda"))  # decode: the GEMV, no question
+    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 2
+    x.meta["val"] = SimpleNamespace(shape=(1, 8, 64), device=torch.device("cpu"))
+    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 2

@@ -264,6 +264,38 @@ def test_decode_headroom_holds_a_new_request_until_the_decode_step_fits():
     assert held.prefill == () and "decode headroom" in held.reason
 
 
+@st.composite
+def near_the_decode_budget(draw):
+    """A model whose decode-only step grows with the context, decodes and unstarted long prompts beside them, and an
+    SLO a little above the decodes' own step: where rule 8 decides (the generic states rarely reach it)."""
+    lin = LatencyTable((1, 4096), (0.01, 4.0))
+    m = LatencyModel((LinearTable("all", 1, lin),), None, AttentionCost(per_key_ms=draw(st.floats(1e-4, 1e-3))), 1,
+                     Overhead(draw(st.floats(0.5, 2.0))), "last", draw(st.sampled_from([1, 64])))
+    dec = tuple(RunningDecode(f"d{i}", c) for i, c in enumerate(draw(st.lists(st.integers(200, 3000), min_size=1,
+                                                                                max_size=6))))
+    prompts = draw(st.lists(st.integers(16, 3000), min_size=1, max_size=4))
+    state = SchedulerState(dec, tuple(WaitingRequest(f"w{i}", i, r) for i, r in enumerate(prompts)), KVCache(16, 4000))
+    own = m.predict_step_ms([d.context_len for d in dec])
+    return m, state, own + draw(st.floats(0.0, 4.0))
+
+
+@SETTINGS
+@given(near_the_decode_budget())
+def test_decode_headroom_holds_exactly_the_requests_it_must(case):
+    """Rule 8 where it binds: the oldest request, unstarted, is held (and nothing is prefilled) exactly when the
+    decode-only step it would join is predicted over the SLO; the plan keeps every other rule (``check_slo``)."""
+    m, state, slo = case
+    policy = SloChunkPolicy(m, slo, max_chunk=4096, min_chunk=16, decode_headroom=True)
+    plan = policy.plan(state)
+    check_slo(policy, state, plan)
+    ctxs = [d.context_len for d in state.decodes]
+    head = state.waiting_fcfs()[0]
+    held = m.predict_step_ms(ctxs + [head.remaining_prompt]) > slo
+    assert (plan.prefill == () and "decode headroom" in plan.reason) == held
+    if not held:
+        assert plan.prefill and plan.prefill[0][0] == head.request_id or "waits" in plan.reason
+
+
 def test_cancellation_frees_capacity():
     policy = SloChunkPolicy(_model(), 50.0, max_chunk=2048, min_chunk=16)
     full = SchedulerState((RunningDecode("x", 64),), (WaitingRequest("a", 0, 64),), KVCache(16, 1))
