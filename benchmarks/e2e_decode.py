@@ -14,6 +14,8 @@ one CUDA graph, and we time graph replays (median ms/token, ``dispatch.tuning.be
   ours_w4_fused, spear_ec25_fused   ours_w4 / spear_ec25 with CompileConfig(fuse_shared_input=True):
                     at M = 1, q/k/v and gate/up (those without an EC) as one GEMV each
   ours_w4_nocat, spear_ec25_nocat   the same with fuse_shared_input=False
+  ours_w4_nocatgemm  ours_w4 with fuse_shared_input_gemm=False: at batch > 1 q/k/v and gate/up as separate
+                    GEMMs, not one over their concatenation
   spear_ec25_ecfused  spear_ec25 with CompileConfig(fuse_shared_input_ec=True): q/k/v and gate/up
                     *with* ECs as one GEMV + one block-diagonal EC each (the default since 2026-11-30)
   spear_ec25_ecsep  spear_ec25 with fuse_shared_input_ec=False: EC linears keep one GEMV + EC each
@@ -131,6 +133,7 @@ class TinyGemmLinear(nn.Module):
 OPTION_SUFFIXES = {
     "fused": {"fuse_shared_input": True}, "nocat": {"fuse_shared_input": False},
     "ecfused": {"fuse_shared_input_ec": True}, "ecsep": {"fuse_shared_input_ec": False},
+    "nocatgemm": {"fuse_shared_input_gemm": False},  # batch > 1: q/k/v and gate/up as separate GEMMs
     "noglu": {"fuse_glu": False}, "nofold": {"fold_residual_add": False}, "nonorm": {"fuse_rmsnorm": False},
     "nofusions": {"fuse_glu": False, "fold_residual_add": False, "fuse_rmsnorm": False},  # none of the three
 }

@@ -10,7 +10,8 @@ Models (``--hf``): ``llama2-7b`` (32 layers, hidden 4096, MLP 11008, 32 heads, 3
 and ``qwen2.5-7b`` (28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads: grouped-query attention,
 q/k/v biases, vocab 152064). Variants: ``bf16`` (Inductor), ``ours_w4`` (spear), ``ours_w4_head`` (the
 output head in W4 too), ``spear_ec25`` (ECs r=64 gated on 25 % of the linears), ``ours_w4_nogqa`` (the
-GQA fold off: HF's repeated KV cache).
+GQA fold off: HF's repeated KV cache), ``ours_w4_nocatgemm`` (at batch > 1 q/k/v and gate/up as separate GEMMs,
+not one over their concatenation).
 
 The byte floor of a row: the bytes one step must read at least, over ``--tbps`` TB/s (default 4.17, the
 H200's streaming read): every parameter the step reads (packed int4 weights with their scales and
@@ -48,7 +49,7 @@ MODELS = {
                    dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                         num_key_value_heads=4, vocab_size=152064)),
 }
-VARIANTS = ("bf16", "ours_w4", "ours_w4_head", "spear_ec25", "ours_w4_nogqa")
+VARIANTS = ("bf16", "ours_w4", "ours_w4_head", "spear_ec25", "ours_w4_nogqa", "ours_w4_nocatgemm")
 
 
 def build(name: str, variant: str, ctx: int):
@@ -65,7 +66,8 @@ def build(name: str, variant: str, ctx: int):
     spear.quantize_(model, QuantConfig(group_size=128), filter_fn=flt, progress=False)
     if variant.startswith("spear_ec"):
         set_ec_share(model, int(variant[len("spear_ec"):]))
-    opts = {"fold_gqa_attention": False} if variant.endswith("_nogqa") else {}
+    opts = ({"fold_gqa_attention": False} if variant.endswith("_nogqa")
+            else {"fuse_shared_input_gemm": False} if variant.endswith("_nocatgemm") else {})
     return model, cfg, "spear", opts
 
 
