@@ -62,8 +62,8 @@ def _llama_dims(config) -> tuple:
 
 
 def _concatenations(config, G: int) -> list:
-    """q / k / v and gate / up concatenated (``passes/fuse_shared_input.py``): one GEMV at decode and one GEMM at
-    a static M of 2..256 (``dispatch.route.CAT_GEMM_MAX_M``), so both kinds of entry are wanted."""
+    """q / k / v and gate / up concatenated (``passes/fuse_shared_input.py``): one GEMV at decode and one GEMM
+    at a static M of 2..256 (``dispatch.route.CAT_GEMM_MAX_M``), so both kinds of entry are wanted."""
     hidden, q, k, inter = _llama_dims(config)
     return [LinearShape(q + 2 * k, hidden, G), LinearShape(2 * inter, hidden, G)]
 

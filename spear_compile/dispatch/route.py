@@ -5,9 +5,9 @@ and the tensor facts the kernels depend on: contiguity, zero points present and 
 ``route`` returns the ``Route`` that runs it: the kernel, its config and the reasons of every choice
 made on the way (including each kernel that was considered and why it could not run). The CUDA op
 implementations (``dispatch/cuda.py``) launch what ``route`` returns; the passes ask it before they
-rewrite (``fuse_glu``, ``fuse_rmsnorm``) and to name the kernel (``phase_dispatch``); the inspection
-report shows the route and its reasons (``fuse_shared_input`` asks it too, for a batched concatenation). It reads the tuned table (``dispatch/table.py``) and the
-kernels' constraints, and launches nothing.
+rewrite (``fuse_glu``, ``fuse_rmsnorm``, ``fuse_shared_input`` for a batched concatenation) and to name
+the kernel (``phase_dispatch``); the inspection report shows the route and its reasons. It reads the tuned
+table (``dispatch/table.py``) and the kernels' constraints, and launches nothing.
 
 Kernels (``Route.kernel``):
 

@@ -15,11 +15,12 @@ Example graph:
 
 At a static 2 <= M <= 256 (batched decode, or a prefill that short; ``CompileConfig.fuse_shared_input_gemm``,
 on by default; linears without an EC; on a GPU where the route runs it as one GEMM, ``cat_gemm``) the same
-rewrite runs one GEMM over the concatenated weights, and keeps a concatenated copy of them while they live: in the serving regime the W4 GEMMs are
-latency-bound and a 4096-row output leaves SMs idle, and on one H200 the concatenation took Llama-2-7B's
-q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time (``dispatch.route.CAT_GEMM_MAX_M``). A
-symbolic M (the serving engine's dynamic compile) is left alone: above 256 rows it is not measured. The
-decode-only fusions after this pass (``fuse_glu``, ``fuse_rmsnorm``) take M == 1 concatenations only. Linears with an
+rewrite runs one GEMM over the concatenated weights, and keeps a concatenated copy of them while they live:
+in the serving regime the W4 GEMMs are latency-bound and a 4096-row output leaves SMs idle, and on one H200
+the concatenation took Llama-2-7B's q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time
+(``dispatch.route.CAT_GEMM_MAX_M``). A symbolic M (the serving engine's dynamic compile) is left alone:
+above 256 rows it is not measured. The decode-only fusions after this pass (``fuse_glu``, ``fuse_rmsnorm``)
+take M == 1 concatenations only. Linears with an
 EC group apart: with ``CompileConfig.fuse_shared_input_ec`` (on by default) EC linears sharing an
 input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
 (``ec_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):

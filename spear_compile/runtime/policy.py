@@ -205,7 +205,8 @@ class SloChunkPolicy:
         _check_pos("SloChunkPolicy", "min_chunk", min_chunk)
         if min_chunk > max_chunk:
             raise ValueError(f"SloChunkPolicy: min_chunk={min_chunk} must be <= max_chunk={max_chunk}")
-        if correction is not None and not (hasattr(correction, "offset_ms") and callable(getattr(correction, "offset_for", None))):
+        corrects = hasattr(correction, "offset_ms") and callable(getattr(correction, "offset_for", None))
+        if correction is not None and not corrects:
             raise ValueError(f"SloChunkPolicy: correction={correction!r} must have offset_ms and offset_for(prefill) "
                              f"(an online.StepTimeCorrection) or be None")
         self.model, self.slo, self.max_chunk, self.min_chunk = latency_model, float(slo_itl_ms), max_chunk, min_chunk
