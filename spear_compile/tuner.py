@@ -40,7 +40,7 @@ def shapes_from_config(config, group_size: int = 128) -> list:
            LinearShape(hidden, q, g(q)),  # o
            LinearShape(inter, hidden, g(hidden)),  # gate, up
            LinearShape(hidden, inter, g(inter)),  # down
-           *_concatenations(config, g(hidden))]
+           *_concatenations(hidden, q, k, inter, g(hidden))]
     return list(dict.fromkeys(out))
 
 
@@ -61,10 +61,9 @@ def _llama_dims(config) -> tuple:
     return hidden, heads * dim, kv * dim, inter
 
 
-def _concatenations(config, G: int) -> list:
+def _concatenations(hidden: int, q: int, k: int, inter: int, G: int) -> list:
     """q / k / v and gate / up concatenated (``passes/fuse_shared_input.py``): one GEMV at decode and one GEMM
     at a static M of 2..256 (``dispatch.route.CAT_GEMM_MAX_M``), so both kinds of entry are wanted."""
-    hidden, q, k, inter = _llama_dims(config)
     return [LinearShape(q + 2 * k, hidden, G), LinearShape(2 * inter, hidden, G)]
 
 
@@ -95,8 +94,8 @@ def shapes_of(model) -> list:
         per_channel = all(m.group_size >= m.in_features for m in lins.values())
         gs = {m.group_size for m in lins.values()}
         if per_channel or len(gs) == 1:  # the concatenations read hidden, so they share q's group size
-            G = 0 if per_channel else gs.pop()
-            out += _concatenations(cfg, _cfg(cfg, "hidden_size") if per_channel else G)
+            hidden, q, k, inter = _llama_dims(cfg)
+            out += _concatenations(hidden, q, k, inter, hidden if per_channel else gs.pop())
     return list(dict.fromkeys(out))
 
 

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import SPEAR_OPS, bind, call, positional, record
-from .phase_dispatch import m_range
+from .phase_dispatch import static_m
 
 ADD = torch.ops.aten.add.Tensor
 VIEW = torch.ops.aten.view.default
@@ -44,7 +44,7 @@ def _residual_of(add: fx.Node, order: dict) -> tuple[fx.Node, fx.Node] | None:
         if tuple(rv.shape) != tuple(yv.shape) or rv.dtype != yv.dtype or rv.device != yv.device:
             continue
         kw = bind(y)
-        if kw["bias"] is not None or m_range(kw["x"].meta["val"])[1:] != (1, 1):
+        if kw["bias"] is not None or static_m(kw["x"].meta["val"]) != 1:
             continue
         return y, r
     return None

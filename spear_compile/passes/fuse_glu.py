@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from .base import SpearPass
 from .common import bind, call_op, cat_route, copy_meta, record
-from .phase_dispatch import m_range
+from .phase_dispatch import static_m
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 EC_CAT = torch.ops.spear.ec_linear_cat.default
@@ -151,7 +151,7 @@ class FuseGLU(SpearPass):
         if len(up.users) != 1 or any(u not in chain and u is not mul for n in (gate, *chain) for u in n.users):
             return False
         kw = bind(cat)
-        if m_range(kw["x"].meta["val"])[1:] != (1, 1):  # a batched concatenation (one GEMM): not this epilogue's
+        if static_m(kw["x"].meta["val"]) != 1:  # a batched concatenation (one GEMM): not this epilogue's
             return False
         has_ec = cat.target is EC_CAT
         if mul.meta["val"].dtype != cat.meta["val"].dtype or not self._epilogue_runs(kw, halves[2], has_ec):

@@ -36,7 +36,7 @@ from .base import SpearPass
 from .common import bind, positional, record
 from .common import cat_route
 from .fuse_glu import EC_CAT, EC_GLU, GLU, MUL, W4A16_CAT, _is, _strip_convert
-from .phase_dispatch import m_range
+from .phase_dispatch import static_m
 
 ATEN = torch.ops.aten
 TARGETS = (W4A16_CAT, GLU, EC_CAT, EC_GLU)
@@ -86,7 +86,7 @@ class FuseRMSNorm(SpearPass):
             if node.op != "call_function" or node.target not in TARGETS:
                 continue
             kw = bind(node)
-            if kw["norm_weight"] is not None or m_range(kw["x"].meta["val"])[1:] != (1, 1):  # decode only
+            if kw["norm_weight"] is not None or static_m(kw["x"].meta["val"]) != 1:  # decode only
                 continue
             found = rms_norm_of(kw["x"])
             if found is None:

@@ -37,7 +37,7 @@ import torch.fx as fx
 from ..dispatch.route import CAT_GEMM_MAX_M
 from .base import SpearPass
 from .common import EC_LINEAR, META_KEY, W4A16, bind, call, call_op, cat_route, copy_meta, record
-from .phase_dispatch import m_range
+from .phase_dispatch import static_m
 
 W4A16_CAT = torch.ops.spear.w4a16_linear_cat.default
 EC_CAT = torch.ops.spear.ec_linear_cat.default
@@ -62,9 +62,9 @@ class FuseSharedInput(SpearPass):
             xv = x.meta.get("val") if isinstance(x, fx.Node) else None
             if xv is None or kw["layout"] != "spear":
                 continue
-            _, lo, hi = m_range(xv)
-            gemm = gemm_on and n.target is W4A16 and lo == hi and 2 <= lo <= CAT_GEMM_MAX_M
-            if lo == hi == 1 or gemm:  # linears with ECs group apart from plain ones (and by gate activation)
+            M = static_m(xv)
+            gemm = gemm_on and n.target is W4A16 and M is not None and 2 <= M <= CAT_GEMM_MAX_M
+            if M == 1 or gemm:  # linears with ECs group apart from plain ones (and by gate activation)
                 groups[(x, kw["group_size"], tuple(xv.shape), kw.get("act"))].append((n, kw))
         count = 0
         for (x, G, _, _), members in groups.items():
@@ -85,20 +85,15 @@ class FuseSharedInput(SpearPass):
         the route runs it as one GEMM (``cat_gemm``); where it would run the parts (fractional zero points on
         some parts only, a dtype the kernels do not take), the rewrite would only add a copy."""
         xv = x.meta["val"]
-        M = m_range(xv)[1]
+        M = static_m(xv)
         if M == 1 or xv.device.type != "cuda":
             return True
-        kw = {"x": x, "group_size": G, "layout": "spear",
-              **{k: [m[1][key] for m in members] for k, key in (("qweights", "qweight"), ("scales", "scales"),
-                                                                 ("zeros", "zeros"), ("biases", "bias"))}}
-        rt = cat_route(kw, "w4a16_cat", norm=False, M=M)
+        rt = cat_route(_cat_args(x, G, members), "w4a16_cat", norm=False, M=M)
         return rt is not None and rt.kernel == "cat_gemm"
 
     def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
         first = members[0][0]
-        args = {"x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
-                "zeros": [kw["zeros"] for _, kw in members], "group_size": G,
-                "biases": [kw["bias"] for _, kw in members], "layout": "spear"}
+        args = _cat_args(x, G, members)
         has_ec = first.target is EC_LINEAR
         if has_ec:
             for name, key in (("As", "A"), ("Bs", "B"), ("W1s", "W1"), ("b1s", "b1"), ("W2s", "W2"), ("b2s", "b2"),
@@ -111,7 +106,7 @@ class FuseSharedInput(SpearPass):
         dim = cat.meta["val"].dim() - 1
         x_val = x.meta["val"]
         K = int(x_val.shape[-1])
-        rt = cat_route(bind(cat), "ec_cat" if has_ec else "w4a16_cat", norm=False, M=m_range(x_val)[1])
+        rt = cat_route(bind(cat), "ec_cat" if has_ec else "w4a16_cat", norm=False, M=static_m(x_val))
         kernel = rt.describe() if rt is not None else "unknown (no fake values)"
         reasons = rt.all_reasons() if rt is not None else []
         off, sizes, weights, members_info = 0, [], [], []
@@ -131,3 +126,10 @@ class FuseSharedInput(SpearPass):
         record(cat, source_form="fused_shared_input", weights=weights, N=sizes, K=K,
                group_size=G, kernel=kernel, route_reasons=reasons, members=members_info)
         return len(members)
+
+
+def _cat_args(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> dict:
+    """The concatenation op's W4 arguments over ``members`` (their bound arguments, in order) reading ``x``."""
+    return {"x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
+            "zeros": [kw["zeros"] for _, kw in members], "group_size": G,
+            "biases": [kw["bias"] for _, kw in members], "layout": "spear"}

@@ -61,6 +61,13 @@ def m_range(x_val: torch.Tensor) -> tuple[str, int, float]:
     return str(expr), int(lo), hi_f
 
 
+def static_m(x_val: torch.Tensor) -> Optional[int]:
+    """The rows of ``x [..., K]`` where the graph fixes them (its lower and upper bound agree), else None: the
+    decode passes take ``static_m(x) == 1``."""
+    _, lo, hi = m_range(x_val)
+    return lo if lo == hi else None
+
+
 def node_problem(kwargs: dict, op: str, M: int) -> Optional[Problem]:
     """The ``route`` problem of a spear linear node at M rows, from the graph's fake values (None where the
     graph carries none). Zero points are taken as integral (their values are not known at compile time)."""
