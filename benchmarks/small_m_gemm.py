@@ -12,6 +12,9 @@ as CUDA-graph replays over weight copies that do not fit in L2:
 * ``ra_small_best``: the whole-K small tiles' fastest config (``route.ra_small_choices`` without a K split);
 * ``ra_large_best`` (M >= 64): the register-operand GEMM's large tiles (``RA_CONFIGS``);
 * ``ra_ks_best``: the small tiles with K split (``KSPLIT_CONFIGS``, also in ``route.ra_small_choices``);
+* ``tma_rows_best`` (M <= 16): the TMA GEMV with x's rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows``,
+  ``route.tma_rows_choices``; the run sets ``SPEAR_TMA_ROWS=1`` unless ``--no-tma-rows``), beside ``tma_m1``: the
+  route's M = 1 kernel on the first row alone (the prediction: ``tma_rows_best`` within ~1.2x of it at M <= 8);
 * ``ec_r64_fused`` / ``ec_r64_overlapped`` (M <= 4, where the fused EC can run): W4 + EC under each lowering,
   the evidence for the fused / overlapped crossover (``ec_crossover``: the one the backend compiles with);
 * ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
@@ -74,7 +77,7 @@ def fastest(row: dict):
     bits. None when no candidate has a table value."""
     cands = [(row["route_before"], _config_of(row["route_before_kernel"])),
              (row["triton_best"], row["triton_best_config"])]
-    for stem in ("ra_small", "ra_large", "ra_ks"):
+    for stem in ("ra_small", "ra_large", "ra_ks", "tma_rows"):
         if f"{stem}_best" in row and row[f"{stem}_rel_err"] < 1e-2 and row[f"{stem}_reproducible"]:
             cands.append((row[f"{stem}_best"], row[f"{stem}_best_config"]))
     cands = [(t, list(c)) for t, c in cands if c is not None]
@@ -133,6 +136,11 @@ def one(N: int, K: int, G: int, M: int, ksplit: bool = True) -> dict:
         checked("ra_large", RT.wgmma_ra_choices())
     if ks:
         checked("ra_ks", ks)
+    rows = RT.tma_rows_choices(M, N, K, G)
+    if rows:
+        row["tma_rows_over_cublas"] = checked("tma_rows", rows)[1] / row["cublas_bf16"]
+        row["tma_m1"] = bench_graph(lambda i: D.w4a16_linear_cuda(xs[i][:1], *ws[i], G, None), copies)
+        row["tma_m1_kernel"] = RT.route(RT.problem_of("w4a16", xs[0][:1], *ws[0], G)).describe()
     key = TK.gemm_key(M, N, K, G)
     table = TT.configs()
     choice = fastest(row)
@@ -162,7 +170,12 @@ def main(argv=None) -> None:
                     help="leave the K-split tiles out (where their GPU tests have not passed on this machine)")
     ap.add_argument("--table-from", metavar="RECORD",
                     help="no GPU run: write OUT/configs_<GPU>.json from a recorded run's rows (its GPU's table)")
+    ap.add_argument("--no-tma-rows", action="store_true",
+                    help="leave the multi-row TMA GEMV out (else SPEAR_TMA_ROWS=1 for the run: it is timed and, where "
+                         "fastest and correct, written into the table)")
     args = ap.parse_args(argv)
+    if not args.no_tma_rows:
+        os.environ["SPEAR_TMA_ROWS"] = "1"
     os.makedirs(args.out, exist_ok=True)
     if args.table_from:
         gpu = json.load(open(args.table_from))["gpu"].replace(" ", "_")
@@ -189,10 +202,10 @@ def main(argv=None) -> None:
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, f"configs_{gpu_key()}.json"), "w") as f:
             f.write(TT.dumps(TT.configs(), gpu_key()))
-    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'ra':>7} {'after/cuB':>9} {'EC/W4':>6}")
+    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'ra':>7} {'rows':>7} {'after/cuB':>9} {'EC/W4':>6}")
     for r in res["rows"]:
         print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>4} {r['cublas_bf16']:7.1f} {r['route_before']:7.1f} {r['triton_best']:7.1f} "
-              f"{r.get('ra_small_best', float('nan')):7.1f} "
+              f"{r.get('ra_small_best', float('nan')):7.1f} {r.get('tma_rows_best', float('nan')):7.1f} "
               f"{r['route_after_over_cublas']:9.2f} "
               f"{r['ec_after_over_w4_after']:6.2f}")
 

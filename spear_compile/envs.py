@@ -29,6 +29,10 @@ Opt-in switches (same numerics within rounding; off until a GPU run has measured
   (16.3 ms against 15.9-16.0 with the online correction, 19.3-19.4 against 16.4-18.1 without:
   ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``), though one decode at 2k keys takes
   0.30-0.47x torch's kernel time a layer.
+* ``SPEAR_TMA_ROWS=1``: the tuners (``spear tune``, ``benchmarks/small_m_gemm.py``) time the TMA GEMV with x's
+  rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows.py``) as a GEMM choice at M <= 16, and the route
+  takes it where a table names it. It is compiled and checked offline for sm_90 (layouts, registers, shared
+  memory) but has not yet run on a GPU: off, a table entry naming it falls back to M's default GEMM.
 
 Paths:
 
@@ -41,7 +45,8 @@ from __future__ import annotations
 import os
 
 # every switch that changes which kernel runs (hashed into the compile cache key below)
-SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE", "SPEAR_SPLIT_KV")
+SWITCHES = ("SPEAR_NO_TMA_GEMV", "SPEAR_NO_TMA_EC", "SPEAR_NO_PDL", "SPEAR_NO_PEER_WRITE", "SPEAR_SPLIT_KV",
+            "SPEAR_TMA_ROWS")
 
 
 def _on(name: str) -> bool:
@@ -66,6 +71,11 @@ def no_pdl() -> bool:
 def split_kv() -> bool:
     """``SPEAR_SPLIT_KV`` is set: the engine's varlen attention hands decodes to the split-KV kernel."""
     return _on("SPEAR_SPLIT_KV")
+
+
+def tma_rows() -> bool:
+    """``SPEAR_TMA_ROWS`` is set: the multi-row TMA GEMV is a GEMM choice at M <= 16 (tuned and routed)."""
+    return _on("SPEAR_TMA_ROWS")
 
 
 def no_peer_write() -> bool:

@@ -157,7 +157,7 @@ def measure(job: Job, device=None) -> dict:
         return got
     if job.family != "gemm":
         raise ValueError(f"measure: family {job.family!r}; expected 'gemv1' or 'gemm'")
-    run = lambda c: (lambda i: _cuda.w4a16_gemm(xs[i], *ws[i], G, None, config=c))  # noqa: E731
+    run = _checked_gemm(xs, ws, G)
     finalists = [_tuning.search(run, _route.gemm_choices(M, N, K, G), copies)]
     if M >= 64:  # the wgmma GEMMs never won below M = 64 (benchmarks/kernels.py)
         for choices in (_route.wgmma_choices(), _route.wgmma_ra_choices()):
@@ -171,6 +171,25 @@ def measure(job: Job, device=None) -> dict:
     cfg = _tuning.refine(run, close, copies)[0] if len(close) > 1 else min(finalists, key=lambda ct: ct[1])[0]
     got[_keys.gemm_key(M, N, K, G)] = list(cfg)
     return got
+
+
+def _checked_gemm(xs: list, ws: list, G: int) -> Callable:
+    """``run(config)`` for ``tuning.search``: the W4 GEMM in ``config`` on weight copy i, once it has matched the
+    reference on copy 0 (relative error < 1e-2; else RuntimeError, which the search reports and skips): a
+    kernel that computes wrong numbers on this GPU must never become the table's choice."""
+    from ..ops.w4a16_ref import w4a16_linear_ref
+    from . import cuda as _cuda
+
+    ref = w4a16_linear_ref(xs[0], *ws[0], G, None).float()
+
+    def run(c):
+        y = _cuda.w4a16_gemm(xs[0], *ws[0], G, None, config=c).float()
+        err = ((y - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        if not err < 1e-2:
+            raise RuntimeError(f"GEMM choice {list(c)} does not match the reference (relative error {err:.3g})")
+        return lambda i: _cuda.w4a16_gemm(xs[i], *ws[i], G, None, config=c)
+
+    return run
 
 
 def run(jobs: Sequence[Job], budget_s: float = 300.0, progress: bool = True, save: bool = True,

@@ -30,6 +30,7 @@ from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
 from ..lowering import w4a16_gemv_tma as _gt
 from ..lowering import w4a16_gemv_tma_ec as _gte
+from ..lowering import w4a16_gemv_tma_rows as _gtr
 from ..lowering import w4a16_triton as _t
 from ..lowering.layout_cache import derived_cached
 from ..ops import refs as _refs
@@ -90,6 +91,8 @@ def launch_w4(rt: Route, x2, qweight, scales, zeros, G: int, bias, out=None) -> 
         return _wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
     if k == "gemm_wgmma_ra":
         return _ra.w4a16_gemm_wgmma_ra(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
+    if k == _gtr.TABLE_KERNEL:
+        return _gtr.w4a16_gemv_tma_rows(x2, qweight, scales, zeros, G, bias, config=cfg, out=out)
     raise ValueError(f"launch_w4: route {rt.describe()} is not a W4 kernel")
 
 
@@ -161,7 +164,8 @@ def w4a16_gemm(x2, qweight, scales, zeros, G: int, bias, config: Optional[tuple]
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y[M, N] for any M through the GEMM the tuned table gives the shape, or ``config`` (a table value:
     the Triton GEMM's tuple, ``("dequant_cublas",)``, ``("dequant_cublas_pipe", chunks)``,
-    ``("wgmma", ...)``, ``("wgmma_ra", ...)``); where that kernel cannot run here, M's default."""
+    ``("wgmma", ...)``, ``("wgmma_ra", ...)``, ``("gemv_tma_rows", ...)``); where that kernel cannot run here,
+    M's default."""
     p = problem_of("w4a16", x2, qweight, scales, zeros, G, bias, out=out)
     return launch_w4(_r.gemm_route(p, choice=config), x2, qweight, scales, zeros, G, bias, out=out)
 

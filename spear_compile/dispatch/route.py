@@ -15,7 +15,8 @@ Kernels (``Route.kernel``):
 * W4 only: ``gemv1`` (CUDA-core M = 1 GEMV), ``gemv1_tma`` (TMA-fed Gluon GEMV), ``gemv`` (M > 1
   GEMV, shapes ``gemv1`` does not take), ``gemm`` (Triton tiled GEMM), ``dequant_cublas`` (dequantize,
   then cuBLAS; config ``(chunks,)``), ``gemm_wgmma`` / ``gemm_wgmma_ra`` (Hopper warpgroup-MMA GEMM
-  with the weight as the shared-memory / register operand);
+  with the weight as the shared-memory / register operand), ``gemv_tma_rows`` (M <= 16: the TMA GEMV with
+  x's rows in the MMA's columns, a GEMM choice of the table; opt-in, ``SPEAR_TMA_ROWS``);
 * decode EC (M = 1): ``ec_self`` (the EC in the CUDA-core GEMV's launch), ``ec_self_tma`` (in the TMA
   GEMV's launch), ``ec_pair_tma`` (producer grid + PDL-launched TMA GEMV adding the EC in its
   epilogue), ``ec_pair`` (producer grid + CUDA-core GEMV, PDL-launched where PDL runs); small M:
@@ -48,6 +49,7 @@ from ..lowering import w4a16_gemm_wgmma as _wg
 from ..lowering import w4a16_gemm_wgmma_ra as _ra
 from ..lowering import w4a16_gemv_tma as _gt
 from ..lowering import w4a16_gemv_tma_ec as _gte
+from ..lowering import w4a16_gemv_tma_rows as _gtr
 from ..lowering import ec_shrink_splitk as _sk
 from ..lowering.problem import OPS, Problem  # noqa: F401  (re-exported: the route's callers build problems here)
 from ..lowering import w4a16_triton as _t
@@ -193,6 +195,17 @@ def tma_config(p: Problem, rows: int) -> tuple:
     return tuple(cfg), f"TMA GEMV measured faster for {_src(key)}: config {list(cfg)}"
 
 
+def tma_rows_ok(p: Problem, config: Optional[tuple] = None) -> tuple:
+    """(ok, reason) of whether the multi-row TMA GEMV runs ``p`` here: opted in (``SPEAR_TMA_ROWS``; not yet
+    run on a GPU), not switched off with the other TMA GEMVs (``SPEAR_NO_TMA_GEMV``), and the kernel's own
+    constraints (``w4a16_gemv_tma_rows.can_implement``, with ``config`` its shared memory)."""
+    if not envs.tma_rows():
+        return False, "SPEAR_TMA_ROWS is not set (the kernel has not yet run on a GPU)"
+    if envs.no_tma_gemv():
+        return False, "SPEAR_NO_TMA_GEMV is set"
+    return _gtr.can_implement(p, config)
+
+
 def pdl_ok(p: Problem) -> bool:
     return capability.pdl(p.device)
 
@@ -240,6 +253,12 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
     if cfg is None:
         cfg, src = list(_t._default_gemm(p.M)), f"M = {p.M} default (nothing measured)"
     cfg = tuple(cfg)
+    if cfg[0] == _gtr.TABLE_KERNEL:
+        ok, r = tma_rows_ok(p, cfg[1:])
+        if ok:
+            return _route(_gtr.TABLE_KERNEL, cfg[1:], why + [f"{src}: the TMA GEMV over x's rows ({r})"])
+        why.append(f"{src}: the TMA GEMV over x's rows, which cannot run here ({r})")
+        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
     if cfg[0] in (_t.WGMMA, _t.WGMMA_RA):
         check = _wg.can_implement if cfg[0] == _t.WGMMA else _ra.can_implement
         ok, r = check(p)
@@ -625,12 +644,26 @@ def ra_small_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G
     return [(_t.WGMMA_RA,) + c for c in _ra.SMALL_CONFIGS if c[1] == bmx]
 
 
+def tma_rows_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G: Optional[int] = None) -> list:
+    """Table values for the multi-row TMA GEMV's configs (``w4a16_gemv_tma_rows.ROWS_CONFIGS``) at M rows: none
+    unless it is opted in and this Triton has it, M <= 16 and (given K, G) the kernel takes the shape, and only
+    the configs whose shared memory fits at that K (a search would otherwise time the route's fallback under
+    their name)."""
+    if not envs.tma_rows() or not _gtr.HAS_TMA or _t.INTERPRET or not 1 <= M <= _gtr.MAX_ROWS:
+        return []
+    if K is not None and not _gtr.gluon_ok(1, K, G or K, torch.bfloat16):
+        return []
+    return [(_gtr.TABLE_KERNEL,) + c for c in _gtr.ROWS_CONFIGS if K is None or _gtr.rows_fit(c, K, M)]
+
+
 def gemm_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G: Optional[int] = None) -> list:
     """Every W4 GEMM table value worth timing at M rows, except the large-tile wgmma GEMMs (``wgmma_choices``,
     ``wgmma_ra_choices``, searched from M = 64): the Triton GEMM's configs, the register-operand GEMM's small-M
-    tiles (up to M = 128, where they take the shape), dequantize + cuBLAS."""
+    tiles (up to M = 128, where they take the shape), the multi-row TMA GEMV (M <= 16, opted in:
+    ``tma_rows_choices``), dequantize + cuBLAS."""
     ra = ra_small_choices(M, N, K, G) if M <= 128 else []
-    return list(_t.GEMM_CONFIGS) + ra + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE]
+    return (list(_t.GEMM_CONFIGS) + ra + tma_rows_choices(M, N, K, G)
+            + [_t.DEQUANT_CUBLAS, _t.DEQUANT_CUBLAS_PIPE])
 
 
 def wgmma_ra_choices() -> list:

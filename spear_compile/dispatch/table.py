@@ -156,7 +156,7 @@ def parse_key(wire: str, table: str = "configs") -> Key:
 # ---------------------------------------------------------------- values
 
 TMA_OPS = (0, 1, 2)  # the TMA GEMV's operand modes (w4a16_gemv_tma: OPS_GLOBAL, OPS_PREFETCH, OPS_SMEM)
-GEMM_KERNELS = ("triton", "dequant_cublas", "dequant_cublas_pipe", "wgmma", "wgmma_ra")
+GEMM_KERNELS = ("triton", "dequant_cublas", "dequant_cublas_pipe", "wgmma", "wgmma_ra", "gemv_tma_rows")
 SELF_KERNELS = ("cc", "tma", "pair")
 STRUCTURES = ("side", "side_hi", "c_operand", "c_operand_hi", "in_gemm", "in_gemm_sk", "in_gemm_self")
 
@@ -265,6 +265,12 @@ def _gemm_choice(w, what: str) -> GemmChoice:
         return GemmChoice(kernel, _positive(rest, what + " (BM, BN, STAGES, WARPS)", 4))
     if kernel == "wgmma_ra":  # (a sixth value: the K split of the small-M tiles)
         return GemmChoice(kernel, _ra_config(rest, what, (4, 5, 6)))
+    if kernel == "gemv_tma_rows":  # the TMA GEMV with x's rows in the MMA's columns (w4a16_gemv_tma_rows)
+        cfg = _pos_ints(rest, what + " (WARPS, RB, CH, STAGES)", 4)
+        if not all(_pow2(v) for v in cfg[:3]) or cfg[3] < 2:
+            raise ValueError(f"{what}: gemv_tma_rows (WARPS, RB, CH, STAGES) = {list(cfg)}: WARPS, RB, CH powers "
+                             "of two, STAGES >= 2")
+        return GemmChoice(kernel, cfg)
     raise ValueError(f"{what}: GEMM choice {w!r}; expected one of {GEMM_KERNELS} with its config")
 
 

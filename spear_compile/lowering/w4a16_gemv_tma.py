@@ -528,6 +528,23 @@ def tma_scale_tiles(scales: torch.Tensor, zeros: Optional[torch.Tensor], G: int,
     return derived_cached(_SCALE_TILES.setdefault((tuple(config[:3]), G, K), {}), [scales, zeros], build)
 
 
+def check_operands(name: str, K: int, G: int, qweight: Optional[torch.Tensor], scales: torch.Tensor,
+                   zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> int:
+    """N, once the operands' shapes agree with x's K and the group size G (ValueError naming the operand,
+    ``name`` the caller); ``qweight`` None: not given (a concatenation's descriptors stand in for it)."""
+    N = scales.shape[0]
+    if scales.dim() != 2 or scales.shape[1] != (1 if G >= K else K // G):
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
+    if zeros is not None and zeros.shape != scales.shape:
+        raise ValueError(f"{name}: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
+    if qweight is not None and tuple(qweight.shape) != (N, K // 2):
+        raise ValueError(f"{name}: packed weight {tuple(qweight.shape)} does not match x's K={K} and the scales' "
+                         f"N={N} (expected {(N, K // 2)})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} != ({N},)")
+    return N
+
+
 def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    G: int, bias: Optional[torch.Tensor], config: Optional[tuple] = None,
                    out: Optional[torch.Tensor] = None, descs: Optional[tuple] = None, glu: bool = False,
@@ -547,16 +564,7 @@ def w4a16_gemv_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     config = tuple(config or TMA_CONFIGS[0])
     warps, rb, ch, stages, ops, split = unpack_config(config)
     per_channel = G >= K
-    N = scales.shape[0]
-    if scales.dim() != 2 or scales.shape[1] != (1 if per_channel else K // G):
-        raise ValueError(f"w4a16_gemv_tma: scales {tuple(scales.shape)} do not match K={K}, group size {G}")
-    if zeros is not None and zeros.shape != scales.shape:
-        raise ValueError(f"w4a16_gemv_tma: zeros {tuple(zeros.shape)} != scales {tuple(scales.shape)}")
-    if qweight is not None and tuple(qweight.shape) != (N, K // 2):
-        raise ValueError(f"w4a16_gemv_tma: packed weight {tuple(qweight.shape)} does not match x's K={K} and "
-                         f"the scales' N={N} (expected {(N, K // 2)})")
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"w4a16_gemv_tma: bias {tuple(bias.shape)} != ({N},)")
+    N = check_operands("w4a16_gemv_tma", K, G, qweight, scales, zeros, bias)
     bn, step, _ = tile_geometry(config)
     kt, rows = -(-K // step), -(-N // bn)
     if glu and (split != 1 or bias is not None or N % bn):
