@@ -243,6 +243,54 @@ def _w4_gemv(p: Problem, why: list) -> Route:
     return _route("gemv", cfg, why + [f"M = 1 GEMV: {r}", "the M > 1 GEMV"])
 
 
+# The GEMM for a shape with nothing tuned at or near it (``tuned_key``: e.g. Qwen2.5-7B's 512-row k / v, or any
+# shape on a GPU without a table). Derived from what tuning chose on an H100 where it measured (the shipped H100
+# table, ``benchmarks/results/small_m_gemm/2026-12-07_h100_serving_ms``; ``untuned_shapes/2026-12-05_h100``, where
+# M's fixed Triton default took 1.4-7.4x the tuned time at M = 16-256): outputs of at most 1024 rows took
+# dequantize + cuBLAS at every M >= 16 (9.7-14.5 us against 19.9-84.8 for the Triton default); every other shape
+# took the register-operand GEMM's small tiles at M <= 64, their K split such that the CTAs fill the SMs (the rule
+# below picks the tuned KS on all nine shapes at M <= 16), and its 64 x 128 tile at M = 65-256. Not yet timed as a
+# default against the tuned choice (``benchmarks/untuned_shapes.py`` measures it).
+DEFAULT_SMALL_N = 1024  # rows up to which dequantize + cuBLAS is the default GEMM at M >= 2
+DEFAULT_FILL = 1.5  # CTAs per SM the default small tiles' K split reaches first
+DEFAULT_RUN_STEPS = 64  # then the split doubles while each run keeps at least this many 64-column steps
+
+
+def _ra_default(M: int, N: int, K: int, sms: int) -> tuple:
+    """The register-operand GEMM's default table value at M <= 256 rows (``DEFAULT_FILL``, ``DEFAULT_RUN_STEPS``)."""
+    if M > 64:
+        return (_t.WGMMA_RA, 64, 128, 4, 4, 2)
+    bmx = 16 if M <= 16 else 32 if M <= 32 else 64
+    tiles, steps = -(-N // 64), K // _ra.BK
+    ks = 1
+    while ks < 8 and tiles * ks < DEFAULT_FILL * sms:
+        ks *= 2
+    while ks < 8 and steps // ks >= DEFAULT_RUN_STEPS:
+        ks *= 2
+    ks = _ra.ra_ksplit((0, 0, 0, 0, 0, ks), K)
+    split: dict = {}  # KS -> the first 4-warp tile of BMX rows with that split (the 8-stage ring where it exists)
+    for c in _ra.SMALL_CONFIGS:
+        if c[1] == bmx and c[0] == 64:
+            split.setdefault(c[5] if len(c) > 5 else 1, c)
+    return (_t.WGMMA_RA,) + split[max(k for k in split if k <= ks)]
+
+
+def default_gemm_choice(p: Problem) -> tuple:
+    """(table value, reason) of the W4 GEMM where nothing was tuned at or near the shape: dequantize + cuBLAS for
+    outputs of at most ``DEFAULT_SMALL_N`` rows, the register-operand GEMM at M <= 256 on a GPU that runs it
+    (``_ra_default``), else M's fixed default (``w4a16_triton._default_gemm``)."""
+    fixed = tuple(_t._default_gemm(p.M)), f"M = {p.M} default (nothing measured)"
+    if _t.INTERPRET or p.device.type != "cuda" or p.M < 2:
+        return fixed
+    if p.N <= DEFAULT_SMALL_N:
+        return _t.DEQUANT_CUBLAS, (f"nothing measured; N = {p.N} <= {DEFAULT_SMALL_N}: dequantize + cuBLAS (a GEMM's "
+                                   f"tiles of so few rows leave most SMs idle)")
+    if p.M <= 256 and _ra.can_implement(p)[0]:
+        cfg = _ra_default(p.M, p.N, p.K, capability.sm_count(p.device))
+        return cfg, f"nothing measured; the register-operand GEMM's default for M = {p.M}, {p.N} rows, K = {p.K}"
+    return fixed
+
+
 def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] = None) -> Route:
     """The W4 GEMM: the table's choice for (M bucket, N, K, G) (or ``choice``, a table value), else M's
     default; where the chosen kernel cannot run here, M's default."""
@@ -251,7 +299,7 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
     cfg = tuned(key) if choice is None else list(choice)
     src = f"tuned table {_src(key)}" if choice is None else f"given {list(choice)}"
     if cfg is None:
-        cfg, src = list(_t._default_gemm(p.M)), f"M = {p.M} default (nothing measured)"
+        cfg, src = default_gemm_choice(p)
     cfg = tuple(cfg)
     if cfg[0] == _gtr.TABLE_KERNEL:
         ok, r = tma_rows_ok(p, cfg[1:])

@@ -38,7 +38,7 @@ def test_use_fused(lowering, M, crossover, expected):
 def test_w4_gemv_only_for_decode():
     assert R.W4_GEMV_MAX_M == 1
     use_tuned_table(pytest.MonkeyPatch(), {})
-    assert R.route(problem(M=2)).kernel == "gemm"
+    assert R.route(problem(M=2)).kernel in ("gemm", "dequant_cublas")  # (512 rows: dequantize + cuBLAS off the interpreter)
 
 
 def test_reference_where_the_triton_kernels_do_not_run():
@@ -81,7 +81,36 @@ def test_gemm_takes_the_tables_kernel_where_it_can_run(monkeypatch):
     assert rt.kernel == default and "cannot run here" in rt.reasons[-2]
     rt = R.route(problem(M=M, N=N, K=K, zeros_integer=False))
     assert rt.kernel == default and "not small integers" in rt.reasons[-2]
-    assert R.route(problem(M=100, N=N, K=K)).kernel == "gemm"  # nothing measured: M's default
+    # nothing measured: the default (the register-operand GEMM on a Hopper GPU; the interpreter: the Triton GEMM)
+    assert R.route(problem(M=100, N=N, K=K)).kernel == ("gemm" if T.INTERPRET else "gemm_wgmma_ra")
+
+
+def test_untuned_shapes_take_the_default_heuristic(monkeypatch):
+    """Nothing tuned at or near a shape: dequantize + cuBLAS for outputs of at most 1024 rows, the register-operand
+    GEMM's small tiles at M <= 64 with a K split that fills the SMs (the H100's tuned choices), its 64 x 128 tile at
+    M = 65-256, M's fixed default elsewhere and where that GEMM cannot run; a tuned geometry nearby still wins."""
+    monkeypatch.setattr(T, "INTERPRET", False)
+    monkeypatch.setattr(capability, "sm_count", lambda device: 132)
+    hopper(monkeypatch)
+    use_tuned_table(monkeypatch, {})
+    rt = R.route(problem(M=16, N=512, K=3584))
+    assert rt.kernel == "dequant_cublas" and any("N = 512 <= 1024" in r for r in rt.reasons)
+    cfg = lambda **kw: R.route(problem(**kw)).config  # noqa: E731
+    assert R.route(problem(M=8, N=4096, K=4096)).kernel == "gemm_wgmma_ra"
+    assert cfg(M=8, N=4096, K=4096) == (64, 16, 8, 4, 2, 4)  # 64 tiles: a split of 4 fills 1.5 x 132 SMs
+    assert cfg(M=2, N=3584, K=18944) == (64, 16, 6, 4, 2, 8)  # 296 steps: runs of 37
+    assert cfg(M=16, N=11008, K=4096) == (64, 16, 8, 4, 2, 2)
+    assert cfg(M=16, N=37888, K=3584) == (64, 16, 8, 4, 2)  # 592 tiles fill the SMs whole-K
+    assert cfg(M=32, N=8192, K=8192) == (64, 32, 8, 4, 2, 4)
+    assert cfg(M=64, N=28672, K=8192) == (64, 64, 6, 4, 2, 4)
+    assert cfg(M=16, N=4096, K=4160, G=64) == (64, 16, 8, 4, 2)  # 65 steps: no split divides them
+    assert cfg(M=100, N=4096, K=4096) == (64, 128, 4, 4, 2)
+    assert R.route(problem(M=512, N=4096, K=4096)).kernel == "dequant_cublas"  # M's fixed default
+    rt = R.route(problem(M=8, N=4096, K=4096, zeros_integer=False))
+    assert rt.kernel == "gemm" and rt.config == T._default_gemm(8)
+    use_tuned_table(monkeypatch, {TK.gemm_key(8, 4096, 4096, 128): [16, 32, 512, 4, 3]})
+    rt = R.route(problem(M=8, N=3584, K=3584))  # the nearest tuned geometry
+    assert rt.kernel == "gemm" and rt.config == (16, 32, 512, 4, 3)
 
 
 def test_ec_structure_follows_the_measured_table(monkeypatch):

@@ -188,7 +188,7 @@ def test_tma_route_takes_only_measured_shapes_that_can_run_here(monkeypatch):
     assert kernel(K=2048) == "gemv1"  # no entry for this shape
     assert kernel(G=64) == "gemv1"
     assert kernel(dtype=torch.float16) == "gemv1"
-    assert kernel(M=2) == "gemm"
+    assert kernel(M=2) in ("gemm", "dequant_cublas")  # a GEMM (256 rows: dequantize + cuBLAS off the interpreter)
     assert kernel(param_dtypes=(torch.float16,)) == "gemv1"
     assert kernel(param_dtypes=(bf, torch.float32)) == "gemv1"
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
