@@ -8,9 +8,13 @@ graphs with input copies rotating through more than 3x the L2:
   cublas_bf16      F.linear with a bf16 weight
   tinygemm_int4    aten._weight_int4pack_mm (group 128, the torchao / gpt-fast path)
   naive_ec         tinygemm + the EC as eager PyTorch ops (r = 64, gated)
-  ours_w4          our Triton W4 (GEMV for M <= 8, GEMM above), group 128
-  ours_w4_ec_r{16,32,64}  our W4 + EC: fused epilogue for M <= 8, overlapped above, in the structure
-                   measured fastest for the shape (``dispatch/cuda.py:ec_overlapped`` "auto")
+  ours_w4          our W4 as the op runs it (``spear::w4a16_linear``: the route's kernel for M, on the table this run
+                   writes), group 128; ``ours_w4_gemv`` (M = 2..4): the M > 1 Triton GEMV, which the route no longer takes
+  ours_w4_ec_r64   our W4 + EC (r = 64, gated) as the op runs it (``spear::ec_linear``: fused or overlapped by the
+                   shape's crossover)
+  ours_w4_ec_r{16,32,64}_{fused,overlapped}  our W4 + EC in each lowering: the fused decode EC for M <= 4, the
+                   overlapped one in the structure measured fastest for the shape (``dispatch/cuda.py:ec_overlapped``
+                   "auto")
   ours_w4_ec_r64_{side,side_hi,c_operand,c_operand_hi,in_gemm,in_gemm_sk}  (M >= 256) each prefill EC structure; the
                    fastest is saved in the tuned table (``ecstruct|M|N|K|G``) before "auto" is timed
 
@@ -451,6 +455,8 @@ def main() -> None:
                 cfg_self, _ = search(lambda c: (lambda i: RA.w4a16_gemm_wgmma_ra_ec_self(
                     xs[i], *args_w(i), G, None, *e64, "silu", config=c[1:])), RT.wgmma_ra_choices(), copies)
                 TK.tuned_table()[TK.ec_self_key(M, N, K, G)] = list(cfg_self[1:])
+            chk["w4_op_rel_err"] = rel_err(D.w4a16_linear_cuda(x, qw.qweight, qw.scales, qw.zeros, G, None), ref)
+            chk["w4_ec_op_rel_err"] = rel_err(D.ec_linear_cuda(x, qw.qweight, qw.scales, qw.zeros, G, None, *ec), ref_ec)
             chk["w4_gemm_chosen_rel_err"] = rel_err(D.w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, G, None, config=cfg), ref)
             if M >= 256:  # every prefill EC structure, checked on the GEMMs the table now gives this shape
                 for st in STRUCTURES:
@@ -462,10 +468,11 @@ def main() -> None:
             row["cublas_bf16"] = bench_graph(lambda i: F.linear(xs[i], bf[i % len(bf)]), copies)
             row["tinygemm_int4"] = bench_graph(lambda i: torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), copies)
             row["naive_ec_r64"] = bench_graph(lambda i: naive_ec(xs[i], torch.ops.aten._weight_int4pack_mm(xs[i], ws[i]["packed"], G, ws[i]["sz"]), ec), copies)
-            if fused_ok:
-                row["ours_w4"] = bench_graph(lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
-            else:
-                row["ours_w4"] = bench_graph(lambda i: D.w4a16_gemm(xs[i], *args_w(i), G, None), copies)
+            row["ours_w4"] = bench_graph(lambda i: D.w4a16_linear_cuda(xs[i], *args_w(i), G, None), copies)
+            row["ours_w4_route"] = RT.route(RT.problem_of("w4a16", xs[0], *args_w(0), G)).describe()
+            if fused_ok and M > 1:
+                row["ours_w4_gemv"] = bench_graph(lambda i: D.w4a16_gemv(xs[i], *args_w(i), G, None), copies)
+            row["ours_w4_ec_r64"] = bench_graph(lambda i: D.ec_linear_cuda(xs[i], *args_w(i), G, None, *ecs[64]), copies)
             if M >= 256:  # each prefill EC structure, the fastest saved for "auto"
                 for st in STRUCTURES:
                     row[f"ours_w4_ec_r64_{st}"] = bench_graph(
@@ -519,7 +526,7 @@ def main() -> None:
     hdr = f"{'N x K':>12} {'M':>5} {'cuBLAS':>8} {'tinygemm':>9} {'naiveEC':>8} {'ours W4':>8} {'W4/tg':>6} {'W4/cuB':>7} {'EC64/W4':>8}"
     print(hdr)
     for r in res["rows"]:
-        ec64 = r.get("ours_w4_ec_r64_fused", r["ours_w4_ec_r64_overlapped"])
+        ec64 = r["ours_w4_ec_r64"]
         print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>5} {r['cublas_bf16']:8.1f} {r['tinygemm_int4']:9.1f} {r['naive_ec_r64']:8.1f} "
               f"{r['ours_w4']:8.1f} {r['ours_w4'] / r['tinygemm_int4']:6.2f} {r['ours_w4'] / r['cublas_bf16']:7.2f} {ec64 / r['ours_w4']:8.2f}")
     worst = max(max(c.get(k, 0) for k in c if k.endswith("rel_err")) for c in res["checks"])
