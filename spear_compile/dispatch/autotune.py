@@ -130,8 +130,6 @@ def random_ec(N: int, K: int, r: int, device, d: int = 16, seed: int = 0) -> tup
 
 def measure(job: Job, device=None) -> dict:
     """Run one job on the GPU: {table key: value} of the entries it decided (CUDA only)."""
-    from . import cuda as _cuda  # (the op implementations: importing them needs the ops registered)
-
     device = torch.device(device or "cuda")
     N, K, G, M = job.N, job.K, job.G, job.M
     copies = min(_tuning.copies_for(N * K // 2), 12)

@@ -43,7 +43,7 @@ import torch
 from . import w4a16_gemv_tma as _gt
 from .w4a16_gemv_tma import HAS_TMA, _layouts, tma_scale_tiles, tma_tiles
 from .w4a16_gemv_tma_configs import OPS_SMEM, ROW, tile_geometry, unpack_config
-from .w4a16_words import CHUNK, HAS_GLUON, compile_gluon_sm90, gluon_ok
+from .w4a16_words import CHUNK, compile_gluon_sm90, gluon_ok
 
 TABLE_KERNEL = "gemv_tma_rows"  # the GEMM table value's tag, and the route's kernel name
 MAX_ROWS = 16  # two column blocks of the MMA's 8
