@@ -12,9 +12,9 @@ as CUDA-graph replays over weight copies that do not fit in L2:
 * ``ra_small_best``: the whole-K small tiles' fastest config (``route.ra_small_choices`` without a K split);
 * ``ra_large_best`` (M >= 64): the register-operand GEMM's large tiles (``RA_CONFIGS``);
 * ``ra_ks_best``: the small tiles with K split (``KSPLIT_CONFIGS``, also in ``route.ra_small_choices``);
-* ``tma_rows_best`` (M <= 16): the TMA GEMV with x's rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows``,
-  ``route.tma_rows_choices``; the run sets ``SPEAR_TMA_ROWS=1`` unless ``--no-tma-rows``), beside ``tma_m1``: the
-  route's M = 1 kernel on the first row alone (the prediction: ``tma_rows_best`` within ~1.2x of it at M <= 8);
+* ``tma_rows_best`` (M <= 16, with ``--tma-rows``: the kernel is opt-in until its GPU tests have passed): the TMA
+  GEMV with x's rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows``, ``route.tma_rows_choices``), beside
+  ``tma_m1``: the route's M = 1 kernel on the first row alone (prediction: within ~1.2x of it at M <= 8);
 * ``ec_r64_fused`` / ``ec_r64_overlapped`` (M <= 4, where the fused EC can run): W4 + EC under each lowering,
   the evidence for the fused / overlapped crossover (``ec_crossover``: the one the backend compiles with);
 * ``route_after`` / ``ec_r64_after``: our W4 and W4 + EC (rank 64, gated) as the op runs them once the
@@ -63,12 +63,15 @@ def rel_err(out, ref) -> float:
 
 
 def _config_of(kernel: str):
-    """A route description's table value (``gemm[...]``, ``gemm_wgmma_ra[...]``), or None for other kernels."""
+    """A route description's table value (``gemm[...]``, ``gemm_wgmma_ra[...]``, ``gemv_tma_rows[...]``,
+    ``dequant_cublas[chunks]``), or None for other kernels."""
     name, _, vals = kernel.partition("[")
-    if name not in ("gemm", "gemm_wgmma_ra") or not vals.endswith("]"):
+    if name not in ("gemm", "gemm_wgmma_ra", "gemv_tma_rows", "dequant_cublas") or not vals.endswith("]"):
         return None
     cfg = [int(v) for v in vals[:-1].split(",")]
-    return [T.WGMMA_RA] + cfg if name == "gemm_wgmma_ra" else cfg
+    if name == "dequant_cublas":
+        return list(T.DEQUANT_CUBLAS) if cfg == [1] else [T.DEQUANT_CUBLAS_PIPE[0], cfg[0]]
+    return [T.WGMMA_RA] + cfg if name == "gemm_wgmma_ra" else [name] + cfg if name == "gemv_tma_rows" else cfg
 
 
 def fastest(row: dict):
@@ -170,11 +173,11 @@ def main(argv=None) -> None:
                     help="leave the K-split tiles out (where their GPU tests have not passed on this machine)")
     ap.add_argument("--table-from", metavar="RECORD",
                     help="no GPU run: write OUT/configs_<GPU>.json from a recorded run's rows (its GPU's table)")
-    ap.add_argument("--no-tma-rows", action="store_true",
-                    help="leave the multi-row TMA GEMV out (else SPEAR_TMA_ROWS=1 for the run: it is timed and, where "
-                         "fastest and correct, written into the table)")
+    ap.add_argument("--tma-rows", action="store_true",
+                    help="also time the multi-row TMA GEMV (SPEAR_TMA_ROWS=1 for the run: where fastest and right it "
+                         "is written into the table, which then needs SPEAR_TMA_ROWS=1 to be read as measured)")
     args = ap.parse_args(argv)
-    if not args.no_tma_rows:
+    if args.tma_rows:
         os.environ["SPEAR_TMA_ROWS"] = "1"
     os.makedirs(args.out, exist_ok=True)
     if args.table_from:
@@ -202,7 +205,8 @@ def main(argv=None) -> None:
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, f"configs_{gpu_key()}.json"), "w") as f:
             f.write(TT.dumps(TT.configs(), gpu_key()))
-    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'ra':>7} {'rows':>7} {'after/cuB':>9} {'EC/W4':>6}")
+    print(f"{'shape':>12} {'M':>4} {'cuB':>7} {'before':>7} {'trit':>7} {'ra':>7} {'rows':>7} {'after/cuB':>9} "
+          f"{'EC/W4':>6}")
     for r in res["rows"]:
         print(f"{r['N']:>6}x{r['K']:<5} {r['M']:>4} {r['cublas_bf16']:7.1f} {r['route_before']:7.1f} {r['triton_best']:7.1f} "
               f"{r.get('ra_small_best', float('nan')):7.1f} {r.get('tma_rows_best', float('nan')):7.1f} "

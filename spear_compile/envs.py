@@ -29,10 +29,10 @@ Opt-in switches (same numerics within rounding; off until a GPU run has measured
   (16.3 ms against 15.9-16.0 with the online correction, 19.3-19.4 against 16.4-18.1 without:
   ``benchmarks/results/serving/2026-12-07_h100_online_correction_ab``), though one decode at 2k keys takes
   0.30-0.47x torch's kernel time a layer.
-* ``SPEAR_TMA_ROWS=1``: the tuners (``spear tune``, ``benchmarks/small_m_gemm.py``) time the TMA GEMV with x's
-  rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows.py``) as a GEMM choice at M <= 16, and the route
-  takes it where a table names it. It is compiled and checked offline for sm_90 (layouts, registers, shared
-  memory) but has not yet run on a GPU: off, a table entry naming it falls back to M's default GEMM.
+* ``SPEAR_TMA_ROWS=1``: the tuners (``spear tune``, ``benchmarks/small_m_gemm.py --tma-rows``) time the TMA
+  GEMV with x's rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows.py``) as a GEMM choice at M <= 16, and
+  the route takes it where a table names it. It is compiled and checked offline for sm_90 (layouts, registers, shared
+  memory) but has not yet run on a GPU: off, a table entry naming it falls back to the shape's default GEMM.
 
 Paths:
 

@@ -292,28 +292,40 @@ def default_gemm_choice(p: Problem) -> tuple:
 
 
 def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] = None) -> Route:
-    """The W4 GEMM: the table's choice for (M bucket, N, K, G) (or ``choice``, a table value), else M's
-    default; where the chosen kernel cannot run here, M's default."""
+    """The W4 GEMM: the table's choice for (M bucket, N, K, G) (or ``choice``, a table value), else the default
+    for a shape nothing was measured near (``default_gemm_choice``); where the chosen kernel cannot run here, that
+    default, and where neither can, M's fixed default (the Triton GEMM or dequantize + cuBLAS, which run anywhere)."""
     why = list(why or [])
     key = _keys.gemm_key(p.M, p.N, p.K, p.G)
     cfg = tuned(key) if choice is None else list(choice)
     src = f"tuned table {_src(key)}" if choice is None else f"given {list(choice)}"
+    first = cfg is not None
     if cfg is None:
         cfg, src = default_gemm_choice(p)
-    cfg = tuple(cfg)
+    rt = _gemm_kernel(p, tuple(cfg), src, why)
+    if rt is None and first:
+        cfg, src = default_gemm_choice(p)
+        rt = _gemm_kernel(p, tuple(cfg), src, why)
+    if rt is None:
+        rt = _gemm_kernel(p, tuple(_t._default_gemm(p.M)), f"M = {p.M} default", why)
+    return rt
+
+
+def _gemm_kernel(p: Problem, cfg: tuple, src: str, why: list) -> Optional[Route]:
+    """The route of GEMM table value ``cfg``, or None (the reason appended to ``why``) where its kernel cannot run."""
     if cfg[0] == _gtr.TABLE_KERNEL:
         ok, r = tma_rows_ok(p, cfg[1:])
         if ok:
             return _route(_gtr.TABLE_KERNEL, cfg[1:], why + [f"{src}: the TMA GEMV over x's rows ({r})"])
         why.append(f"{src}: the TMA GEMV over x's rows, which cannot run here ({r})")
-        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
+        return None
     if cfg[0] in (_t.WGMMA, _t.WGMMA_RA):
         check = _wg.can_implement if cfg[0] == _t.WGMMA else _ra.can_implement
         ok, r = check(p)
         if ok and p.out_contiguous:
             return _route("gemm_" + cfg[0], cfg[1:], why + [f"{src}: {cfg[0]} ({r})"])
         why.append(f"{src}: {cfg[0]}, which cannot run here ({r if not ok else 'out not contiguous'})")
-        cfg, src = tuple(_t._default_gemm(p.M)), f"M = {p.M} default"
+        return None
     if _t.is_dequant_cublas(cfg):
         chunks = int(cfg[1]) if cfg[0] == _t.DEQUANT_CUBLAS_PIPE[0] else 1
         return _route("dequant_cublas", (chunks,), why + [f"{src}: dequantize + cuBLAS in {chunks} slice(s)"])
@@ -694,10 +706,12 @@ def ra_small_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G
 
 def tma_rows_choices(M: int, N: Optional[int] = None, K: Optional[int] = None, G: Optional[int] = None) -> list:
     """Table values for the multi-row TMA GEMV's configs (``w4a16_gemv_tma_rows.ROWS_CONFIGS``) at M rows: none
-    unless it is opted in and this Triton has it, M <= 16 and (given K, G) the kernel takes the shape, and only
-    the configs whose shared memory fits at that K (a search would otherwise time the route's fallback under
-    their name)."""
+    unless it is opted in, this Triton has it, this process's GPU is sm_90+, M <= 16 and (given K, G) the kernel
+    takes the shape, and only the configs whose shared memory fits at that K (a search would otherwise time the
+    route's fallback under their name)."""
     if not envs.tma_rows() or not _gtr.HAS_TMA or _t.INTERPRET or not 1 <= M <= _gtr.MAX_ROWS:
+        return []
+    if not (torch.cuda.is_available() and _gt._tma_capable(torch.device("cuda"))):  # the tuners time this GPU
         return []
     if K is not None and not _gtr.gluon_ok(1, K, G or K, torch.bfloat16):
         return []

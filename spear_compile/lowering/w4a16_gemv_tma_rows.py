@@ -18,21 +18,26 @@ time at M <= 8 (x's staging and the per-column epilogue are the extra work), so 
 What differs from the M = 1 kernel, and what it costs:
 * x [M, K] is staged once per CTA in shared memory as ``[KT, NB, MC, 128]`` bf16 (MC = 8 or 16 columns, rows
   past M zero), swizzled so that the B-operand load (lane (n, t) reads row n's pair 2t) touches 32 distinct
-  banks; with each 128-column entry's sum per row (D_ones, ``[KT, NB, MC]`` fp32) computed from the loaded
-  registers. The staging loop keeps one step's load in flight while it stores the previous one: KT dependent
-  L2 round trips per CTA before the first MMA (the weight ring's first tiles are requested before it).
+  banks: every step's 16-byte ``cp.async`` copies are issued at once (no registers held, one wait), then each
+  128-column entry's sum per row (D_ones, ``[KT, NB, MC]`` fp32) is read back from shared memory once (K MC 2
+  bytes per CTA). The weight ring's first tiles are requested before the staging. The main loop compiles to
+  the M = 1 kernel's instructions: 412 SASS instructions per K step at M <= 8 against its 413 ((4, 2, 2, 2),
+  sm_90a), 484 at M = 9..16 (twice the MMAs and FMAs).
   Shared memory: ``K MC 2`` bytes for x, so the route takes this kernel only where ``smem_bytes`` fits
-  (``rows_fit``): M <= 8 up to K = 11264 with 2 stages of 16 KB, M <= 16 up to K ~ 5600.
+  (``rows_fit``): with (4, 2, 2, 2) (16 KB ring slots) M <= 8 up to K = 11264, M <= 16 up to K = 5120.
 * the epilogue stores MC columns per row block (masked to M), ``Y[c, n]`` at ``c * SYM + n``.
 * no fusions: no EC, GLU, RMSNorm or K-split (the serving engine's decode batches run the plain linears and
   the overlapped EC around them).
+* memory: the re-tiled weight (``tma_tiles``) is cached per (WARPS, RB, CH), shared with the M = 1 kernel where
+  the geometries agree; an M bucket tuned to another geometry (e.g. RB = 1, which no M = 1 config uses) keeps
+  one more tiled copy of that weight (its W4 bytes again).
 
-Configs: ``(WARPS, RB, CH, STAGES)``, the M = 1 kernel's tile geometry with x in shared memory (its OPS_SMEM,
-SPLIT 1). Table value ``("gemv_tma_rows", WARPS, RB, CH, STAGES)`` in a GEMM entry (``dispatch.keys.gemm_key``):
-the route takes it for an M bucket only where ``spear tune`` / ``benchmarks/small_m_gemm.py`` measured it
-fastest (``route.tma_rows_choices``). Opt-in (``SPEAR_TMA_ROWS=1``) until a GPU run has checked and timed it:
-it is compiled offline for sm_90 by the CPU tests, but has not yet run on a GPU. Constraints: CUDA sm_90+, bf16 activations, scales and zero points,
-K % 128 == 0, G a multiple of 128 (or per-channel), M <= 16, shared memory as above.
+Configs: ``(WARPS, RB, CH, STAGES)``, the M = 1 kernel's tile geometry with x in shared memory (its OPS_SMEM, SPLIT
+1). Table value ``("gemv_tma_rows", WARPS, RB, CH, STAGES)`` in a GEMM entry (``dispatch.keys.gemm_key``): the route
+takes it for an M bucket only where ``spear tune`` / ``benchmarks/small_m_gemm.py`` measured it fastest
+(``route.tma_rows_choices``). Opt-in (``SPEAR_TMA_ROWS=1``) until a GPU run has checked and timed it: it is compiled
+offline for sm_90 by the CPU tests, but has not yet run on a GPU. Constraints: CUDA sm_90+, bf16 activations, scales
+and zero points, K % 128 == 0, G a multiple of 128 (or per-channel), M <= 16, shared memory as above.
 """
 from __future__ import annotations
 
@@ -246,7 +251,9 @@ def w4a16_gemv_tma_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     bn, step, _ = tile_geometry(tcfg)
     wl, tl_, _ = _layouts(tcfg)
     y = out if out is not None else torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # x's 16-byte async copies need aligned rows
+    # x's 16-byte async copies need rows Triton knows to be aligned: a base and a row stride it specialises as
+    # divisible by 16 (a stride of 8 mod 16 elements is 16-byte aligned, but compiles to copies under 4 bytes)
+    if x2.stride(-1) != 1 or (M > 1 and x2.stride(0) % 16) or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)
     _w4a16_gemv_tma_rows_kernel[(-(-N // bn),)](
         x2, desc, sdesc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
@@ -272,6 +279,8 @@ def can_implement(p, config: Optional[tuple] = None) -> tuple:
         return False, "not a sm_90+ GPU"
     if not p.out_contiguous:
         return False, "out not contiguous"
+    if not (p.weight_contiguous and p.params_contiguous):
+        return False, "weight / scales / zero points not contiguous"
     if config is not None and not rows_fit(config, p.K, p.M):
         return False, (f"config {list(config)} needs {smem_bytes(config, p.K, p.M)} bytes of shared memory at "
                        f"K = {p.K}, M = {p.M} (at most {SMEM_LIMIT})")

@@ -38,7 +38,8 @@ def test_use_fused(lowering, M, crossover, expected):
 def test_w4_gemv_only_for_decode():
     assert R.W4_GEMV_MAX_M == 1
     use_tuned_table(pytest.MonkeyPatch(), {})
-    assert R.route(problem(M=2)).kernel in ("gemm", "dequant_cublas")  # (512 rows: dequantize + cuBLAS off the interpreter)
+    # (512 rows: dequantize + cuBLAS off the interpreter)
+    assert R.route(problem(M=2)).kernel in ("gemm", "dequant_cublas")
 
 
 def test_reference_where_the_triton_kernels_do_not_run():
@@ -307,7 +308,8 @@ def test_an_untuned_shape_takes_the_nearest_tuned_geometry_and_a_tuned_one_keeps
     # the GEMMs: the same M bucket only
     assert R.gemm_route(problem(M=40, N=12288, K=4096)).config == (64, 128, 64, 4, 4)
     assert R.tuned_key(TK.gemm_key(128, 12288, 4096, 128)) == TK.gemm_key(128, 12288, 4096, 128)
-    assert R.gemm_route(problem(M=128, N=12288, K=4096)).reasons[-1].startswith("M = 128 default")
+    rt = R.gemm_route(problem(M=128, N=12288, K=4096))  # nothing in M = 128's bucket: the default for the shape
+    assert rt.reasons[-1].startswith("M = 128 default" if T.INTERPRET else "nothing measured")
 
 
 def test_a_nearest_tma_config_whose_k_split_does_not_divide_k_is_not_taken(monkeypatch):

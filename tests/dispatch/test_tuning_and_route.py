@@ -86,6 +86,11 @@ def test_shipped_tables_are_well_formed():
                 if kind in ("gemv1", "gemv1pdl"):  # (BLOCK_N, BLOCK_W, num_warps, prefetch 0/1)
                     assert len(val) == 4 and all(isinstance(v, int) and v > 0 for v in val[:3]) and val[3] in (0, 1)
                     continue
+                if kind == "gemm" and val[0] == "gemv_tma_rows":  # the multi-row TMA GEMV's (WARPS, RB, CH, STAGES)
+                    from spear_compile.lowering.w4a16_gemv_tma_rows import tile_config
+
+                    tile_config(tuple(val[1:]))
+                    continue
                 if kind == "gemm" and isinstance(val[0], str):  # dequantize + cuBLAS, one pass or row slices
                     assert val == ["dequant_cublas"] or (val[0] == "dequant_cublas_pipe" and len(val) == 2
                                                          and isinstance(val[1], int) and val[1] >= 2)

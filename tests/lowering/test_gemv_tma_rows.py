@@ -117,6 +117,7 @@ def test_route_takes_it_only_opted_in_from_the_table_where_it_runs(monkeypatch):
     assert rt.kernel != "gemv_tma_rows" and "shared memory" in " ".join(rt.all_reasons())
     assert R.route(_problem(dtype=torch.float16)).kernel != "gemv_tma_rows"
     assert R.route(_problem(out_contiguous=False)).kernel != "gemv_tma_rows"
+    assert R.route(_problem(params_contiguous=False)).kernel != "gemv_tma_rows"
     monkeypatch.setenv("SPEAR_NO_TMA_GEMV", "1")
     assert R.route(_problem()).kernel != "gemv_tma_rows"
     monkeypatch.delenv("SPEAR_NO_TMA_GEMV")
@@ -126,6 +127,11 @@ def test_route_takes_it_only_opted_in_from_the_table_where_it_runs(monkeypatch):
 
 def test_choices_are_offered_only_opted_in_and_where_they_fit(monkeypatch):
     monkeypatch.setattr(R._t, "INTERPRET", False)  # (the tests run Triton's interpreter, where no Gluon runs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gt, "_tma_capable", lambda device: False)  # a GPU that cannot run it: nothing offered
+    monkeypatch.setenv("SPEAR_TMA_ROWS", "1")
+    assert R.tma_rows_choices(8, 4096, 4096, 128) == []
+    monkeypatch.setattr(gt, "_tma_capable", lambda device: True)
     monkeypatch.delenv("SPEAR_TMA_ROWS", raising=False)
     assert R.tma_rows_choices(8, 4096, 4096, 128) == []
     monkeypatch.setenv("SPEAR_TMA_ROWS", "1")
@@ -189,16 +195,21 @@ def test_kernel_matches_fp64_and_the_reference_on_gpu(M, G, config):
     Gs = G or K
     _, q, qw, s, z, b = gemv_case(N, K, Gs)
     x = _rows(M, 2 * K)[:, :K]
-    xc, qw, s, z, b = (t.cuda() for t in (x, qw, s, z, b))
+    xc = _rows(M, 2 * K).cuda()[:, :K]  # (sliced on the GPU: a view whose rows are 2K apart)
+    assert xc.stride(0) == 2 * K
+    qw, s, z, b = (t.cuda() for t in (qw, s, z, b))
     for zz, bb in ((z, b), (None, None)):
         y = gr.w4a16_gemv_tma_rows(xc, qw, s, zz, Gs, bb, config)
         ex = exact_gemv(x, q, s.cpu(), zz.cpu() if zz is not None else None, Gs, bb.cpu() if bb is not None else None)
-        assert ((y.cpu().double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-5).all()
+        assert ((y.cpu().double() - ex).abs() <= ex.abs() * 2 ** -7 + 1e-4).all()
         ref = w4a16_linear_ref(xc, qw, s, zz, Gs, bb)
         assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 8e-3
     out = torch.full((M, N), float("nan"), dtype=BF, device="cuda")
     assert gr.w4a16_gemv_tma_rows(xc, qw, s, z, Gs, b, config, out=out) is out
     assert torch.equal(out, gr.w4a16_gemv_tma_rows(xc, qw, s, z, Gs, b, config))  # and the same bits twice
+    odd = _rows(M, K + 8).cuda()[:, :K]  # rows 16-byte aligned but 8 mod 16 elements apart: copied first
+    assert torch.equal(gr.w4a16_gemv_tma_rows(odd, qw, s, z, Gs, b, config),
+                       gr.w4a16_gemv_tma_rows(odd.contiguous(), qw, s, z, Gs, b, config))
 
 
 @pytest.mark.skipif(not HOPPER, reason="runs the kernel: TMA needs CUDA sm_90+")
