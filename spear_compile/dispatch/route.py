@@ -299,6 +299,12 @@ def gemm_route(p: Problem, why: Optional[list] = None, choice: Optional[tuple] =
     key = _keys.gemm_key(p.M, p.N, p.K, p.G)
     cfg = tuned(key) if choice is None else list(choice)
     src = f"tuned table {_src(key)}" if choice is None else f"given {list(choice)}"
+    stand_in = tuned_key(key)
+    if choice is None and p.N <= DEFAULT_SMALL_N and stand_in != key and stand_in.N > p.N:
+        # a wider shape's GEMM tiles would leave most SMs idle here (1024x4096 at M = 16 on an H100: the
+        # 4096-row shape's Triton tile in 23.2 us, dequantize + cuBLAS 10.6): the default for so few rows instead
+        why.append(f"{_src(key)}: a stand-in with {stand_in.N} rows for {p.N}, not taken")
+        cfg = None
     first = cfg is not None
     if cfg is None:
         cfg, src = default_gemm_choice(p)

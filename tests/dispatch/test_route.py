@@ -112,6 +112,8 @@ def test_untuned_shapes_take_the_default_heuristic(monkeypatch):
     use_tuned_table(monkeypatch, {TK.gemm_key(8, 4096, 4096, 128): [16, 32, 512, 4, 3]})
     rt = R.route(problem(M=8, N=3584, K=3584))  # the nearest tuned geometry
     assert rt.kernel == "gemm" and rt.config == (16, 32, 512, 4, 3)
+    rt = R.route(problem(M=8, N=1024, K=4096))  # two octaves away, but a 4096-row tile for 1024 rows: not taken
+    assert rt.kernel == "dequant_cublas" and any("stand-in with 4096 rows" in r for r in rt.reasons)
 
 
 def test_ec_structure_follows_the_measured_table(monkeypatch):
