@@ -98,10 +98,8 @@ def rows_emulated(x2: torch.Tensor, tiles: torch.Tensor, scales, zeros, G: int, 
                   config: tuple) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch, row by row of x (each a column of B): the M = 1 kernel's emulation
     (``w4a16_gemv_tma.tiles_emulated``) on each row, undoing the shared tiles."""
-    from .w4a16_gemv_tma import tiles_emulated
-
     tcfg = tile_config(config)
-    return torch.cat([tiles_emulated(x2[m:m + 1], tiles, scales, zeros, G, bias, N, tcfg)
+    return torch.cat([_gt.tiles_emulated(x2[m:m + 1], tiles, scales, zeros, G, bias, N, tcfg)
                       for m in range(x2.shape[0])], 0)
 
 
