@@ -9,7 +9,9 @@ captured in one CUDA graph and timed by graph replays (median ms per step, ``dis
 Models (``--hf``): ``llama2-7b`` (32 layers, hidden 4096, MLP 11008, 32 heads, 32 KV heads, vocab 32000)
 and ``qwen2.5-7b`` (28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads: grouped-query attention,
 q/k/v biases, vocab 152064). Variants: ``bf16`` (Inductor), ``ours_w4`` (spear), ``ours_w4_head`` (the
-output head in W4 too), ``spear_ec25`` (ECs r=64 gated on 25 % of the linears), ``ours_w4_nogqa`` (the
+output head in W4 too), ``spear_ec25`` (ECs r=64 gated on 25 % of the linears, every fourth: an EC in most
+q/k/v and gate/up groups, as SPEAR's placements leave them), ``spear_ec25_nomixed`` (the same with
+``fuse_shared_input_mixed`` off: plain linears do not fuse with EC ones), ``ours_w4_nogqa`` (the
 GQA fold off: HF's repeated KV cache), ``ours_w4_nocatgemm`` (at batch > 1 q/k/v and gate/up as separate GEMMs,
 not one over their concatenation).
 
@@ -49,7 +51,8 @@ MODELS = {
                    dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                         num_key_value_heads=4, vocab_size=152064)),
 }
-VARIANTS = ("bf16", "ours_w4", "ours_w4_head", "spear_ec25", "ours_w4_nogqa", "ours_w4_nocatgemm")
+VARIANTS = ("bf16", "ours_w4", "ours_w4_head", "spear_ec25", "spear_ec25_nomixed", "ours_w4_nogqa",
+            "ours_w4_nocatgemm")
 
 
 def build(name: str, variant: str, ctx: int):
@@ -65,9 +68,10 @@ def build(name: str, variant: str, ctx: int):
     flt = (lambda m, fqn: isinstance(m, nn.Linear)) if variant == "ours_w4_head" else None
     spear.quantize_(model, QuantConfig(group_size=128), filter_fn=flt, progress=False)
     if variant.startswith("spear_ec"):
-        set_ec_share(model, int(variant[len("spear_ec"):]))
+        set_ec_share(model, int(variant[len("spear_ec"):].split("_")[0]))
     opts = ({"fold_gqa_attention": False} if variant.endswith("_nogqa")
-            else {"fuse_shared_input_gemm": False} if variant.endswith("_nocatgemm") else {})
+            else {"fuse_shared_input_gemm": False} if variant.endswith("_nocatgemm")
+            else {"fuse_shared_input_mixed": False} if variant.endswith("_nomixed") else {})
     return model, cfg, "spear", opts
 
 

@@ -209,6 +209,12 @@ class CompileConfig(_Serialisable):
         GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
         ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200,
         2026-11-30; docs/kernels.md, the decode fusions).
+    fuse_shared_input_mixed: with ``fuse_shared_input_ec``, also fuse decode linears with and without ECs that
+        read the same activation into one ``spear::ec_linear_cat`` (the parts without an EC get None: no A rows,
+        zero B rows). SPEAR's placements leave such groups in most layers (a v_proj's EC beside plain q / k, an
+        up_proj's beside a plain gate); apart, each costs one more launch and loses the GLU and RMSNorm fusions.
+        On by default; predicted, not yet measured: HF Llama-2-7B with ECs on an even 25 % of linears, batch 1,
+        2.51 ms today against 2.13 for W4 (an EC in nearly every q/k/v and gate/up group), to about 2.3.
     fuse_glu: at decode, ``silu(gate(h)) * up(h)`` over the concatenated gate / up GEMV becomes one
         ``spear::w4a16_linear_glu`` whose epilogue applies the gate (``passes/fuse_glu.py``; on a GPU
         only where that kernel runs).
@@ -234,6 +240,7 @@ class CompileConfig(_Serialisable):
     fuse_shared_input: bool = True
     fuse_shared_input_ec: bool = True
     fuse_shared_input_gemm: bool = True
+    fuse_shared_input_mixed: bool = True
     fuse_glu: bool = True
     fuse_rmsnorm: bool = True
     fold_residual_add: bool = True

@@ -355,10 +355,10 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
     if rt is None:  # (the caller asked for the Triton kernels: no device check)
         rt = _r._ec_cat_route(_r.cat_problem_of("ec_cat", x2, qweights, scales, zeros, group_size, biases, As, Bs,
                                                 W1s, norm=norm is not None), [])
-    ec = _ec_cat.concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
+    ec = _ec_cat.concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas, qweights)
     if rt.kernel == "ec_cat_tma":
         descs, _, s, z, b = _cat.concatenated_tma(qweights, scales, zeros, biases, group_size, rt.config)
-        rows, offs = _ec_cat.ec_rows(Bs, alphas)
+        rows, offs = _ec_cat.ec_rows(Bs, alphas, qweights)
         return tma_ec_gemv(x2, None, s, z, group_size, b, ec, act, rt.config, rows, offs, norm=norm, descs=descs,
                                 out=out)
     words, s, z, b = _cat.concatenated(qweights, scales, zeros, biases)
@@ -379,7 +379,8 @@ def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W
                          alphas, act, norm=norm, rt=rt)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     x = _refs.rms_norm_ref(x, *norm) if norm is not None else x
-    return torch.cat([ec_linear_cuda(x, *part, act, layout) for part in
+    return torch.cat([ec_linear_cuda(x, *part, act, layout) if _refs.has_ec(part)
+                      else w4a16_linear_cuda(x, *part[:5], layout) for part in
                       _refs.ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
                      dim=-1)
 
@@ -398,8 +399,8 @@ def ec_linear_glu_cuda(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s,
     if rt.kernel == "ec_glu_tma":
         x2 = x2.contiguous()
         descs, _, s, z = _cat.concatenated_glu_tma(qweights, scales, zeros, group_size, rt.config)
-        rows, offs = _ec_cat.ec_glu_rows(Bs, alphas, _gt.tile_geometry(rt.config)[0] // 2)
-        ec = _ec_cat.concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas)
+        rows, offs = _ec_cat.ec_glu_rows(Bs, alphas, _gt.tile_geometry(rt.config)[0] // 2, qweights)
+        ec = _ec_cat.concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas, qweights)
         y = tma_ec_gemv(x2, None, s, z, group_size, None, ec, act, rt.config, rows, offs, norm=norm, descs=descs,
                              glu=True)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -610,10 +610,11 @@ def cat_problem_of(op: str, x2: torch.Tensor, qweights, scales, zeros, G: int, b
     M = int(x2.numel() // K) if M is None else M
     rows = tuple(int(q.shape[0]) for q in qweights)
     kw = {}
-    if As is not None:
+    if As is not None:  # (parts without an EC - None entries - add no rank)
+        As, Bs = [a for a in As if a is not None], [b for b in Bs if b is not None]
         kw = dict(rank=max(int(b.shape[1]) for b in Bs), rank_total=sum(int(a.shape[0]) for a in As),
                   ec_dtypes=(As[0].dtype, Bs[0].dtype), a_contiguous=True, b_contiguous=True,
-                  gate_width=sum(int(w.shape[0]) for w in W1s) if W1s is not None else None)
+                  gate_width=sum(int(w.shape[0]) for w in W1s if w is not None) if W1s is not None else None)
     glu = op.endswith("glu")
     return Problem(op=op, M=M, N=rows[0] if glu else sum(rows), K=K, G=int(G), dtype=x2.dtype,
                    param_dtypes=_dtypes(*scales, *zeros), device=x2.device, layout=layout,

@@ -32,7 +32,21 @@ def glu_of(y2: torch.Tensor, act: str = "silu") -> torch.Tensor:
 
 def ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas) -> list:
     """Per part of an ``ec_linear_cat``: the ``(qweight, scales, zeros, group_size, bias, A, B, W1, b1,
-    W2, b2, alpha)`` arguments of its ``ec_linear`` (the op's checks, reference and fallback)."""
+    W2, b2, alpha)`` arguments of its ``ec_linear`` (the op's checks, reference and fallback); a part
+    without an EC (a plain linear fused beside EC ones) has None for all seven EC arguments."""
     return [(q, s, z, group_size, b, A, B, W1, b1, W2, b2, al)
             for q, s, z, b, A, B, W1, b1, W2, b2, al in zip(qweights, scales, zeros, biases, As, Bs, W1s, b1s,
                                                                W2s, b2s, alphas)]
+
+
+def has_ec(part: tuple) -> bool:
+    """Whether an ``ec_parts`` part carries an EC (its A is given)."""
+    return part[5] is not None
+
+
+def cat_part_ref(x: torch.Tensor, part: tuple, act: str, layout: str) -> torch.Tensor:
+    """One part of an ``ec_linear_cat`` / ``ec_linear_glu``: ``ec_linear_ref``, or ``w4a16_linear_ref`` for a
+    part without an EC."""
+    if has_ec(part):
+        return ec_linear_ref(x, *part, act, layout)
+    return w4a16_linear_ref(x, *part[:5], layout)

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .refs import _ACTS, GLU_ACTS, ec_linear_ref, ec_parts, glu_of, rms_norm_ref, w4a16_linear_ref
+from .refs import _ACTS, GLU_ACTS, cat_part_ref, ec_linear_ref, ec_parts, glu_of, has_ec, rms_norm_ref, w4a16_linear_ref
 from .format import ACT_DTYPES, LAYOUTS, QuantFormatError, check_group_params, check_spear_weight
 from ..config import DEFAULT_CROSSOVER_M
 
@@ -324,13 +324,13 @@ def ec_linear_cat(
     zeros: list[Optional[Tensor]],
     group_size: int,
     biases: list[Optional[Tensor]],
-    As: list[Tensor],
-    Bs: list[Tensor],
-    W1s: list[Tensor],
-    b1s: list[Tensor],
-    W2s: list[Tensor],
-    b2s: list[Tensor],
-    alphas: list[Tensor],
+    As: list[Optional[Tensor]],
+    Bs: list[Optional[Tensor]],
+    W1s: list[Optional[Tensor]],
+    b1s: list[Optional[Tensor]],
+    W2s: list[Optional[Tensor]],
+    b2s: list[Optional[Tensor]],
+    alphas: list[Optional[Tensor]],
     act: str = "silu",
     layout: str = "spear",
     norm_weight: Optional[Tensor] = None,
@@ -339,10 +339,12 @@ def ec_linear_cat(
     """Several EC-compensated 4-bit linears that read the same ``x``, outputs concatenated along the
     last dim: ``cat([ec_linear(x, qweights[i], ..., As[i], ...) for i], -1)``. Made by the
     ``fuse_shared_input`` pass when ``CompileConfig.fuse_shared_input_ec`` is on, so that a GPU runs
-    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``).
-    ``norm_weight``: as in ``w4a16_linear_cat`` (the EC's producer and the GEMV each normalise x)."""
+    one GEMV with one (block-diagonal) EC over all of them (``lowering/w4a16_cat.py``). A part whose seven
+    EC arguments are all None is a plain linear fused beside the EC ones (``w4a16_linear`` of its part: q and k
+    beside a v with an EC, as SPEAR's placements leave them). ``norm_weight``: as in ``w4a16_linear_cat`` (the
+    EC's producer and the GEMV each normalise x)."""
     x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+    return torch.cat([cat_part_ref(x, part, act, layout) for part in
                       ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)],
                      dim=-1)
 
@@ -353,9 +355,20 @@ def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b
     if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
         raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
                                f"got {[len(v) for v in lists]}")
-    for i, part in enumerate(ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
-                                       alphas)):
-        _check_ec_op(x, *part, act, layout, "auto", where=f"spear::ec_linear_cat (part {i})")
+    parts = ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
+    for i, part in enumerate(parts):
+        where = f"spear::ec_linear_cat (part {i})"
+        missing = [k for k, v in zip(("A", "B", "W1", "b1", "W2", "b2", "alpha"), part[5:]) if v is None]
+        if not missing:
+            _check_ec_op(x, *part, act, layout, "auto", where=where)
+        elif len(missing) == 7:  # a plain linear beside the EC ones
+            check_w4a16_args(x, *part[:5], layout, "auto", where)
+        else:
+            raise QuantFormatError(f"{where}: an EC needs all of A, B, W1, b1, W2, b2, alpha (a part without one has "
+                                   f"None for all seven); {missing} are None")
+    if not any(has_ec(p) for p in parts):
+        raise QuantFormatError("spear::ec_linear_cat: no part has an EC; linears without ECs concatenate through "
+                               "spear::w4a16_linear_cat")
 
 
 @_op("spear::ec_linear_glu", lambda *a: _check_ec_glu(*a), _n_half, norm=True)
@@ -365,13 +378,13 @@ def ec_linear_glu(
     scales: list[Tensor],
     zeros: list[Optional[Tensor]],
     group_size: int,
-    As: list[Tensor],
-    Bs: list[Tensor],
-    W1s: list[Tensor],
-    b1s: list[Tensor],
-    W2s: list[Tensor],
-    b2s: list[Tensor],
-    alphas: list[Tensor],
+    As: list[Optional[Tensor]],
+    Bs: list[Optional[Tensor]],
+    W1s: list[Optional[Tensor]],
+    b1s: list[Optional[Tensor]],
+    W2s: list[Optional[Tensor]],
+    b2s: list[Optional[Tensor]],
+    alphas: list[Optional[Tensor]],
     act: str = "silu",
     layout: str = "spear",
     norm_weight: Optional[Tensor] = None,
@@ -383,7 +396,7 @@ def ec_linear_glu(
     runs one GEMV whose epilogue adds each row's EC and stores only the product
     (``lowering/w4a16_cat.py``). ``norm_weight``: as in ``w4a16_linear_cat``."""
     x = rms_norm_ref(x, norm_weight, norm_eps) if norm_weight is not None else x
-    return glu_of(torch.cat([ec_linear_ref(x, *part, act, layout) for part in
+    return glu_of(torch.cat([cat_part_ref(x, part, act, layout) for part in
                              ec_parts(qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s,
                                       alphas)], dim=-1))
 

@@ -1,8 +1,8 @@
 """Pass: linears that read the same activation become one concatenated GEMV (decode) or GEMM (a static M of 2..256).
 
-Matches:     two or more ``spear::w4a16_linear`` nodes (no EC) with the same input node ``x``, the
-             same group size and the "spear" layout, where M is statically 1 (decode) or a static
-             2..256: a Llama layer's q/k/v and gate/up projections.
+Matches:     two or more ``spear::w4a16_linear`` (at decode also ``spear::ec_linear``) nodes with the same
+             input node ``x``, the same group size and the "spear" layout, where M is statically 1
+             (decode) or a static 2..256: a Llama layer's q/k/v and gate/up projections.
 Rewrites to: one ``spear::w4a16_linear_cat`` over their weights, inserted before the first of
              them, and one ``aten.slice`` of its output per original node.
 
@@ -20,10 +20,10 @@ in the serving regime the W4 GEMMs are latency-bound and a 4096-row output leave
 the concatenation took Llama-2-7B's q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time
 (``dispatch.route.CAT_GEMM_MAX_M``). A symbolic M (the serving engine's dynamic compile) is left alone:
 above 256 rows it is not measured. The decode-only fusions after this pass (``fuse_glu``, ``fuse_rmsnorm``)
-take M == 1 concatenations only. Linears with an
-EC group apart: with ``CompileConfig.fuse_shared_input_ec`` (on by default) EC linears sharing an
+take M == 1 concatenations only. With ``CompileConfig.fuse_shared_input_ec`` (on by default) decode linears with ECs sharing an
 input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
-(``ec_cat.concatenated_ecs``). Both on by default (``CompileConfig.fuse_shared_input``):
+(``ec_cat.concatenated_ecs``) - and with ``fuse_shared_input_mixed`` (on by default) the plain linears
+beside them join it as parts without an EC (None in the EC lists; otherwise they group apart). Both on by default (``CompileConfig.fuse_shared_input``):
 Llama-2-7B-shaped decode at batch 1 on one H200 went 2.82 -> 2.60 ms/token for plain W4 (predicted
 ~2.64) and 2.731 -> 2.691 ms/token with ECs on 25 % of linears (predicted ~2.64; docs/kernels.md).
 """
@@ -64,20 +64,36 @@ class FuseSharedInput(SpearPass):
                 continue
             M = static_m(xv)
             gemm = gemm_on and n.target is W4A16 and M is not None and 2 <= M <= CAT_GEMM_MAX_M
-            if M == 1 or gemm:  # linears with ECs group apart from plain ones (and by gate activation)
-                groups[(x, kw["group_size"], tuple(xv.shape), kw.get("act"))].append((n, kw))
+            if M == 1 or gemm:
+                groups[(x, kw["group_size"], tuple(xv.shape))].append((n, kw))
         count = 0
-        for (x, G, _, _), members in groups.items():
-            if len(members) < 2:
-                continue
-            first = members[0][0]  # graph order
-            # every weight tensor must exist before the first member, where the new node goes
-            if any(order[a] >= order[first] for n, _ in members for a in n.all_input_nodes if a is not x):
-                continue
-            if not self._pays(x, G, members):
-                continue
-            count += self._fuse(graph, x, G, members)
+        for (x, G, _), group in groups.items():
+            for members in self._split(group):
+                count += self._try(graph, order, x, G, members)
         return count
+
+    def _split(self, group: list[tuple[fx.Node, dict]]) -> list[list[tuple[fx.Node, dict]]]:
+        """The fusable sets of one input's linears (graph order kept): all of them where at most one gate
+        activation occurs among their ECs and mixed fusion is on (``fuse_shared_input_mixed``); else the plain
+        linears apart from the EC ones, and those by gate activation."""
+        acts = {kw["act"] for n, kw in group if n.target is EC_LINEAR}
+        if len(acts) <= 1 and self.ctx.config.fuse_shared_input_mixed:
+            return [group]
+        sets: dict = collections.defaultdict(list)
+        for n, kw in group:
+            sets[kw["act"] if n.target is EC_LINEAR else None].append((n, kw))
+        return list(sets.values())
+
+    def _try(self, graph: fx.Graph, order: dict, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
+        if len(members) < 2:
+            return 0
+        first = members[0][0]  # graph order
+        # every weight tensor must exist before the first member, where the new node goes
+        if any(order[a] >= order[first] for n, _ in members for a in n.all_input_nodes if a is not x):
+            return 0
+        if not self._pays(x, G, members):
+            return 0
+        return self._fuse(graph, x, G, members)
 
     @staticmethod
     def _pays(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> bool:
@@ -94,12 +110,13 @@ class FuseSharedInput(SpearPass):
     def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
         first = members[0][0]
         args = _cat_args(x, G, members)
-        has_ec = first.target is EC_LINEAR
-        if has_ec:
+        ecs = [kw for n, kw in members if n.target is EC_LINEAR]
+        has_ec = bool(ecs)
+        if has_ec:  # (a member without an EC: None in each EC list)
             for name, key in (("As", "A"), ("Bs", "B"), ("W1s", "W1"), ("b1s", "b1"), ("W2s", "W2"), ("b2s", "b2"),
                               ("alphas", "alpha")):
-                args[name] = [kw[key] for _, kw in members]
-            args["act"] = members[0][1]["act"]
+                args[name] = [kw[key] if n.target is EC_LINEAR else None for n, kw in members]
+            args["act"] = ecs[0]["act"]
         with graph.inserting_before(first):
             cat = call_op(graph, EC_CAT if has_ec else W4A16_CAT, args)
         copy_meta(first, cat)

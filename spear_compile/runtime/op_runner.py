@@ -85,7 +85,7 @@ def op_call(op: PlannedOp, m: int, device, dtype, weights: Optional[dict] = None
         return lambda: ops.w4a16_linear_cat(x, qs, ss, zs, G, bs, op.layout, nw)
     if op.op == "w4a16_glu":
         return lambda: ops.w4a16_linear_glu(x, qs, ss, zs, G, op.act, op.layout, nw)
-    ecs = [list(t) for t in zip(*[p[4] for p in w])]  # As, Bs, W1s, b1s, W2s, b2s, alphas
+    ecs = [list(t) for t in zip(*[p[4] or [None] * 7 for p in w])]  # As, Bs, W1s, b1s, W2s, b2s, alphas
     if op.op == "ec_cat":
         return lambda: ops.ec_linear_cat(x, qs, ss, zs, G, bs, *ecs, op.act, op.layout, nw)
     return lambda: ops.ec_linear_glu(x, qs, ss, zs, G, *ecs, op.act, op.layout, nw)

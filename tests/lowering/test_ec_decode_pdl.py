@@ -76,8 +76,9 @@ def test_ec_rows_equal_the_block_diagonal_b():
 
     parts = [_ec(n, 64, r, 4, torch.bfloat16, seed=s) for s, (n, r) in enumerate([(48, 8), (16, 5), (32, 8)])]
     parts = [p[:6] + (torch.tensor(a, device=DEV),) for p, a in zip(parts, (1.25, -0.5, 2.0))]
-    cat = concatenated_ecs(*[list(v) for v in zip(*parts)])
-    rows, offs = ec_rows([p[1] for p in parts], [p[6] for p in parts])
+    qs = [torch.zeros(n, 32, dtype=torch.uint8, device=DEV) for n in (48, 16, 32)]  # (only their row counts count)
+    cat = concatenated_ecs(*[list(v) for v in zip(*parts)], qs)
+    rows, offs = ec_rows([p[1] for p in parts], [p[6] for p in parts], qs)
     assert rows.shape == (96, 8) and offs.dtype == torch.int32 and offs.tolist() == [0] * 48 + [8] * 16 + [13] * 32
     gh = torch.randn(21, generator=torch.Generator().manual_seed(0)).to(DEV)
     ref = cat[1].float() @ gh
@@ -85,6 +86,27 @@ def test_ec_rows_equal_the_block_diagonal_b():
     bad = offs.clone()
     bad[48:64] = 0  # a mutant reading the first part's g * h for the second part's rows
     assert (ec_rows_emulated(gh, rows, bad, 21) - ref).abs().max() > 1e-3
+
+
+def test_parts_without_an_ec_get_zero_rows_and_no_rank():
+    """A plain linear fused beside EC ones (None in the EC lists): no A rows or gate in the concatenated EC,
+    zero rows of B and of ec_rows, the next part's offset unmoved; through the epilogue's arithmetic the
+    plain rows get nothing and the EC rows what they get alone."""
+    from spear_compile.lowering.ec_cat import concatenated_ecs, ec_rows, ec_rows_emulated
+
+    e0, e2 = (_ec(n, 64, r, 4, torch.bfloat16, seed=s) for s, (n, r) in enumerate([(48, 8), (32, 5)]))
+    parts = [e0, (None,) * 7, e2]
+    qs = [torch.zeros(n, 32, dtype=torch.uint8, device=DEV) for n in (48, 16, 32)]
+    A, B, W1, b1, W2, b2, alpha = concatenated_ecs(*[list(v) for v in zip(*parts)], qs)
+    assert A.shape == (13, 64) and B.shape == (96, 13) and W1.shape == (8, 13) and b1.shape == (8,)
+    assert float(B[48:64].abs().max()) == 0.0 and float(alpha) == 1.0
+    rows, offs = ec_rows([p[1] for p in parts], [p[6] for p in parts], qs)
+    assert rows.shape == (96, 8) and offs.tolist() == [0] * 48 + [8] * 16 + [8] * 32
+    assert float(rows[48:64].abs().max()) == 0.0
+    gh = torch.randn(13, generator=torch.Generator().manual_seed(0)).to(DEV)
+    torch.testing.assert_close(ec_rows_emulated(gh, rows, offs, 13), B.float() @ gh, rtol=1e-5, atol=1e-5)
+    alone = concatenated_ecs(*[list(v) for v in zip(e0, e2)], [qs[0], qs[2]])  # without the plain part
+    torch.testing.assert_close(B[64:].float(), alone[1][48:].float())
 
 
 def test_spear_no_pdl_keeps_the_kernels_and_drops_only_the_dependent_launch(monkeypatch):

@@ -44,8 +44,11 @@ def _parts(K, G, dev="cuda"):
 def _ref(x, qs, ss, zs, G, bs, ecl, norm):
     from spear_compile.ops.refs import rms_norm_ref
 
+    from spear_compile.ops.refs import cat_part_ref
+
     xn = rms_norm_ref(x, *norm) if norm is not None else x
-    return torch.cat([ec_linear_ref(xn, q, s, z, G, b, *ec) for q, s, z, b, *ec in zip(qs, ss, zs, bs, *ecl)], -1)
+    return torch.cat([cat_part_ref(xn, (q, s, z, G, b, *ec), "silu", "spear")
+                      for q, s, z, b, *ec in zip(qs, ss, zs, bs, *ecl)], -1)
 
 
 def test_ec_epilogue_routing(monkeypatch):
@@ -142,6 +145,11 @@ def test_ec_linear_cat_op_with_norm_and_single_ec_on_gpu(monkeypatch):
     y = DC.gemv1_ec(x, qs[0], ss[0], zs[0], G, bs[0], ec0)
     assert _rel(y, ec_linear_ref(x, qs[0], ss[0], zs[0], G, bs[0], *ec0)) < 1e-2
     assert len(calls) == 2 and calls[1].roff is None
+    mixed = [[v[0], None, v[2]] for v in ecl]  # the middle part without an EC: zero EC rows in the epilogue
+    y = torch.ops.spear.ec_linear_cat(x.view(1, 1, K), qs, ss, zs, G, bs, *mixed, "silu", "spear", w, 1e-5)
+    ref = _ref(x, qs, ss, zs, G, bs, mixed, (w, 1e-5))
+    assert _rel(y.view(1, -1), ref) < 1e-2 and len(calls) == 3 and calls[2] is not None
+    assert _rel(ref, _ref(x, qs, ss, zs, G, bs, ecl, (w, 1e-5))) > 1e-2  # (the dropped EC mattered)
 
 
 @on_hopper
@@ -178,25 +186,28 @@ def test_glu_ec_rows_follow_the_interleaved_weights():
     F, half = 48, 8
     ecs = [_ec(F, 64, r, 4, seed=s) for s, r in enumerate((8, 5))]
     ecl = [list(v) for v in zip(*ecs)]
-    rows, offs = ec_glu_rows(ecl[1], ecl[6], half)
+    qs = [torch.zeros(F, 32, dtype=torch.uint8)] * 2  # (only their row counts count)
+    rows, offs = ec_glu_rows(ecl[1], ecl[6], half, qs)
     gh = torch.randn(13, generator=torch.Generator().manual_seed(0))
-    full = concatenated_ecs(*ecl)[1].float() @ gh  # [2F] in gate-then-up order
+    full = concatenated_ecs(*ecl, qs)[1].float() @ gh  # [2F] in gate-then-up order
     torch.testing.assert_close(ec_rows_emulated(gh, rows, offs, 13), gt.glu_interleave(full, F, half),
                                rtol=1e-5, atol=1e-5)
 
 
 @on_hopper
-@pytest.mark.parametrize("norm", [False, True])
-def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch):
+@pytest.mark.parametrize("norm,mixed", [(False, False), (True, False), (True, True)])
+def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, mixed, monkeypatch):
     """spear::ec_linear_glu on CUDA where the table runs [2F, K] on the TMA kernel: GLU epilogue with each
-    row's EC (and the RMSNorm prologue), twice, against the op's reference."""
-    from spear_compile.ops.refs import glu_of, rms_norm_ref
+    row's EC (and the RMSNorm prologue), twice, against the op's reference; ``mixed``: the gate without an EC."""
+    from spear_compile.ops.refs import cat_part_ref, glu_of, rms_norm_ref
 
     F, K, G = 144, 1280, 128
     cases = [_case(F, K, G, seed=s) for s in (1, 2)]
     x = (cases[0][0] * 3).cuda()
     qs, ss, zs = ([c[i].cuda() for c in cases] for i in (2, 3, 4))
     ecl = [list(v) for v in zip(*[[t.cuda() for t in _ec(F, K, r, 4, seed=s)] for s, r in enumerate((8, 5))])]
+    if mixed:
+        ecl = [[None, v[1]] for v in ecl]
     w = (torch.rand(K) + 0.5).to(torch.bfloat16).cuda()
     use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), **{TK.tma_key(2 * F, K, G): [4, 2, 2, 2, 2]}})
     calls = []
@@ -205,7 +216,8 @@ def test_ec_glu_op_through_the_tma_epilogue_matches_reference(norm, monkeypatch)
                         lambda *a, **k: calls.append((k.get("glu"), k.get("ec"))) or real(*a, **k))
     nargs = ("silu", "spear", w, 1e-5) if norm else ()
     xr = rms_norm_ref(x, w, 1e-5) if norm else x
-    ref = glu_of(torch.cat([ec_linear_ref(xr, q, s, z, G, None, *ec) for q, s, z, *ec in zip(qs, ss, zs, *ecl)], -1))
+    ref = glu_of(torch.cat([cat_part_ref(xr, (q, s, z, G, None, *ec), "silu", "spear")
+                            for q, s, z, *ec in zip(qs, ss, zs, *ecl)], -1))
     for _ in range(2):
         y = torch.ops.spear.ec_linear_glu(x.view(1, 1, K), qs, ss, zs, G, *ecl, *nargs)
         assert y.shape == (1, 1, F) and _rel(y.view(1, F), ref) < 1e-2

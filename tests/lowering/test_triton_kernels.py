@@ -342,13 +342,20 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     ecs = [e[:-1] + (e[-1] * (1 + 0.5 * i),) for i, e in enumerate(ecs)]  # distinct alphas
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     ref = torch.cat([ec_linear_ref(x, w[0], w[1], w[2], G, w[3], *e) for w, e in zip(ws, ecs)], -1)
-    cat_ec = E.concatenated_ecs(*[list(t) for t in zip(*ecs)])
+    cat_ec = E.concatenated_ecs(*[list(t) for t in zip(*ecs)], [w[0] for w in ws])
     assert cat_ec[0].shape == (56, K) and cat_ec[1].shape == (123, 56) and cat_ec[2].shape == (28, 56)
     q, s, z, b = (torch.cat([w[i] for w in ws]) for i in range(4))
     _close(ec_linear_ref(x, q, s, z, G, b, *cat_ec), ref, dtype)
     _close(w4a16_gemv(x, q, s, z, G, b, ec=cat_ec), ref, dtype)
-    assert E.concatenated_ecs(*[list(t) for t in zip(*ecs)]) is cat_ec  # cached
+    assert E.concatenated_ecs(*[list(t) for t in zip(*ecs)], [w[0] for w in ws]) is cat_ec  # cached
     # spear::ec_linear_cat's CUDA path end to end (concatenated words + block-diagonal EC), interpreted here
     y = DC.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
                        *[list(t) for t in zip(*ecs)])
     _close(y, ref, dtype)
+    # the middle part without an EC (a plain linear fused beside EC ones): its rows are its W4 linear alone
+    mixed = [ecs[0], (None,) * 7, ecs[2]]
+    y = DC.ec_gemv1_cat(x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
+                        *[list(t) for t in zip(*mixed)])
+    plain = w4a16_linear_ref(x, *ws[1][:3], G, ws[1][3])
+    _close(y, torch.cat([ref[:, :40], plain, ref[:, 64:]], -1), dtype)
+    assert (y[:, 40:64] - ref[:, 40:64]).abs().max() > 1e-3  # (the middle EC mattered where it was given)

@@ -66,13 +66,46 @@ def test_batched_linears_with_ecs_keep_their_own_ops():
     assert ops["spear.ec_linear.default"] == 6, ops
 
 
-def test_linears_with_an_ec_keep_their_own_kernel():
+def test_a_linear_with_an_ec_fuses_with_its_plain_neighbours_unless_mixed_fusion_is_off():
+    """k with an EC beside plain q and v: one ec_linear_cat whose q and v parts have no EC (the default); with
+    fuse_shared_input_mixed off, k keeps its own kernel and q, v fuse apart. Either way compiled equals eager."""
     m = quantized_llama(d=64, layers=1, heads=2, ff=128)
-    spear.attach_(m, {"layers.0.k_proj": spear.ErrorCompensator(64, 64, spear.ECConfig(rank=4, gate_hidden=4))})
-    ops = spear_ops_after(capture(m, (torch.randn(1, 1, 64),), config=FUSE))
+    spear.attach_(m, {"layers.0.k_proj": _ec(64, 64, 4, 4)})
+    x = torch.randn(1, 1, 64)
+    assert CompileConfig().fuse_shared_input_mixed  # the default
+    rep = capture(m, (x,), config=FUSE)
+    ops = spear_ops_after(rep)
+    assert ops["spear.ec_linear_cat.default"] == 1 and ops["spear.w4a16_linear_cat.default"] == 1, ops  # qkv; gate/up
+    assert "spear.ec_linear.default" not in ops and ops["spear.w4a16_linear.default"] == 2, ops  # o, down
+    fused = {r["weight"].split(".")[2]: r for r in rep.linears if r.get("fused_into")}
+    assert fused["q_proj"]["fused_into"] == fused["k_proj"]["fused_into"] == fused["v_proj"]["fused_into"]
+    assert_compiled_matches_eager(m, x, config=FUSE)
+    off = CompileConfig(fuse_shared_input=True, fuse_glu=False, fuse_shared_input_mixed=False)
+    ops = spear_ops_after(capture(m, (x,), config=off))
     # q, v fuse (k has an EC); gate, up fuse
     assert ops["spear.w4a16_linear_cat.default"] == 2 and ops["spear.ec_linear.default"] == 1, ops
-    assert ops["spear.w4a16_linear.default"] == 2, ops  # o, down
+    assert ops["spear.w4a16_linear.default"] == 2 and "spear.ec_linear_cat.default" not in ops, ops  # o, down
+    assert_compiled_matches_eager(m, x, config=off)
+
+
+def test_mixed_groups_go_on_into_the_glu_and_rmsnorm_fusions_and_equal_eager():
+    """SPEAR-like placement (ECs on v and up only, two layers): at the defaults q/k/v become one ec_linear_cat
+    and gate/up one ec_linear_glu (a plain gate beside up's EC), each reading its RMSNorm; compiled equals
+    eager. Batched (M = 4) the EC linears keep their own ops and only q / k concatenate (the gate is alone)."""
+    m = quantized_llama(d=64, layers=2, heads=2, ff=128)
+    spear.attach_(m, {f"layers.{i}.{name}": _ec(64, n, 4, 10 * i + j)
+                      for i in range(2) for j, (name, n) in enumerate((("v_proj", 64), ("up_proj", 128)))})
+    x = torch.randn(1, 1, 64)
+    rep = capture(m, (x,))
+    ops = spear_ops_after(rep)
+    assert ops["spear.ec_linear_cat.default"] == 2 and ops["spear.ec_linear_glu.default"] == 2, ops
+    assert "spear.ec_linear.default" not in ops and "spear.w4a16_linear_cat.default" not in ops, ops
+    by = {s.pass_name: s.matched_count for s in rep.graphs[0].snapshots}
+    assert by["fuse_glu"] == 2 and by["fuse_rmsnorm"] == 4, by
+    assert_compiled_matches_eager(m, x)
+    ops = spear_ops_after(capture(m, (torch.randn(1, 4, 64),)))
+    assert ops["spear.ec_linear.default"] == 4 and ops["spear.w4a16_linear_cat.default"] == 2, ops
+    assert ops["spear.w4a16_linear.default"] == 6, ops  # gate, o, down
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
@@ -141,6 +174,18 @@ def test_ec_cat_op_checks_its_lists_and_matches_its_parts():
         torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *ec_lists[:-1], ec_lists[-1][:1])
     with pytest.raises(spear.QuantFormatError, match=r"part 1"):
         torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], ec_lists[0][:1] * 2, *ec_lists[1:])
+    # a part without an EC (None in all seven lists): its rows are its plain linear
+    mixed = [[lst[0], None] for lst in ec_lists]
+    with torch.no_grad():
+        y = torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *mixed)
+        plain = torch.ops.spear.w4a16_linear(x, qs[1], ss[1], zs[1], 32, b)
+    torch.testing.assert_close(y, torch.cat([parts_y[0], plain], -1), rtol=0, atol=0)
+    half = [list(lst) for lst in mixed]
+    half[3][1] = ec_lists[3][1]  # b1 given, the rest of part 1's EC None
+    with pytest.raises(spear.QuantFormatError, match=r"part 1.*\['A', 'B', 'W1', 'W2', 'b2', 'alpha'\] are None"):
+        torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *half)
+    with pytest.raises(spear.QuantFormatError, match="no part has an EC"):
+        torch.ops.spear.ec_linear_cat(x, qs, ss, zs, 32, [None, b], *[[None, None]] * 7)
 
 
 def test_a_batched_concatenation_on_a_gpu_is_made_only_where_the_route_runs_one_gemm(monkeypatch):
