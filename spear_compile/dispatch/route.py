@@ -509,8 +509,12 @@ def _cat_route(p: Problem, why: list) -> Route:
 
 
 def _parts_route(p: Problem, why: list) -> Route:
-    op = "ec" if p.has_ec else "w4a16"
-    parts = tuple(route(p.replace(op=op, N=n, parts=(), norm=False)) for n in (p.parts or (p.N,)))
+    def part(i: int, n: int) -> Route:
+        if p.has_ec and i not in p.plain_parts:
+            return route(p.replace(op="ec", N=n, parts=(), plain_parts=(), norm=False))
+        return route(p.replace(op="w4a16", N=n, parts=(), plain_parts=(), norm=False, rank=None, rank_total=None,
+                               gate_width=None, ec_dtypes=()))
+    parts = tuple(part(i, n) for i, n in enumerate(p.parts or (p.N,)))
     return _route("parts", (), why + ["each part on its own route, concatenated"], parts=parts)
 
 
@@ -611,10 +615,12 @@ def cat_problem_of(op: str, x2: torch.Tensor, qweights, scales, zeros, G: int, b
     rows = tuple(int(q.shape[0]) for q in qweights)
     kw = {}
     if As is not None:  # (parts without an EC - None entries - add no rank)
+        plain = tuple(i for i, a in enumerate(As) if a is None)
         As, Bs = [a for a in As if a is not None], [b for b in Bs if b is not None]
         kw = dict(rank=max(int(b.shape[1]) for b in Bs), rank_total=sum(int(a.shape[0]) for a in As),
                   ec_dtypes=(As[0].dtype, Bs[0].dtype), a_contiguous=True, b_contiguous=True,
-                  gate_width=sum(int(w.shape[0]) for w in W1s if w is not None) if W1s is not None else None)
+                  gate_width=sum(int(w.shape[0]) for w in W1s if w is not None) if W1s is not None else None,
+                  plain_parts=plain)
     glu = op.endswith("glu")
     return Problem(op=op, M=M, N=rows[0] if glu else sum(rows), K=K, G=int(G), dtype=x2.dtype,
                    param_dtypes=_dtypes(*scales, *zeros), device=x2.device, layout=layout,

@@ -74,18 +74,20 @@ def ec_rows(Bs, alphas, qweights) -> tuple[torch.Tensor, torch.Tensor]:
     as ``concatenated_ecs`` rounds it) padded to RC = max rank with zeros, and its offset is part i's
     first column of the stacked g * h. ``sum_j rows[n, j] gh[off[n] + j]`` is then row n of the
     block-diagonal ``B gh`` of ``concatenated_ecs``, reading RC instead of sum R columns per row (a
-    third of the bytes for q/k/v). A part without an EC has zero rows (its N from ``qweights``): the
-    kernel reads RC zeros per row of it (Llama-2-7B's q and k beside a v with a rank-64 EC: 1 MB, 4 % of
+    third of the bytes for q/k/v). A part without an EC has zero rows (its N from ``qweights``) and the
+    offset sum R, past every column of g * h, so no g * h is read for it (a NaN there cannot reach a plain
+    row); the kernel reads RC zeros per row of it (Llama-2-7B's q and k beside a v with a rank-64 EC: 1 MB, 4 % of
     the q/k/v GEMV's bytes). Cached like ``concatenated``."""
     def make() -> tuple:
         rc = max(b.shape[1] for b in _present(Bs))
+        r_total = sum(b.shape[1] for b in _present(Bs))
         rows, offs, r0 = [], [], 0
         for b, al, q in zip(Bs, alphas, qweights):
             n = q.shape[0]
-            if b is None:
+            if b is None:  # offset past every rank: the epilogue's masked g * h loads read nothing for it
                 ref = _present(Bs)[0]
                 rows.append(ref.new_zeros(n, rc))
-                offs.append(torch.full((n,), r0, dtype=torch.int32, device=ref.device))
+                offs.append(torch.full((n,), r_total, dtype=torch.int32, device=ref.device))
                 continue
             r = b.shape[1]
             rows.append(torch.nn.functional.pad((al.float() * b.float()).to(b.dtype), (0, rc - r)))

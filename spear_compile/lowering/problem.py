@@ -43,6 +43,7 @@ class Problem:
     zeros_integer: Optional[bool] = None  # None: not known (fake values): taken as integral
     out_contiguous: bool = True
     parts: tuple = ()
+    plain_parts: tuple = ()  # concatenations with ECs: the indices of the parts without one
     rank: Optional[int] = None  # EC rank (None: no EC)
     rank_total: Optional[int] = None  # the block-diagonal EC's rank (concatenations)
     gate_width: Optional[int] = None  # the EC gate's hidden width D

@@ -350,14 +350,14 @@ def ec_linear_cat(
 
 
 def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act,
-                  layout) -> None:
+                  layout, op: str = "ec_linear_cat") -> None:
     lists = (qweights, scales, zeros, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
     if len(qweights) == 0 or len({len(v) for v in lists}) != 1:
-        raise QuantFormatError("spear::ec_linear_cat: the weight and EC lists must be non-empty and of one length, "
+        raise QuantFormatError(f"spear::{op}: the weight and EC lists must be non-empty and of one length, "
                                f"got {[len(v) for v in lists]}")
     parts = ec_parts(qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas)
     for i, part in enumerate(parts):
-        where = f"spear::ec_linear_cat (part {i})"
+        where = f"spear::{op} (part {i})"
         missing = [k for k, v in zip(("A", "B", "W1", "b1", "W2", "b2", "alpha"), part[5:]) if v is None]
         if not missing:
             _check_ec_op(x, *part, act, layout, "auto", where=where)
@@ -367,8 +367,8 @@ def _check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b
             raise QuantFormatError(f"{where}: an EC needs all of A, B, W1, b1, W2, b2, alpha (a part without one has "
                                    f"None for all seven); {missing} are None")
     if not any(has_ec(p) for p in parts):
-        raise QuantFormatError("spear::ec_linear_cat: no part has an EC; linears without ECs concatenate through "
-                               "spear::w4a16_linear_cat")
+        plain = "w4a16_linear_glu" if op == "ec_linear_glu" else "w4a16_linear_cat"
+        raise QuantFormatError(f"spear::{op}: no part has an EC; linears without ECs take spear::{plain}")
 
 
 @_op("spear::ec_linear_glu", lambda *a: _check_ec_glu(*a), _n_half, norm=True)
@@ -404,7 +404,8 @@ def ec_linear_glu(
 def _check_ec_glu(x, qweights, scales, zeros, group_size, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout) -> None:
     if len(qweights) != 2:
         raise QuantFormatError(f"spear::ec_linear_glu: expected [gate, up] weights, got {len(qweights)}")
-    _check_ec_cat(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
+    _check_ec_cat(x, qweights, scales, zeros, group_size, [None, None], As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout,
+                  "ec_linear_glu")
     n = [_static(out_features(q, s, layout)) for q, s in zip(qweights, scales)]
     if None not in n and n[0] != n[1]:
         raise QuantFormatError(f"spear::ec_linear_glu: gate has {n[0]} outputs but up has {n[1]}")

@@ -68,17 +68,21 @@ class FuseSharedInput(SpearPass):
                 groups[(x, kw["group_size"], tuple(xv.shape))].append((n, kw))
         count = 0
         for (x, G, _), group in groups.items():
-            for members in self._split(group):
+            acts = {kw["act"] for n, kw in group if n.target is EC_LINEAR}  # (one: a mixed group can fuse)
+            mixed = len(acts) == 1 and any(n.target is W4A16 for n, _ in group)
+            if mixed and self.ctx.config.fuse_shared_input_mixed:
+                done = self._try(graph, order, x, G, group)
+                if done:
+                    count += done
+                    continue
+            for members in self._split(group):  # (a mixed group that could not fuse: its plain / EC sets)
                 count += self._try(graph, order, x, G, members)
         return count
 
-    def _split(self, group: list[tuple[fx.Node, dict]]) -> list[list[tuple[fx.Node, dict]]]:
-        """The fusable sets of one input's linears (graph order kept): all of them where at most one gate
-        activation occurs among their ECs and mixed fusion is on (``fuse_shared_input_mixed``); else the plain
-        linears apart from the EC ones, and those by gate activation."""
-        acts = {kw["act"] for n, kw in group if n.target is EC_LINEAR}
-        if len(acts) <= 1 and self.ctx.config.fuse_shared_input_mixed:
-            return [group]
+    @staticmethod
+    def _split(group: list[tuple[fx.Node, dict]]) -> list[list[tuple[fx.Node, dict]]]:
+        """The plain linears of one input apart from the EC ones, and those by gate activation (graph order
+        kept)."""
         sets: dict = collections.defaultdict(list)
         for n, kw in group:
             sets[kw["act"] if n.target is EC_LINEAR else None].append((n, kw))

@@ -231,6 +231,11 @@ def test_batched_concatenations_route_to_one_gemm_up_to_256_rows(monkeypatch):
     assert R.route(cat.replace(zeros_consistent=False)).kernel == "parts"
     ec = problem(op="ec_cat", M=16, N=1024, K=1024, parts=(512, 512), rank=16, rank_total=32)
     assert R.route(ec).kernel != "cat_gemm"
+    # run as its parts, a part without an EC (a plain linear fused beside an EC one) takes the plain W4 route
+    rt = R.route(ec.replace(plain_parts=(1,), rank_total=16))
+    assert rt.kernel == "parts" and [r.kernel for r in rt.parts] == [R.route(ec.replace(op="ec", N=512, parts=())).kernel,
+                                                                      R.route(problem(M=16, N=512, K=1024)).kernel]
+    assert rt.parts[1] == R.route(problem(M=16, N=512, K=1024)), rt.describe()
 
 
 def test_a_batched_concatenation_with_fractional_zero_points_avoids_the_integer_only_gemm(monkeypatch):

@@ -101,10 +101,11 @@ def test_parts_without_an_ec_get_zero_rows_and_no_rank():
     assert A.shape == (13, 64) and B.shape == (96, 13) and W1.shape == (8, 13) and b1.shape == (8,)
     assert float(B[48:64].abs().max()) == 0.0 and float(alpha) == 1.0
     rows, offs = ec_rows([p[1] for p in parts], [p[6] for p in parts], qs)
-    assert rows.shape == (96, 8) and offs.tolist() == [0] * 48 + [8] * 16 + [8] * 32
+    assert rows.shape == (96, 8) and offs.tolist() == [0] * 48 + [13] * 16 + [8] * 32  # (13: past every rank)
     assert float(rows[48:64].abs().max()) == 0.0
     gh = torch.randn(13, generator=torch.Generator().manual_seed(0)).to(DEV)
     torch.testing.assert_close(ec_rows_emulated(gh, rows, offs, 13), B.float() @ gh, rtol=1e-5, atol=1e-5)
+    assert bool(torch.isfinite(ec_rows_emulated(torch.full_like(gh, float("nan")), rows, offs, 13)[48:64]).all())
     alone = concatenated_ecs(*[list(v) for v in zip(e0, e2)], [qs[0], qs[2]])  # without the plain part
     torch.testing.assert_close(B[64:].float(), alone[1][48:].float())
 

@@ -61,7 +61,10 @@ def test_plan_covers_every_quantized_linear_once_with_its_ec_rank(cache_dir):
     assert sum(lin.count * lin.out_features for lin in plan.linears) == sum(q.out_features for q in quant.values())
     with_ec = [lin for lin in plan.linears if lin.ec_rank]
     assert sorted(lin.ec_rank for lin in with_ec) == [4, 5]  # the ranks attached to EC_ON
-    assert {lin.name.split(".")[-1].split("#")[0] for lin in with_ec} == {"q_proj", "down_proj"}
+    # layer 0's q (EC) fused at decode with its plain k and v: one linear named by its weights (the last, v)
+    assert {lin.name.split(".")[-1].split("#")[0] for lin in with_ec} == {"v_proj", "down_proj"}
+    qkv = next(lin for lin in with_ec if lin.ec_rank == 4)
+    assert "q_proj" in qkv.name and "k_proj" in qkv.name and qkv.count == 1
     for lin in plan.linears:  # both graphs recorded: a route at decode and at prefill
         assert lin.route_at(1) != "unknown" and lin.route_at(8) != "unknown"
         assert {o.m_lo for o in lin.ops} == {1, 8}
