@@ -205,11 +205,12 @@ class CompileConfig(_Serialisable):
         gate/up to 0.63-0.95x the separate GEMMs' time (one untuned Qwen2.5-7B cell 1.76x until ``spear tune``;
         ``benchmarks/results/concat_gemm/2026-12-07_h200/``). It keeps a concatenated copy of those weights
         (about 2 GB for Llama-2-7B W4) while they live.
-    fuse_shared_input_ec: also fuse decode linears *with* ECs that read the same activation into one
-        GEMV with one block-diagonal EC (``spear::ec_linear_cat``). On by default: the same model with
-        ECs on 25 % of linears, 2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200,
-        2026-11-30; docs/kernels.md, the decode fusions).
-    fuse_shared_input_mixed: with ``fuse_shared_input_ec``, also fuse decode linears with and without ECs that
+    fuse_shared_input_ec: also fuse linears *with* ECs that read the same activation into one
+        ``spear::ec_linear_cat``: at decode one GEMV with one block-diagonal EC, at a static M of 2-256 (with
+        ``fuse_shared_input_gemm``) one GEMM with each EC beside it as the side structure runs it (route
+        ``ec_cat_gemm``; not yet timed). On by default: at decode the same model with ECs on 25 % of linears,
+        2.731 -> 2.691 ms/token (1.11x -> 1.09x our W4; one H200, 2026-11-30; docs/kernels.md, the decode fusions).
+    fuse_shared_input_mixed: with ``fuse_shared_input_ec``, also fuse linears with and without ECs that
         read the same activation into one ``spear::ec_linear_cat`` (the parts without an EC get None: no A rows,
         zero B rows). SPEAR's placements leave such groups in most layers (a v_proj's EC beside plain q / k, an
         up_proj's beside a plain gate); apart, each costs one more launch and loses the GLU and RMSNorm fusions.

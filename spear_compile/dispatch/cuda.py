@@ -366,14 +366,52 @@ def ec_gemv1_cat(x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W
     return launch_ec_decode(rt.parts[0], x2, None, s, z, group_size, b, ec, act, out=out, words=words)
 
 
+def ec_cat_gemm(rt: Route, x2, qweights, scales, zeros, group_size: int, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
+                act: str = "silu") -> torch.Tensor:
+    """Y[M, sum N] of linears sharing x2 [M, K], some with ECs (None entries: none), at 2 <= M <= 256 (route
+    "ec_cat_gemm"): one W4 GEMM over the concatenated weights on ``rt.parts[0]``, each EC the side structure's way -
+    its shrink and gate on the side stream while the GEMM runs, then its expand added into its own columns of Y.
+    Without CUDA (the Triton interpreter) the same kernels run one after another."""
+    q, s, z, b = _cat.concatenated_weight(qweights, scales, zeros, biases)
+    cuda = x2.is_cuda
+    main = torch.cuda.current_stream(x2.device) if cuda else None
+    side = capability.side_stream(x2.device) if cuda else None
+    if cuda:
+        side.wait_stream(main)  # x2 is ready on main
+    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+        hgs = [_ect.ec_shrink_gate(x2, A, W1, b1, W2, b2, act) if A is not None else None
+               for A, W1, b1, W2, b2 in zip(As, W1s, b1s, W2s, b2s)]
+    y = launch_w4(rt.parts[0], x2, q, s, z, group_size, _dense(b))
+    if cuda:
+        main.wait_stream(side)
+        x2.record_stream(side)
+    n0 = 0
+    for hg, B, alpha, qw in zip(hgs, Bs, alphas, qweights):
+        n = int(qw.shape[0])
+        if hg is not None:
+            if cuda:
+                hg.record_stream(main)
+            _ect.ec_expand_add_(y[:, n0:n0 + n], hg, B.contiguous(), alpha)
+        n0 += n
+    return y
+
+
 def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,
                        act="silu", layout="spear", norm_weight=None, norm_eps=1e-6):
     _ops._check_ec_cat(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas, act, layout)
     _ops.check_norm(x, norm_weight, norm_eps, "spear::ec_linear_cat")
     x2 = x.reshape(-1, x.shape[-1])
     norm = _norm(norm_weight, norm_eps)
-    rt = _took(route(_r.cat_problem_of("ec_cat", x2, qweights, scales, zeros, group_size, biases, As, Bs, W1s,
-                                 layout=layout, norm=norm is not None, act=act)))
+    p = _r.cat_problem_of("ec_cat", x2, qweights, scales, zeros, group_size, biases, As, Bs, W1s, layout=layout,
+                          norm=norm is not None, act=act)
+    if zeros[0] is not None:  # the concatenation's GEMM may be one that takes integral zero points only
+        p = p.replace(zeros_probe=lambda: all(_wg.integer_zeros(z) for z in zeros))
+    rt = _took(route(p))
+    if rt.kernel == "ec_cat_gemm":
+        x2 = _refs.rms_norm_ref(x2, *norm) if norm is not None else x2
+        y = ec_cat_gemm(rt, x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
+                        alphas, act)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if rt.kernel in ("ec_cat_tma", "ec_cat_gemv1"):
         y = ec_gemv1_cat(x2.contiguous(), qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s,
                          alphas, act, norm=norm, rt=rt)

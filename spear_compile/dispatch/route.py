@@ -27,7 +27,8 @@ Kernels (``Route.kernel``):
   PDL-launched behind the gate), ``ec_in_gemm_self`` (shrink and gate in the register-operand GEMM's
   own launch). ``Route.options`` carries the variants (``high_priority``, ``splitk``, ``pdl``);
 * concatenations (``fuse_shared_input`` / ``fuse_glu``): ``cat_gemv1`` / ``cat_tma``, ``glu_tma``, ``cat_gemm``
-  (2 <= M <= ``CAT_GEMM_MAX_M``: one GEMM over the concatenated weights, ``parts[0]`` its route),
+  (2 <= M <= ``CAT_GEMM_MAX_M``: one GEMM over the concatenated weights, ``parts[0]`` its route), ``ec_cat_gemm``
+  (the same with each part's EC beside the GEMM, the side structure's way),
   ``ec_cat_tma`` / ``ec_cat_gemv1`` (then ``parts[0]`` is the EC GEMV's route), ``ec_glu_tma``,
   ``parts`` (each part on its own route, ``Route.parts``) and ``glu_of`` (the concatenation's route in
   ``parts[0]``, then act(gate) * up).
@@ -542,7 +543,27 @@ def _glu_route(p: Problem, why: list) -> Route:
     return _route("glu_of", (), why + [f"GLU epilogue: {r if cfg is None else 'not this act / norm'}"], parts=(cat,))
 
 
+def _ec_cat_gemm_route(p: Problem, why: list) -> Optional[Route]:
+    """At 2 <= M <= ``CAT_GEMM_MAX_M``: the concatenation's W4 as one GEMM (``_cat_gemm_route`` of its weights) and
+    each EC beside it as the side structure does it (its shrink and gate on the side stream during the GEMM, its
+    expand added into its own rows of the output); None where the concatenated GEMM does not apply. Predicted from
+    the parts' measurements, not yet timed: the GEMM is what the plain concatenation measured (Llama-2-7B's q/k/v
+    0.43-0.53x the three GEMMs at M = 2-128, H200) and each EC adds what the side structure adds beside one GEMM."""
+    if not 2 <= p.M <= CAT_GEMM_MAX_M:
+        return None
+    plain = p.replace(op="w4a16_cat", rank=None, rank_total=None, gate_width=None, ec_dtypes=(), plain_parts=())
+    gemm = _cat_gemm_route(plain, [])
+    if gemm is None:
+        return None
+    return _route("ec_cat_gemm", (), why + [f"M = {p.M}: one GEMM over the concatenated weights, each EC beside it "
+                                            "(shrink and gate on the side stream, expand into its rows)"],
+                  parts=gemm.parts)
+
+
 def _ec_cat_route(p: Problem, why: list) -> Route:
+    gemm = _ec_cat_gemm_route(p, why)
+    if gemm is not None:
+        return gemm
     ok, r = _t.can_implement(p)
     if ok:
         cfg, r2 = tma_config(p, p.N)

@@ -14,16 +14,21 @@ Example graph:
             %q = aten.slice(%cat, 2, 0, 64)  %k = aten.slice(%cat, 2, 64, 128)  %v = aten.slice(%cat, 2, 128, 192)
 
 At a static 2 <= M <= 256 (batched decode, or a prefill that short; ``CompileConfig.fuse_shared_input_gemm``,
-on by default; linears without an EC; on a GPU where the route runs it as one GEMM, ``cat_gemm``) the same
+on by default; on a GPU where the route runs it as one GEMM, ``cat_gemm``, with ECs ``ec_cat_gemm``: each EC
+beside the GEMM as the side structure runs it, its expand added into its own rows) the same
 rewrite runs one GEMM over the concatenated weights, and keeps a concatenated copy of them while they live:
 in the serving regime the W4 GEMMs are latency-bound and a 4096-row output leaves SMs idle, and on one H200
 the concatenation took Llama-2-7B's q/k/v to 0.43-0.66x and gate/up to 0.63-0.95x the parts' time
 (``dispatch.route.CAT_GEMM_MAX_M``). A symbolic M (the serving engine's dynamic compile) is left alone:
 above 256 rows it is not measured. The decode-only fusions after this pass (``fuse_glu``, ``fuse_rmsnorm``)
-take M == 1 concatenations only. With ``CompileConfig.fuse_shared_input_ec`` (on by default) decode linears with ECs sharing an
-input (same gate activation) become one ``spear::ec_linear_cat`` - one GEMV with one block-diagonal EC
-(``ec_cat.concatenated_ecs``) - and with ``fuse_shared_input_mixed`` (on by default) the plain linears
-beside them join it as parts without an EC (None in the EC lists; otherwise they group apart). Both on by default (``CompileConfig.fuse_shared_input``):
+take M == 1 concatenations only.
+
+With ``CompileConfig.fuse_shared_input_ec`` (on by default) linears with ECs sharing an input (same gate
+activation) become one ``spear::ec_linear_cat``: at decode one GEMV with one block-diagonal EC
+(``ec_cat.concatenated_ecs``), at 2 <= M <= 256 one GEMM with each EC beside it (not yet timed). With
+``fuse_shared_input_mixed`` (on by default) the plain linears beside them join it as parts without an EC (None
+in the EC lists; otherwise they group apart, and a mixed group that cannot fuse whole falls back to that).
+Measured at decode (``CompileConfig.fuse_shared_input``, ``fuse_shared_input_ec``):
 Llama-2-7B-shaped decode at batch 1 on one H200 went 2.82 -> 2.60 ms/token for plain W4 (predicted
 ~2.64) and 2.731 -> 2.691 ms/token with ECs on 25 % of linears (predicted ~2.64; docs/kernels.md).
 """
@@ -63,7 +68,7 @@ class FuseSharedInput(SpearPass):
             if xv is None or kw["layout"] != "spear":
                 continue
             M = static_m(xv)
-            gemm = gemm_on and n.target is W4A16 and M is not None and 2 <= M <= CAT_GEMM_MAX_M
+            gemm = gemm_on and M is not None and 2 <= M <= CAT_GEMM_MAX_M
             if M == 1 or gemm:
                 groups[(x, kw["group_size"], tuple(xv.shape))].append((n, kw))
         count = 0
@@ -102,25 +107,20 @@ class FuseSharedInput(SpearPass):
     @staticmethod
     def _pays(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> bool:
         """Decode (M == 1) and CPU (the references either way): always. A batched concatenation on a GPU: where
-        the route runs it as one GEMM (``cat_gemm``); where it would run the parts (fractional zero points on
-        some parts only, a dtype the kernels do not take), the rewrite would only add a copy."""
+        the route runs it as one GEMM (``cat_gemm``, with ECs ``ec_cat_gemm``); where it would run the parts
+        (fractional zero points on some parts only, a dtype the kernels do not take), the rewrite would only add a
+        copy."""
         xv = x.meta["val"]
         M = static_m(xv)
         if M == 1 or xv.device.type != "cuda":
             return True
-        rt = cat_route(_cat_args(x, G, members), "w4a16_cat", norm=False, M=M)
-        return rt is not None and rt.kernel == "cat_gemm"
+        args, has_ec = _op_args(x, G, members)
+        rt = cat_route(args, "ec_cat" if has_ec else "w4a16_cat", norm=False, M=M)
+        return rt is not None and rt.kernel == ("ec_cat_gemm" if has_ec else "cat_gemm")
 
     def _fuse(self, graph: fx.Graph, x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> int:
         first = members[0][0]
-        args = _cat_args(x, G, members)
-        ecs = [kw for n, kw in members if n.target is EC_LINEAR]
-        has_ec = bool(ecs)
-        if has_ec:  # (a member without an EC: None in each EC list)
-            for name, key in (("As", "A"), ("Bs", "B"), ("W1s", "W1"), ("b1s", "b1"), ("W2s", "W2"), ("b2s", "b2"),
-                              ("alphas", "alpha")):
-                args[name] = [kw[key] if n.target is EC_LINEAR else None for n, kw in members]
-            args["act"] = ecs[0]["act"]
+        args, has_ec = _op_args(x, G, members)
         with graph.inserting_before(first):
             cat = call_op(graph, EC_CAT if has_ec else W4A16_CAT, args)
         copy_meta(first, cat)
@@ -149,8 +149,16 @@ class FuseSharedInput(SpearPass):
         return len(members)
 
 
-def _cat_args(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> dict:
-    """The concatenation op's W4 arguments over ``members`` (their bound arguments, in order) reading ``x``."""
-    return {"x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
+def _op_args(x: fx.Node, G: int, members: list[tuple[fx.Node, dict]]) -> tuple[dict, bool]:
+    """(the concatenation op's arguments over ``members`` - their bound arguments, in order - reading ``x``,
+    whether any member has an EC: then the op is ``ec_linear_cat``, a member without one None in each EC list)."""
+    args = {"x": x, "qweights": [kw["qweight"] for _, kw in members], "scales": [kw["scales"] for _, kw in members],
             "zeros": [kw["zeros"] for _, kw in members], "group_size": G,
             "biases": [kw["bias"] for _, kw in members], "layout": "spear"}
+    ecs = [kw for n, kw in members if n.target is EC_LINEAR]
+    if ecs:
+        for name, key in (("As", "A"), ("Bs", "B"), ("W1s", "W1"), ("b1s", "b1"), ("W2s", "W2"), ("b2s", "b2"),
+                          ("alphas", "alpha")):
+            args[name] = [kw[key] if n.target is EC_LINEAR else None for n, kw in members]
+        args["act"] = ecs[0]["act"]
+    return args, bool(ecs)

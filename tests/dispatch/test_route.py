@@ -230,12 +230,17 @@ def test_batched_concatenations_route_to_one_gemm_up_to_256_rows(monkeypatch):
     assert R.route(cat.replace(M=R.CAT_GEMM_MAX_M + 1)).kernel == "parts"  # not measured there
     assert R.route(cat.replace(zeros_consistent=False)).kernel == "parts"
     ec = problem(op="ec_cat", M=16, N=1024, K=1024, parts=(512, 512), rank=16, rank_total=32)
-    assert R.route(ec).kernel != "cat_gemm"
+    rt = R.route(ec)  # with ECs: the same GEMM, each EC beside it
+    assert rt.kernel == "ec_cat_gemm" and rt.parts == R.route(cat.replace(N=1024, parts=(512, 512))).parts
+    assert R.route(ec.replace(M=1)).kernel != "ec_cat_gemm"
+    ec = ec.replace(M=R.CAT_GEMM_MAX_M + 1)
+    assert R.route(ec).kernel == "parts"  # not measured there
     # run as its parts, a part without an EC (a plain linear fused beside an EC one) takes the plain W4 route
     rt = R.route(ec.replace(plain_parts=(1,), rank_total=16))
+    M = R.CAT_GEMM_MAX_M + 1
     assert rt.kernel == "parts" and [r.kernel for r in rt.parts] == [R.route(ec.replace(op="ec", N=512, parts=())).kernel,
-                                                                      R.route(problem(M=16, N=512, K=1024)).kernel]
-    assert rt.parts[1] == R.route(problem(M=16, N=512, K=1024)), rt.describe()
+                                                                      R.route(problem(M=M, N=512, K=1024)).kernel]
+    assert rt.parts[1] == R.route(problem(M=M, N=512, K=1024)), rt.describe()
 
 
 def test_a_batched_concatenation_with_fractional_zero_points_avoids_the_integer_only_gemm(monkeypatch):

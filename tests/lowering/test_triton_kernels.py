@@ -359,3 +359,50 @@ def test_concatenated_ecs_equal_the_parts_through_reference_and_fused_kernel(dty
     plain = w4a16_linear_ref(x, *ws[1][:3], G, ws[1][3])
     _close(y, torch.cat([ref[:, :40], plain, ref[:, 64:]], -1), dtype)
     assert (y[:, 40:64] - ref[:, 40:64]).abs().max() > 1e-3  # (the middle EC mattered where it was given)
+
+
+@pytest.mark.parametrize("M", [2, 5])
+def test_ec_cat_gemm_adds_each_ec_into_its_own_rows(M):
+    """``ec_cat_gemm`` (the batched concatenation with ECs, interpreted here without streams): one GEMM over the
+    concatenated weights and each EC's shrink / gate / expand added into its own columns equals the parts; a part
+    without an EC gets its plain linear; a mutant adding the EC to the wrong columns would fail."""
+    from spear_compile.dispatch.route import Route
+
+    K, G = 128, 32
+    parts = [(40, 8, 4), (24, 0, 0), (48, 16, 8)]  # (N, R, D); the middle part without an EC
+    ws = [_weight(n, K, G, torch.float32, seed=i) for i, (n, _, _) in enumerate(parts)]
+    ecs = [_ec(n, K, r, d, torch.float32, seed=10 + i) if r else (None,) * 7 for i, (n, r, d) in enumerate(parts)]
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(DEV)
+    ref = torch.cat([ec_linear_ref(x, w[0], w[1], w[2], G, w[3], *e) if e[0] is not None
+                     else w4a16_linear_ref(x, w[0], w[1], w[2], G, w[3]) for w, e in zip(ws, ecs)], -1)
+    rt = Route("ec_cat_gemm", (), (), parts=(Route("gemm", (16, 32, 32, 4, 1), ()),))
+    y = DC.ec_cat_gemm(rt, x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws], G, [w[3] for w in ws],
+                       *[list(t) for t in zip(*ecs)])
+    _close(y, ref, torch.float32)
+    no_ec = torch.cat([w4a16_linear_ref(x, w[0], w[1], w[2], G, w[3]) for w in ws], -1)
+    assert (ref - no_ec)[:, :40].abs().max() > 1e-3 and (ref - no_ec)[:, 64:].abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the op's CUDA path (side stream, the route's GEMM)")
+@pytest.mark.parametrize("M", [2, 16, 64])
+def test_ec_cat_op_at_batched_m_runs_one_gemm_with_each_ec_beside_it_on_gpu(M):
+    """``spear::ec_linear_cat`` on CUDA at 2 <= M <= 256: the route takes ``ec_cat_gemm`` and the result matches
+    the parts' reference, a part without an EC included; twice (the cached concatenation)."""
+    from spear_compile.dispatch import route as RT
+    from spear_compile.ops.refs import cat_part_ref
+
+    K, G = 1024, 128
+    parts = [(512, 16, 8), (256, 0, 0), (768, 32, 16)]
+    ws = [[t.cuda() for t in _weight(n, K, G, torch.bfloat16, seed=i)] for i, (n, _, _) in enumerate(parts)]
+    ecs = [[t.cuda() for t in _ec(n, K, r, d, torch.bfloat16, seed=10 + i)] if r else [None] * 7
+           for i, (n, r, d) in enumerate(parts)]
+    ecl = [list(t) for t in zip(*ecs)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    qs, ss, zs, bs = ([w[i] for w in ws] for i in range(4))
+    p = RT.cat_problem_of("ec_cat", x, qs, ss, zs, G, bs, ecl[0], ecl[1], ecl[2])
+    assert RT.route(p).kernel == "ec_cat_gemm", RT.route(p).describe()
+    ref = torch.cat([cat_part_ref(x, (q, s, z, G, b, *e), "silu", "spear") for q, s, z, b, *e in zip(qs, ss, zs, bs, *ecl)],
+                    -1)
+    for _ in range(2):
+        y = torch.ops.spear.ec_linear_cat(x, qs, ss, zs, G, bs, *ecl)
+        assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

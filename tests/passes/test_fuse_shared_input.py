@@ -59,9 +59,15 @@ def test_batched_decode_concatenates_into_one_gemm_and_equals_eager(M):
     assert_compiled_matches_eager(m, x, tol=1e-5)
 
 
-def test_batched_linears_with_ecs_keep_their_own_ops():
+def test_batched_linears_with_ecs_concatenate_unless_ec_fusion_is_off():
+    """At M = 8 q/k/v and gate/up with ECs become one ec_linear_cat each (one GEMM, each EC beside it on a GPU);
+    compiled equals eager; with fuse_shared_input_ec off they keep their own ops."""
     m = _llama_with_ecs()  # ECs on every linear but down_proj
-    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),)))
+    x = torch.randn(1, 8, 64)
+    ops = spear_ops_after(capture(m, (x,)))
+    assert ops["spear.ec_linear_cat.default"] == 2 and ops["spear.ec_linear.default"] == 1, ops  # o alone
+    assert_compiled_matches_eager(m, x)
+    ops = spear_ops_after(capture(m, (x,), config=CompileConfig(fuse_shared_input_ec=False)))
     assert "spear.ec_linear_cat.default" not in ops and "spear.w4a16_linear_cat.default" not in ops, ops
     assert ops["spear.ec_linear.default"] == 6, ops
 
@@ -91,7 +97,7 @@ def test_a_linear_with_an_ec_fuses_with_its_plain_neighbours_unless_mixed_fusion
 def test_mixed_groups_go_on_into_the_glu_and_rmsnorm_fusions_and_equal_eager():
     """SPEAR-like placement (ECs on v and up only, two layers): at the defaults q/k/v become one ec_linear_cat
     and gate/up one ec_linear_glu (a plain gate beside up's EC), each reading its RMSNorm; compiled equals
-    eager. Batched (M = 4) the EC linears keep their own ops and only q / k concatenate (the gate is alone)."""
+    eager. Batched (M = 4) the same groups concatenate (ec_linear_cat: one GEMM, each EC beside it) and equal eager."""
     m = quantized_llama(d=64, layers=2, heads=2, ff=128)
     spear.attach_(m, {f"layers.{i}.{name}": _ec(64, n, 4, 10 * i + j)
                       for i in range(2) for j, (name, n) in enumerate((("v_proj", 64), ("up_proj", 128)))})
@@ -103,9 +109,11 @@ def test_mixed_groups_go_on_into_the_glu_and_rmsnorm_fusions_and_equal_eager():
     by = {s.pass_name: s.matched_count for s in rep.graphs[0].snapshots}
     assert by["fuse_glu"] == 2 and by["fuse_rmsnorm"] == 4, by
     assert_compiled_matches_eager(m, x)
-    ops = spear_ops_after(capture(m, (torch.randn(1, 4, 64),)))
-    assert ops["spear.ec_linear.default"] == 4 and ops["spear.w4a16_linear_cat.default"] == 2, ops
-    assert ops["spear.w4a16_linear.default"] == 6, ops  # gate, o, down
+    x = torch.randn(1, 4, 64)
+    ops = spear_ops_after(capture(m, (x,)))
+    assert ops["spear.ec_linear_cat.default"] == 4 and "spear.ec_linear.default" not in ops, ops
+    assert ops["spear.w4a16_linear.default"] == 4, ops  # o, down
+    assert_compiled_matches_eager(m, x)
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
@@ -147,7 +155,7 @@ def test_ec_linears_sharing_an_input_fuse_unless_turned_off():
     assert ops["spear.w4a16_linear.default"] == 1, ops
     fused = [r for r in rep.linears if r.get("fused_into")]
     assert len(fused) == 5 and all(r["kernel"] == "reference" for r in fused)  # (CPU tensors: the reference)
-    ops = spear_ops_after(capture(m, (torch.randn(1, 8, 64),), config=FUSE_EC))  # prefill: untouched
+    ops = spear_ops_after(capture(m, (torch.randn(1, 300, 64),), config=FUSE_EC))  # prefill: untouched
     assert "spear.ec_linear_cat.default" not in ops and ops["spear.ec_linear.default"] == 6, ops
 
 
@@ -204,11 +212,18 @@ def test_a_batched_concatenation_on_a_gpu_is_made_only_where_the_route_runs_one_
         return Route(answer)
     monkeypatch.setattr(FS, "cat_route", fake_route)
     x = SimpleNamespace(meta={"val": SimpleNamespace(shape=(1, 8, 64), device=torch.device("cuda"))})
-    members = [(None, {"qweight": None, "scales": None, "zeros": None, "bias": None})] * 3
-    for answer, want in (("cat_gemm", True), ("parts", False)):
+    members = [(SimpleNamespace(target=FS.W4A16), {"qweight": None, "scales": None, "zeros": None, "bias": None})] * 3
+    for answer, want in (("cat_gemm", True), ("parts", False), ("ec_cat_gemm", False)):
         assert FS.FuseSharedInput._pays(x, 32, members) is want
-    assert asked == [("w4a16_cat", 8, 3)] * 2
+    assert asked == [("w4a16_cat", 8, 3)] * 3
+    ec = {"qweight": None, "scales": None, "zeros": None, "bias": None, "A": None, "B": None, "W1": None, "b1": None,
+          "W2": None, "b2": None, "alpha": None, "act": "silu"}
+    with_ec = members[:2] + [(SimpleNamespace(target=FS.EC_LINEAR), ec)]  # with an EC: asked as ec_cat
+    for answer, want in (("ec_cat_gemm", True), ("parts", False), ("cat_gemm", False)):
+        assert FS.FuseSharedInput._pays(x, 32, with_ec) is want
+    assert asked[3:] == [("ec_cat", 8, 3)] * 3
+    del asked[3:]
     x.meta["val"] = SimpleNamespace(shape=(1, 1, 64), device=torch.device("cuda"))  # decode: the GEMV, no question
-    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 2
+    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 3
     x.meta["val"] = SimpleNamespace(shape=(1, 8, 64), device=torch.device("cpu"))
-    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 2
+    assert FS.FuseSharedInput._pays(x, 32, members) and len(asked) == 3
