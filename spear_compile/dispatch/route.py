@@ -546,11 +546,17 @@ def _glu_route(p: Problem, why: list) -> Route:
 def _ec_cat_gemm_route(p: Problem, why: list) -> Optional[Route]:
     """At 2 <= M <= ``CAT_GEMM_MAX_M``: the concatenation's W4 as one GEMM (``_cat_gemm_route`` of its weights) and
     each EC beside it as the side structure does it (its shrink and gate on the side stream during the GEMM, its
-    expand added into its own rows of the output); None where the concatenated GEMM does not apply. Predicted from
-    the parts' measurements, not yet timed: the GEMM is what the plain concatenation measured (Llama-2-7B's q/k/v
-    0.43-0.53x the three GEMMs at M = 2-128, H200) and each EC adds what the side structure adds beside one GEMM."""
+    expand added into its own rows of the output); None where the concatenated GEMM does not apply or where a
+    part's EC alone measured fastest in another structure (the tables tune those at M >= 256 only). Predicted
+    from the parts' measurements, not yet timed: the GEMM is what the plain concatenation measured (Llama-2-7B's
+    q/k/v 0.43-0.53x the three GEMMs at M = 2-128, H200) and each EC adds what it adds beside its own GEMM."""
     if not 2 <= p.M <= CAT_GEMM_MAX_M:
         return None
+    for i, n in enumerate(p.parts or (p.N,)):  # each EC as its part alone would run it: the side structure
+        own = tuned(_keys.ec_structure_key(p.M, n, p.K, p.G), "side") if i not in p.plain_parts else "side"
+        if not own.startswith("side"):
+            why.append(f"one GEMM with the ECs beside it: part {i}'s EC measured fastest as {own!r} at M = {p.M}")
+            return None
     plain = p.replace(op="w4a16_cat", rank=None, rank_total=None, gate_width=None, ec_dtypes=(), plain_parts=())
     gemm = _cat_gemm_route(plain, [])
     if gemm is None:

@@ -233,6 +233,13 @@ def test_batched_concatenations_route_to_one_gemm_up_to_256_rows(monkeypatch):
     rt = R.route(ec)  # with ECs: the same GEMM, each EC beside it
     assert rt.kernel == "ec_cat_gemm" and rt.parts == R.route(cat.replace(N=1024, parts=(512, 512))).parts
     assert R.route(ec.replace(M=1)).kernel != "ec_cat_gemm"
+    # a part's EC measured fastest in another structure: not this route
+    use_tuned_table(monkeypatch, {**dict(TK.tuned_table()), TK.ec_structure_key(16, 512, 1024, 128): "in_gemm_self"})
+    rt = R.route(ec)
+    assert rt.kernel != "ec_cat_gemm" and "measured fastest as 'in_gemm_self'" in " ".join(rt.all_reasons())
+    two = ec.replace(N=768, parts=(512, 256))
+    assert R.route(two).kernel != "ec_cat_gemm"
+    assert R.route(two.replace(plain_parts=(0,), rank_total=16)).kernel == "ec_cat_gemm"  # (that part has no EC)
     ec = ec.replace(M=R.CAT_GEMM_MAX_M + 1)
     assert R.route(ec).kernel == "parts"  # not measured there
     # run as its parts, a part without an EC (a plain linear fused beside an EC one) takes the plain W4 route
