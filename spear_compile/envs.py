@@ -31,8 +31,9 @@ Opt-in switches (same numerics within rounding; off until a GPU run has measured
   0.30-0.47x torch's kernel time a layer.
 * ``SPEAR_TMA_ROWS=1``: the tuners (``spear tune``, ``benchmarks/small_m_gemm.py --tma-rows``) time the TMA
   GEMV with x's rows in the MMA's columns (``lowering/w4a16_gemv_tma_rows.py``) as a GEMM choice at M <= 16, and
-  the route takes it where a table names it. It is compiled and checked offline for sm_90 (layouts, registers, shared
-  memory) but has not yet run on a GPU: off, a table entry naming it falls back to the shape's default GEMM.
+  the route takes it where a table names it. Its GPU tests pass (H100, 2026-12-08), but it is not yet timed the
+  benchmarks' way and an eager call measured ~240 us of host time: off, a table entry naming it falls back to
+  the shape's default GEMM.
 
 Paths:
 

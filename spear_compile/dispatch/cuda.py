@@ -233,16 +233,32 @@ def launch_ec_overlapped(rt: Route, x2, qweight, scales, zeros, group_size, bias
         return _ec_in_gemm(rt, x2, qweight, scales, zeros, group_size, bias, A, B, W1, b1, W2, b2, alpha, act)
     if k != "ec_side":
         raise ValueError(f"launch_ec_overlapped: route {rt.describe()} is not a prefill EC structure")
-    main = torch.cuda.current_stream(x2.device)
     side = side or side_stream(x2.device, HIGH_PRIORITY if rt.option("high_priority") else 0)
-    side.wait_stream(main)  # x2 is ready on main
-    with torch.cuda.stream(side):
-        hg = _ect.ec_shrink_gate(x2, A, W1, b1, W2, b2, act)
-    y = launch_w4(rt.parts[0], x2, qweight, scales, zeros, group_size, bias)
-    main.wait_stream(side)
-    x2.record_stream(side)
-    hg.record_stream(main)
-    return _ect.ec_expand_add_(y, hg, B, alpha)
+    return ecs_beside_gemm(rt.parts[0], x2, qweight, scales, zeros, group_size, bias,
+                           [(0, (A, B, W1, b1, W2, b2, alpha))], act, side)
+
+
+def ecs_beside_gemm(gemm: Route, x2, qweight, scales, zeros, group_size: int, bias, ecs: list, act: str,
+                    side: Optional["torch.cuda.Stream"]) -> torch.Tensor:
+    """The side structure: Y = x2 W^T on ``gemm`` while each EC's shrink and gate run on ``side``, then each EC's
+    expand added into its own columns of Y (``ecs``: ``(first column, (A, B, W1, b1, W2, b2, alpha))`` pairs, B's
+    rows the EC's columns). Without CUDA (the Triton interpreter; ``side`` None) the same kernels run one after
+    another."""
+    cuda = x2.is_cuda
+    main = torch.cuda.current_stream(x2.device) if cuda else None
+    if cuda:
+        side.wait_stream(main)  # x2 is ready on main
+    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+        hgs = [_ect.ec_shrink_gate(x2, A, W1, b1, W2, b2, act) for _, (A, _B, W1, b1, W2, b2, _a) in ecs]
+    y = launch_w4(gemm, x2, qweight, scales, zeros, group_size, bias)
+    if cuda:
+        main.wait_stream(side)
+        x2.record_stream(side)
+    for hg, (n0, (_, B, *_, alpha)) in zip(hgs, ecs):
+        if cuda:
+            hg.record_stream(main)
+        _ect.ec_expand_add_(y[:, n0:n0 + B.shape[0]], hg, B.contiguous(), alpha)
+    return y
 
 
 def _padded_b(B: torch.Tensor) -> torch.Tensor:
@@ -370,30 +386,16 @@ def ec_cat_gemm(rt: Route, x2, qweights, scales, zeros, group_size: int, biases,
                 act: str = "silu") -> torch.Tensor:
     """Y[M, sum N] of linears sharing x2 [M, K], some with ECs (None entries: none), at 2 <= M <= 256 (route
     "ec_cat_gemm"): one W4 GEMM over the concatenated weights on ``rt.parts[0]``, each EC the side structure's way -
-    its shrink and gate on the side stream while the GEMM runs, then its expand added into its own columns of Y.
-    Without CUDA (the Triton interpreter) the same kernels run one after another."""
+    its shrink and gate on the side stream while the GEMM runs, then its expand added into its own columns of Y
+    (``ecs_beside_gemm``)."""
     q, s, z, b = _cat.concatenated_weight(qweights, scales, zeros, biases)
-    cuda = x2.is_cuda
-    main = torch.cuda.current_stream(x2.device) if cuda else None
-    side = capability.side_stream(x2.device) if cuda else None
-    if cuda:
-        side.wait_stream(main)  # x2 is ready on main
-    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-        hgs = [_ect.ec_shrink_gate(x2, A, W1, b1, W2, b2, act) if A is not None else None
-               for A, W1, b1, W2, b2 in zip(As, W1s, b1s, W2s, b2s)]
-    y = launch_w4(rt.parts[0], x2, q, s, z, group_size, _dense(b))
-    if cuda:
-        main.wait_stream(side)
-        x2.record_stream(side)
-    n0 = 0
-    for hg, B, alpha, qw in zip(hgs, Bs, alphas, qweights):
-        n = int(qw.shape[0])
-        if hg is not None:
-            if cuda:
-                hg.record_stream(main)
-            _ect.ec_expand_add_(y[:, n0:n0 + n], hg, B.contiguous(), alpha)
-        n0 += n
-    return y
+    ecs, n0 = [], 0
+    for qw, *ec in zip(qweights, As, Bs, W1s, b1s, W2s, b2s, alphas):
+        if ec[0] is not None:
+            ecs.append((n0, tuple(ec)))
+        n0 += int(qw.shape[0])
+    return ecs_beside_gemm(rt.parts[0], x2, q, s, z, group_size, _dense(b), ecs, act,
+                           side_stream(x2.device) if x2.is_cuda else None)
 
 
 def ec_linear_cat_cuda(x, qweights, scales, zeros, group_size, biases, As, Bs, W1s, b1s, W2s, b2s, alphas,

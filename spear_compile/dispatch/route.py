@@ -201,7 +201,7 @@ def tma_rows_ok(p: Problem, config: Optional[tuple] = None) -> tuple:
     run on a GPU), not switched off with the other TMA GEMVs (``SPEAR_NO_TMA_GEMV``), and the kernel's own
     constraints (``w4a16_gemv_tma_rows.can_implement``, with ``config`` its shared memory)."""
     if not envs.tma_rows():
-        return False, "SPEAR_TMA_ROWS is not set (the kernel has not yet run on a GPU)"
+        return False, "SPEAR_TMA_ROWS is not set (the kernel is opt-in until timed)"
     if envs.no_tma_gemv():
         return False, "SPEAR_NO_TMA_GEMV is set"
     return _gtr.can_implement(p, config)
@@ -509,12 +509,16 @@ def _cat_route(p: Problem, why: list) -> Route:
     return _parts_route(p, why + [f"one GEMV: {r}"])
 
 
+def _without_ec(p: Problem, **kw) -> Problem:
+    """``p`` with no EC (its plain W4 linears), and ``kw`` replaced."""
+    return p.replace(rank=None, rank_total=None, gate_width=None, ec_dtypes=(), plain_parts=(), **kw)
+
+
 def _parts_route(p: Problem, why: list) -> Route:
     def part(i: int, n: int) -> Route:
         if p.has_ec and i not in p.plain_parts:
             return route(p.replace(op="ec", N=n, parts=(), plain_parts=(), norm=False))
-        return route(p.replace(op="w4a16", N=n, parts=(), plain_parts=(), norm=False, rank=None, rank_total=None,
-                               gate_width=None, ec_dtypes=()))
+        return route(_without_ec(p, op="w4a16", N=n, parts=(), norm=False))
     parts = tuple(part(i, n) for i, n in enumerate(p.parts or (p.N,)))
     return _route("parts", (), why + ["each part on its own route, concatenated"], parts=parts)
 
@@ -557,8 +561,7 @@ def _ec_cat_gemm_route(p: Problem, why: list) -> Optional[Route]:
         if not own.startswith("side"):
             why.append(f"one GEMM with the ECs beside it: part {i}'s EC measured fastest as {own!r} at M = {p.M}")
             return None
-    plain = p.replace(op="w4a16_cat", rank=None, rank_total=None, gate_width=None, ec_dtypes=(), plain_parts=())
-    gemm = _cat_gemm_route(plain, [])
+    gemm = _cat_gemm_route(_without_ec(p, op="w4a16_cat"), [])
     if gemm is None:
         return None
     return _route("ec_cat_gemm", (), why + [f"M = {p.M}: one GEMM over the concatenated weights, each EC beside it "

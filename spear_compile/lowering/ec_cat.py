@@ -14,7 +14,6 @@ TMA tiles, the GLU interleave) are ``w4a16_cat``'s.
 """
 from __future__ import annotations
 
-
 import torch
 
 from .layout_cache import derived_cached
@@ -35,8 +34,8 @@ def concatenated_ecs(As, Bs, W1s, b1s, W2s, b2s, alphas, qweights) -> tuple:
     sum R], W2 [sum R, sum D], biases stacked: each part's gate sees only its own h), B block-diagonal
     ([sum N, sum R]: part i's rows read only part i's g * h) with each part's alpha folded into its
     rows (in fp32, then B's dtype), and alpha = 1. A part without an EC (its entries None: a plain linear
-    fused beside EC ones) adds no A rows and no gate, and zero rows to B (its N, from ``qweights`` - every
-    part's packed weight, spear layout - read from its packed weight). Through ``ec_linear_ref`` or the fused
+    fused beside EC ones) adds no A rows and no gate, and zero rows to B (as many as its packed weight in
+    ``qweights``, every part's, has). Through ``ec_linear_ref`` or the fused
     EC kernels it computes what the parts compute separately (up to the rounding of alpha * B). Cached while
     every part lives and is unchanged, like ``concatenated``.
 
@@ -79,15 +78,15 @@ def ec_rows(Bs, alphas, qweights) -> tuple[torch.Tensor, torch.Tensor]:
     row); the kernel reads RC zeros per row of it (Llama-2-7B's q and k beside a v with a rank-64 EC: 1 MB, 4 % of
     the q/k/v GEMV's bytes). Cached like ``concatenated``."""
     def make() -> tuple:
-        rc = max(b.shape[1] for b in _present(Bs))
-        r_total = sum(b.shape[1] for b in _present(Bs))
+        present = _present(Bs)
+        rc = max(b.shape[1] for b in present)
+        r_total = sum(b.shape[1] for b in present)
         rows, offs, r0 = [], [], 0
         for b, al, q in zip(Bs, alphas, qweights):
             n = q.shape[0]
             if b is None:  # offset past every rank: the epilogue's masked g * h loads read nothing for it
-                ref = _present(Bs)[0]
-                rows.append(ref.new_zeros(n, rc))
-                offs.append(torch.full((n,), r_total, dtype=torch.int32, device=ref.device))
+                rows.append(present[0].new_zeros(n, rc))
+                offs.append(torch.full((n,), r_total, dtype=torch.int32, device=present[0].device))
                 continue
             r = b.shape[1]
             rows.append(torch.nn.functional.pad((al.float() * b.float()).to(b.dtype), (0, rc - r)))

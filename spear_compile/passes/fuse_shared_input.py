@@ -1,10 +1,10 @@
 """Pass: linears that read the same activation become one concatenated GEMV (decode) or GEMM (a static M of 2..256).
 
-Matches:     two or more ``spear::w4a16_linear`` (at decode also ``spear::ec_linear``) nodes with the same
-             input node ``x``, the same group size and the "spear" layout, where M is statically 1
-             (decode) or a static 2..256: a Llama layer's q/k/v and gate/up projections.
-Rewrites to: one ``spear::w4a16_linear_cat`` over their weights, inserted before the first of
-             them, and one ``aten.slice`` of its output per original node.
+Matches:     two or more ``spear::w4a16_linear`` (with ``fuse_shared_input_ec`` also ``spear::ec_linear``) nodes
+             with the same input node ``x``, the same group size and the "spear" layout, where M is statically
+             1 (decode) or a static 2..256: a Llama layer's q/k/v and gate/up projections.
+Rewrites to: one ``spear::w4a16_linear_cat`` (with ECs ``spear::ec_linear_cat``) over their weights, inserted
+             before the first of them, and one ``aten.slice`` of its output per original node.
 
 Example graph:
     before: %q = spear.w4a16_linear(%h[1, 1, 64], %wq, %sq, %zq, 64, None, 'spear', 'fused')
